@@ -1,0 +1,165 @@
+//! The crate's one error type.
+
+use cudarc::driver::DriverError;
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in gpucast, with the context needed to act on it.
+///
+/// Argument errors ([`Error::RootOutOfRange`], [`Error::OutputCount`], [`Error::WrongDevice`],
+/// [`Error::LengthMismatch`], ...) are returned before any GPU work is enqueued.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A shared library could not be loaded (or lacks a symbol we need).
+    #[error("{library} could not be loaded: {detail}. Fix: {hint}")]
+    LibraryMissing {
+        /// Which library (`"libcuda"`, `"libnccl"`, `"libnvrtc"`).
+        library: &'static str,
+        /// What was tried and what failed.
+        detail: String,
+        /// How to fix it.
+        hint: &'static str,
+    },
+    /// No CUDA device is visible, or an empty device list was given.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// More devices than a clique supports.
+    #[error("a clique holds at most {max} GPUs, {requested} were given")]
+    TooManyDevices {
+        /// Number of devices asked for.
+        requested: usize,
+        /// The limit ([`crate::MAX_GPUS`]).
+        max: usize,
+    },
+    /// The same device ordinal appears twice.
+    #[error("device {ordinal} appears more than once in the device list")]
+    DuplicateDevice {
+        /// The repeated ordinal.
+        ordinal: usize,
+    },
+    /// A device ordinal is not present on this machine.
+    #[error("device {ordinal} does not exist ({available} CUDA devices visible)")]
+    DeviceOutOfRange {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices the driver reports.
+        available: usize,
+    },
+    /// The root rank is not a member of the clique.
+    #[error("root {root} is out of range for a clique of {size} GPUs (roots are clique ranks 0..{size})")]
+    RootOutOfRange {
+        /// The root given.
+        root: usize,
+        /// Clique size.
+        size: usize,
+    },
+    /// Wrong number of output buffers (one per GPU of the clique is needed).
+    #[error("expected {expected} {what} (one per GPU of the clique), got {got}")]
+    OutputCount {
+        /// What was counted (`"outputs"`, `"buffers"`).
+        what: &'static str,
+        /// Clique size.
+        expected: usize,
+        /// Number given.
+        got: usize,
+    },
+    /// A buffer lives on a different GPU than its position requires.
+    #[error("{what} must be on device {expected} (clique rank {rank}) but is on device {found}")]
+    WrongDevice {
+        /// Which buffer (`"input"`, `"output 1"`).
+        what: String,
+        /// Its clique rank.
+        rank: usize,
+        /// Device ordinal it should be on.
+        expected: usize,
+        /// Device ordinal it is on.
+        found: usize,
+    },
+    /// A buffer's length differs from the input's.
+    #[error("{what} has {got} elements, the input has {expected}")]
+    LengthMismatch {
+        /// Which buffer.
+        what: String,
+        /// The input's length.
+        expected: usize,
+        /// This buffer's length.
+        got: usize,
+    },
+    /// Two tensor lists of a fused broadcast have different lengths, or a list is malformed.
+    #[error("invalid tensor list: {0}")]
+    InvalidList(String),
+    /// The P2P path was forced where it cannot run.
+    #[error("the P2P path cannot run here: {0}")]
+    P2pUnavailable(String),
+    /// An invalid setting (threshold, timeout, environment variable).
+    #[error("invalid setting {name}: {reason}")]
+    InvalidSetting {
+        /// The setting's name.
+        name: &'static str,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA error during {during}: {source}")]
+    Cuda {
+        /// What gpucast was doing.
+        during: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// The installed driver is older than the CUDA version this crate was built for.
+    #[error("the CUDA driver supports CUDA {driver_major}.{driver_minor}, but gpucast was built for CUDA {built_major}.{built_minor}. Fix: update the driver, or build gpucast with an older `cuda-*` feature")]
+    DriverTooOld {
+        /// Driver's CUDA major version.
+        driver_major: i32,
+        /// Driver's CUDA minor version.
+        driver_minor: i32,
+        /// Build major version.
+        built_major: i32,
+        /// Build minor version.
+        built_minor: i32,
+    },
+    /// An NCCL call failed.
+    #[error("NCCL error during {during}: {message} (ncclResult_t {code})")]
+    Nccl {
+        /// What gpucast was doing.
+        during: String,
+        /// NCCL's result code.
+        code: u32,
+        /// NCCL's error string and last error message.
+        message: String,
+    },
+    /// Compiling the P2P kernel with NVRTC failed.
+    #[error("NVRTC could not compile the P2P kernel for {arch}: {message}")]
+    Compile {
+        /// The target architecture.
+        arch: String,
+        /// NVRTC's message and log.
+        message: String,
+    },
+    /// A P2P kernel waited longer than the clique's timeout for a peer. The clique's signal
+    /// buffers were reset; the data of the broadcasts in flight is undefined.
+    #[error("P2P broadcast timed out on clique rank {rank} ({phase}, block {block}, op {op}) after {timeout_ms} ms: a peer did not arrive. Signal buffers were reset")]
+    Timeout {
+        /// Rank whose kernel gave up.
+        rank: usize,
+        /// What it was waiting for.
+        phase: &'static str,
+        /// Thread block that gave up.
+        block: u32,
+        /// That block's operation counter.
+        op: u32,
+        /// The clique's timeout.
+        timeout_ms: u64,
+    },
+}
+
+impl Error {
+    pub(crate) fn cuda(during: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
+        let during = during.into();
+        move |source| Error::Cuda { during, source }
+    }
+}

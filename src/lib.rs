@@ -1,0 +1,87 @@
+//! # gpucast
+//!
+//! Broadcast a tensor from one GPU to every GPU of a process, as fast as the links allow.
+//!
+//! A [`Clique`] holds up to eight GPUs of this process: a context and a stream per GPU, peer
+//! access between every pair that supports it, one NCCL communicator per GPU, and a small signal
+//! area per GPU for gpucast's own kernel. [`Clique::broadcast`] copies the root's buffer into an
+//! output on every GPU along one of two paths:
+//!
+//! - **NCCL**: `ncclBroadcast` in one group (NCCL is loaded at run time, `libnccl.so.2` included).
+//! - **P2P**: a kernel that every GPU runs, synchronised through flags in device memory. Small
+//!   messages use a *packet* protocol (the root writes {data, flag} packets straight into each
+//!   peer's inbox; no barrier at all); medium ones a *pull* protocol (peers read the root's
+//!   buffer over NVLink after its arrival flag and report when done). Counters live on the
+//!   device, so the kernel can be captured in a CUDA graph; every wait is bounded by a timeout.
+//!
+//! [`Path::Auto`] (the default) takes P2P when every pair of GPUs has peer access and the message
+//! is below a threshold measured on H200s, and NCCL otherwise. The caller can force a path or
+//! move the thresholds per clique, per call, or by environment variable.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! use gpucast::{Clique, Path, BroadcastOptions};
+//!
+//! let clique = Clique::new(&[0, 1])?;
+//! let n = 1 << 20;
+//! // The root (rank 0) holds the data; every rank gets an output buffer on its own GPU.
+//! let input = clique.stream(0).clone_htod(&vec![1.5f32; n])?;
+//! let mut outputs = (0..clique.len())
+//!     .map(|rank| clique.stream(rank).alloc_zeros::<f32>(n))
+//!     .collect::<Result<Vec<_>, _>>()?;
+//! clique.broadcast(0, &input, &mut outputs)?;
+//! // Or force a path for one call:
+//! clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl))?;
+//! clique.synchronize()?;
+//! assert_eq!(clique.stream(1).clone_dtoh(&outputs[1])?, vec![1.5f32; n]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Choosing the CUDA version
+//!
+//! cudarc binds one version of the driver and NVRTC APIs, picked by a cargo feature. gpucast
+//! forwards it: the default is `cuda-13000` (driver 580 or newer, `libnvrtc.so.13`). For CUDA 12
+//! use `default-features = false, features = ["cuda-12080"]` (or `cuda-12040`, `cuda-12060`,
+//! `cuda-12090`); enable exactly one. A driver older than the feature is reported as
+//! [`Error::DriverTooOld`].
+//!
+//! ## Libraries at run time
+//!
+//! Nothing is linked at build time. `libcuda` (from the driver) and `libnccl` are needed to
+//! create a clique; `libnvrtc` to compile the P2P kernel (once per architecture per process).
+//! Each missing library is an [`Error::LibraryMissing`] naming it and the fix; without NVRTC,
+//! `Auto` falls back to NCCL with a warning and a forced P2P path is an error.
+//! `GPUCAST_NCCL_LIBRARY` names an NCCL file to try first.
+//!
+//! ## Safety model
+//!
+//! The API takes cudarc buffers ([`cudarc::driver::CudaSlice`] and its views), whose lengths and
+//! devices are checked before any work is enqueued. Work is asynchronous and ordered by the
+//! clique's streams ([`Clique::stream`]); see [`Clique`]'s "Ordering" section for how to order it
+//! with your own streams.
+
+#![deny(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+mod clique;
+mod dtype;
+mod error;
+mod nccl;
+mod p2p;
+pub mod plan;
+mod topology;
+
+pub use clique::{
+    device_count, BroadcastOptions, Clique, CliqueBuilder, CliqueGraph, DEFAULT_TIMEOUT, TIMEOUT_ENV,
+};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use nccl::{nccl_version, NCCL_LIBRARY_ENV};
+pub use plan::{Path, Route, Thresholds, MAX_GPUS};
+pub use topology::{Link, Topology};
+
+/// Re-export of the cudarc version gpucast is built with, so callers name the same buffer types.
+pub use cudarc;
+/// Re-export of `half`, for the `f16` and `bf16` element types.
+pub use half;

@@ -1,0 +1,323 @@
+//! The P2P path: per-GPU signal areas, the compiled kernels, launches and error recovery.
+//!
+//! Protocol and memory-ordering notes are in `kernel.cu`; the layout and geometry in `plan`.
+
+pub(crate) mod compile;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUstream};
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
+
+use crate::error::{Error, Result};
+use crate::plan::{self, layout, Geometry, Route, MAX_GPUS};
+
+/// Kernel parameters; must match `struct Params` in kernel.cu field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Params {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: u64,
+    pub signal: [u64; MAX_GPUS],
+    pub error_slot: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub root: u32,
+    pub unit: u32,
+    pub head: u32,
+    pub chunk: u32,
+    pub pad: [u32; 2],
+}
+
+// SAFETY: `Params` is `repr(C)`, `Copy`, holds only integers, and matches the kernel's layout
+// (13 u64 then 8 u32: 136 bytes, 8-aligned).
+unsafe impl DeviceRepr for Params {}
+
+const _: () = assert!(std::mem::size_of::<Params>() == 136);
+
+/// One GPU's share of the P2P path.
+struct RankState {
+    ctx: Arc<CudaContext>,
+    _module: Arc<CudaModule>,
+    packet: CudaFunction,
+    pull: CudaFunction,
+    /// Flags + packet inbox ([`layout::TOTAL_BYTES`]), plain `cuMemAlloc` memory that every peer
+    /// maps through peer access.
+    signal: CUdeviceptr,
+    /// This rank's error slot, as the device sees it.
+    error_dev: u64,
+}
+
+/// Host-mapped error slots, one u64 per rank.
+struct ErrorSlots {
+    host: *mut u64,
+}
+
+/// The P2P path of one clique.
+pub(crate) struct P2p {
+    ranks: Vec<RankState>,
+    errors: ErrorSlots,
+    signals: [u64; MAX_GPUS],
+    timeout_ns: u64,
+}
+
+// SAFETY: the raw pointers are a pinned host allocation and device addresses owned by this value;
+// the driver calls on them are thread-safe, and the clique serialises launches.
+unsafe impl Send for P2p {}
+// SAFETY: as for Send; shared access only reads the host slots (volatile) or launches under the
+// clique's lock.
+unsafe impl Sync for P2p {}
+
+impl P2p {
+    /// Compiles (or reuses) the kernels, loads them on every GPU, allocates and zeroes the
+    /// signal areas and the error slots. Peer access must already be enabled between all pairs.
+    pub(crate) fn new(ctxs: &[Arc<CudaContext>], timeout_ns: u64) -> Result<P2p> {
+        let n = ctxs.len();
+        // SAFETY: a fresh pinned, portable, device-mapped host allocation of MAX_GPUS u64.
+        let host = unsafe {
+            ctxs[0].bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            result::malloc_host(
+                MAX_GPUS * 8,
+                sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
+            )
+            .map_err(Error::cuda("allocating the host-mapped error slots"))?
+        } as *mut u64;
+        // Built up in place so that an error part-way frees what was allocated (Drop).
+        let mut p2p = P2p {
+            ranks: Vec::with_capacity(n),
+            errors: ErrorSlots { host },
+            signals: [0; MAX_GPUS],
+            timeout_ns,
+        };
+        p2p.errors.clear();
+        for (rank, ctx) in ctxs.iter().enumerate() {
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(Error::cuda("reading the compute capability"))?;
+            let ptx = compile::ptx_for(major, minor)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(Error::cuda(format!("loading the P2P kernels on rank {rank}")))?;
+            let packet = module
+                .load_function(compile::PACKET_KERNEL)
+                .map_err(Error::cuda("finding the packet kernel"))?;
+            let pull = module
+                .load_function(compile::PULL_KERNEL)
+                .map_err(Error::cuda("finding the pull kernel"))?;
+            let mut error_dev: CUdeviceptr = 0;
+            ctx.bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            // SAFETY: `host` is a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64 and
+            // rank < MAX_GPUS; `error_dev` is an out pointer.
+            unsafe {
+                sys::cuMemHostGetDevicePointer_v2(&mut error_dev, host.add(rank) as *mut c_void, 0)
+                    .result()
+            }
+            .map_err(Error::cuda("mapping the error slot"))?;
+            // SAFETY: plain device allocation in the current (rank's) context; freed in Drop.
+            let signal = unsafe { result::malloc_sync(layout::TOTAL_BYTES) }
+                .map_err(Error::cuda(format!("allocating the signal area on rank {rank}")))?;
+            p2p.signals[rank] = signal;
+            p2p.ranks.push(RankState {
+                ctx: ctx.clone(),
+                _module: module,
+                packet,
+                pull,
+                signal,
+                error_dev,
+            });
+        }
+        p2p.zero_signals_sync()?;
+        Ok(p2p)
+    }
+
+    /// Zeroes every signal area and waits for it (used at creation and after a timeout).
+    fn zero_signals_sync(&self) -> Result<()> {
+        for r in &self.ranks {
+            r.ctx.bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context.
+            unsafe { result::memset_d8_sync(r.signal, 0, layout::TOTAL_BYTES) }
+                .map_err(Error::cuda("zeroing a signal area"))?;
+        }
+        for r in &self.ranks {
+            r.ctx.synchronize().map_err(Error::cuda("synchronising after zeroing signals"))?;
+        }
+        Ok(())
+    }
+
+    /// The per-rank kernel parameters of one broadcast (everything but `dst`).
+    pub(crate) fn params(&self, route: Route, root: usize, src: u64, bytes: usize) -> (Geometry, Params) {
+        let geometry = match route {
+            Route::P2pPacket => plan::packet_geometry(bytes),
+            _ => plan::pull_geometry(bytes),
+        };
+        let params = Params {
+            src,
+            dst: 0,
+            bytes: bytes as u64,
+            signal: self.signals,
+            error_slot: 0,
+            timeout_ns: self.timeout_ns,
+            rank: 0,
+            nranks: u32::try_from(self.ranks.len()).expect("<= 8"),
+            root: u32::try_from(root).expect("<= 8"),
+            unit: 1,
+            head: 0,
+            chunk: geometry.chunk,
+            pad: [0; 2],
+        };
+        (geometry, params)
+    }
+
+    /// Launches the kernel of `route` on every rank: rank i copies into `dsts[i]`.
+    ///
+    /// # Safety
+    /// `params.src` must be `bytes` readable bytes on the root's device (readable by every peer
+    /// for the pull route), `dsts[i]` as many writable bytes on rank i's device, and `streams[i]`
+    /// a live stream of rank i's context. All of it must stay valid until the streams pass this
+    /// point. Every rank must be launched (this function does) in the same order as every other
+    /// P2P launch of this clique.
+    pub(crate) unsafe fn launch(
+        &self,
+        route: Route,
+        geometry: Geometry,
+        mut params: Params,
+        dsts: &[u64],
+        streams: &[CUstream],
+    ) -> Result<()> {
+        for (rank, r) in self.ranks.iter().enumerate() {
+            params.rank = rank as u32;
+            params.dst = dsts[rank];
+            params.error_slot = r.error_dev;
+            let f: CUfunction = if route == Route::P2pPacket {
+                r.packet.cu_function()
+            } else {
+                let a = plan::co_alignment(params.src, params.dst, params.bytes);
+                params.unit = a.unit;
+                params.head = a.head;
+                r.pull.cu_function()
+            };
+            // SAFETY: the context is live (owned by the clique).
+            unsafe { result::ctx::set_current(r.ctx.cu_ctx()) }
+                .map_err(Error::cuda("binding a context"))?;
+            let mut arg = (&mut params) as *mut Params as *mut c_void;
+            // SAFETY: `f` comes from a live module of this context and takes one `Params` by
+            // value; pointers inside are valid per this function's contract.
+            unsafe {
+                result::launch_kernel(
+                    f,
+                    (geometry.blocks, 1, 1),
+                    (geometry.threads, 1, 1),
+                    0,
+                    streams[rank],
+                    std::slice::from_mut(&mut arg),
+                )
+            }
+            .map_err(Error::cuda(format!("launching the P2P kernel on rank {rank}")))?;
+        }
+        Ok(())
+    }
+
+    /// The first timeout any rank's kernel reported, if any (does not wait for the GPUs).
+    pub(crate) fn take_error(&self) -> Option<Error> {
+        for rank in 0..self.ranks.len() {
+            let record = self.errors.read(rank);
+            if record != 0 {
+                return Some(decode_timeout(rank, record, self.timeout_ns));
+            }
+        }
+        None
+    }
+
+    /// After a timeout: the caller has drained every stream; zero the signals and error slots so
+    /// the next broadcast starts from op 1 everywhere.
+    pub(crate) fn recover(&self) -> Result<()> {
+        self.zero_signals_sync()?;
+        self.errors.clear();
+        Ok(())
+    }
+}
+
+/// Decodes a kernel's timeout record: code (8 bits) | phase (8) | block (16) | op counter (32).
+pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error {
+    let phase = match (record >> 48) & 0xff {
+        1 => "root waiting for a peer to free its packet slot",
+        2 => "waiting for the root's packets",
+        3 => "waiting for the root to arrive",
+        4 => "root waiting for peers to finish reading",
+        _ => "unknown wait",
+    };
+    Error::Timeout {
+        rank,
+        phase,
+        block: ((record >> 32) & 0xffff) as u32,
+        op: (record & 0xffff_ffff) as u32,
+        timeout_ms: timeout_ns / 1_000_000,
+    }
+}
+
+impl ErrorSlots {
+    fn read(&self, rank: usize) -> u64 {
+        // SAFETY: `host` points to MAX_GPUS u64 of live pinned memory; the device writes it, so
+        // the read is volatile.
+        unsafe { std::ptr::read_volatile(self.host.add(rank)) }
+    }
+
+    fn clear(&self) {
+        for rank in 0..MAX_GPUS {
+            // SAFETY: as in `read`.
+            unsafe { std::ptr::write_volatile(self.host.add(rank), 0) };
+        }
+    }
+}
+
+impl Drop for P2p {
+    fn drop(&mut self) {
+        for r in &self.ranks {
+            if r.ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by `malloc_sync` in this context; no kernel uses it any more
+                // (the clique synchronised its streams before dropping the P2P state).
+                if let Err(e) = unsafe { result::free_sync(r.signal) } {
+                    tracing::warn!(error = %e, "could not free a signal area");
+                }
+            }
+        }
+        // SAFETY: allocated by `malloc_host`; no kernel uses it any more.
+        if let Err(e) = unsafe { result::free_host(self.errors.host as *mut c_void) } {
+            tracing::warn!(error = %e, "could not free the error slots");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_records_decode() {
+        let record = (1u64 << 56) | (3u64 << 48) | (17u64 << 32) | 4242;
+        match decode_timeout(1, record, 2_000_000_000) {
+            Error::Timeout {
+                rank,
+                phase,
+                block,
+                op,
+                timeout_ms,
+            } => {
+                assert_eq!((rank, block, op, timeout_ms), (1, 17, 4242, 2000));
+                assert!(phase.contains("arrive"));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn params_layout_matches_the_kernel() {
+        assert_eq!(std::mem::offset_of!(Params, signal), 24);
+        assert_eq!(std::mem::offset_of!(Params, error_slot), 88);
+        assert_eq!(std::mem::offset_of!(Params, rank), 104);
+        assert_eq!(std::mem::offset_of!(Params, chunk), 124);
+    }
+}
