@@ -131,9 +131,9 @@ pub struct Clique {
     raw_streams: Vec<CUstream>,
     topology: Topology,
     thresholds: Thresholds,
-    default_path: Path,
-    comms: Option<Comms>,
-    p2p: std::result::Result<P2p, String>,
+    pub(crate) default_path: Path,
+    pub(crate) comms: Option<Comms>,
+    pub(crate) p2p: std::result::Result<P2p, String>,
     launch: Mutex<()>,
 }
 
@@ -445,7 +445,7 @@ impl Clique {
 
     /// Takes the launch lock; first reports (and recovers from) a P2P timeout of an earlier
     /// call, so that no new work is queued behind a broken protocol state.
-    fn lock(&self) -> Result<MutexGuard<'_, ()>> {
+    pub(crate) fn lock(&self) -> Result<MutexGuard<'_, ()>> {
         let guard = self.launch.lock().unwrap_or_else(|e| e.into_inner());
         if let Ok(p2p) = &self.p2p {
             if let Some(err) = p2p.take_error() {

@@ -67,9 +67,11 @@
 mod clique;
 mod dtype;
 mod error;
+mod fused;
 mod nccl;
 mod p2p;
 pub mod plan;
+mod tensor;
 mod topology;
 
 pub use clique::{
@@ -77,8 +79,10 @@ pub use clique::{
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use fused::{FusedReport, OutputLists};
 pub use nccl::{nccl_version, NCCL_LIBRARY_ENV};
 pub use plan::{Path, Route, Thresholds, MAX_GPUS};
+pub use tensor::{DeviceTensor, DeviceTensorMut};
 pub use topology::{Link, Topology};
 
 /// Re-export of the cudarc version gpucast is built with, so callers name the same buffer types.

@@ -46,7 +46,6 @@ pub(crate) struct NcclLib {
     get_last_error: GetLastErrorFn,
     comm_init_all: CommInitAllFn,
     comm_destroy: CommFn,
-    comm_abort: CommFn,
     comm_get_async_error: CommAsyncErrorFn,
     group_start: GroupFn,
     group_end: GroupFn,
@@ -91,7 +90,6 @@ impl NcclLib {
             get_last_error: sym!("ncclGetLastError"),
             comm_init_all: sym!("ncclCommInitAll"),
             comm_destroy: sym!("ncclCommDestroy"),
-            comm_abort: sym!("ncclCommAbort"),
             comm_get_async_error: sym!("ncclCommGetAsyncError"),
             group_start: sym!("ncclGroupStart"),
             group_end: sym!("ncclGroupEnd"),
@@ -275,17 +273,6 @@ impl Comms {
             }
         }
         Ok(())
-    }
-
-    /// Aborts every communicator (used after a failure: it does not wait for pending work).
-    pub(crate) fn abort(mut self) {
-        for comm in std::mem::take(&mut self.comms) {
-            // SAFETY: `comm` is live and is not used again.
-            let code = unsafe { (self.lib.comm_abort)(comm) };
-            if code != 0 {
-                tracing::warn!(code, "ncclCommAbort failed");
-            }
-        }
     }
 }
 

@@ -298,6 +298,12 @@ pub const PACKET_BYTES_PER_BLOCK: usize = 2048;
 /// Bytes a pull block aims for before the grid stops growing.
 pub const PULL_BYTES_PER_BLOCK: usize = 64 << 10;
 
+/// Most copies in one fused P2P launch (the descriptor table travels in the kernel's 4 KiB
+/// parameter space: 96 bytes of header plus 32 bytes per entry).
+pub const LIST_MAX: usize = 120;
+/// Most operations NCCL accepts between `ncclGroupStart` and `ncclGroupEnd`.
+pub const NCCL_GROUP_MAX_OPS: usize = 2048;
+
 /// Word offsets (u32) of the signal area, one per GPU. Every flag word has one writer.
 pub mod layout {
     use super::{MAX_BLOCKS, MAX_GPUS, PACKET_MAX_BLOCKS, PACKET_REGION_BYTES, PACKET_SLOTS};
@@ -389,9 +395,88 @@ pub fn co_alignment(src: u64, dst: u64, bytes: u64) -> Alignment {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Fused broadcasts of many tensors
+
+/// How a fused broadcast of many tensors is split into launches.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FusedPlan {
+    /// P2P launches: each a list of tensor indices (at most [`LIST_MAX`]) copied by one kernel.
+    pub p2p: Vec<Vec<usize>>,
+    /// NCCL groups: each a list of tensor indices broadcast inside one `ncclGroupStart/End`.
+    pub nccl: Vec<Vec<usize>>,
+}
+
+impl FusedPlan {
+    /// Tensors that go by P2P.
+    pub fn p2p_tensors(&self) -> usize {
+        self.p2p.iter().map(Vec::len).sum()
+    }
+
+    /// Tensors that go by NCCL.
+    pub fn nccl_tensors(&self) -> usize {
+        self.nccl.iter().map(Vec::len).sum()
+    }
+}
+
+/// Splits tensors of `bytes[i]` bytes between the paths. Zero-length tensors are skipped.
+///
+/// `Auto` sends each tensor by the path a single broadcast of its size would take (P2P up to
+/// the threshold, NCCL above); P2P tensors are packed into launches of at most [`LIST_MAX`]
+/// entries, NCCL tensors into groups of at most [`NCCL_GROUP_MAX_OPS`] / `nranks` broadcasts.
+pub fn plan_fused(
+    bytes: &[usize],
+    path: Path,
+    p2p: P2pAvailability<'_>,
+    thresholds: &Thresholds,
+    nranks: usize,
+) -> Result<FusedPlan> {
+    let mut to_p2p = Vec::new();
+    let mut to_nccl = Vec::new();
+    for (i, &b) in bytes.iter().enumerate() {
+        match choose(path, b, p2p, thresholds)? {
+            Route::Empty => {}
+            Route::Nccl => to_nccl.push(i),
+            Route::P2pPacket | Route::P2pPull => to_p2p.push(i),
+        }
+    }
+    let per_group = (NCCL_GROUP_MAX_OPS / nranks.max(1)).max(1);
+    Ok(FusedPlan {
+        p2p: to_p2p.chunks(LIST_MAX).map(<[usize]>::to_vec).collect(),
+        nccl: to_nccl.chunks(per_group).map(<[usize]>::to_vec).collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_plan_splits_by_size_and_limits() {
+        let t = Thresholds {
+            p2p_max_bytes: 1000,
+            packet_max_bytes: 100,
+        };
+        let sizes = [10usize, 0, 5000, 1000, 1001, 3];
+        let plan = plan_fused(&sizes, Path::Auto, Ok(()), &t, 2).unwrap();
+        assert_eq!(plan.p2p, vec![vec![0, 3, 5]]);
+        assert_eq!(plan.nccl, vec![vec![2, 4]]);
+        let all_nccl = plan_fused(&sizes, Path::Auto, Err("no NVRTC"), &t, 2).unwrap();
+        assert_eq!((all_nccl.p2p_tensors(), all_nccl.nccl_tensors()), (0, 5));
+        let forced = plan_fused(&sizes, Path::P2p, Ok(()), &t, 2).unwrap();
+        assert_eq!((forced.p2p_tensors(), forced.nccl_tensors()), (5, 0));
+        assert!(plan_fused(&sizes, Path::P2p, Err("no peer access"), &t, 2).is_err());
+        assert!(plan_fused(&[], Path::Auto, Ok(()), &t, 2).unwrap() == FusedPlan::default());
+
+        let many = vec![8usize; 1000];
+        let p = plan_fused(&many, Path::P2p, Ok(()), &t, 8).unwrap();
+        assert!(p.p2p.iter().all(|b| b.len() <= LIST_MAX));
+        assert_eq!(p.p2p.len(), 1000usize.div_ceil(LIST_MAX));
+        assert_eq!(p.p2p.concat(), (0..1000).collect::<Vec<_>>());
+        let n = plan_fused(&many, Path::Nccl, Ok(()), &t, 8).unwrap();
+        assert!(n.nccl.iter().all(|g| g.len() * 8 <= NCCL_GROUP_MAX_OPS));
+        assert_eq!(n.nccl.concat(), (0..1000).collect::<Vec<_>>());
+    }
 
     #[test]
     fn parse_bytes_units() {

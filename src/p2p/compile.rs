@@ -11,6 +11,7 @@ const KERNEL: &str = include_str!("kernel.cu");
 /// Names of the kernels in the module.
 pub(crate) const PACKET_KERNEL: &str = "gpucast_packet";
 pub(crate) const PULL_KERNEL: &str = "gpucast_pull";
+pub(crate) const PULL_LIST_KERNEL: &str = "gpucast_pull_list";
 
 /// The full source handed to NVRTC: layout and geometry constants from `plan`, then the kernels.
 pub(crate) fn source() -> String {
@@ -25,6 +26,7 @@ pub(crate) fn source() -> String {
         ("GPUCAST_ARRIVE", layout::ARRIVE),
         ("GPUCAST_DONE", layout::DONE),
         ("GPUCAST_INBOX_OFFSET", layout::INBOX_OFFSET),
+        ("GPUCAST_LIST_MAX", plan::LIST_MAX),
     ];
     let mut src = String::with_capacity(KERNEL.len() + 512);
     for (name, value) in defines {
@@ -120,7 +122,8 @@ mod tests {
         for (major, minor) in [(8, 0), (9, 0)] {
             let ptx = ptx_for(major, minor).unwrap_or_else(|e| panic!("{e}"));
             assert!(ptx.contains(".entry gpucast_packet"), "no packet kernel in PTX");
-            assert!(ptx.contains(".entry gpucast_pull"), "no pull kernel in PTX");
+            assert!(ptx.contains(".entry gpucast_pull("), "no pull kernel in PTX");
+            assert!(ptx.contains(".entry gpucast_pull_list("), "no list kernel in PTX");
             // The flag protocol relies on these instructions being emitted as written.
             assert!(ptx.contains("ld.acquire.sys.global.u32"));
             assert!(ptx.contains("st.release.sys.global.u32"));

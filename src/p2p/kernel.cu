@@ -77,7 +77,13 @@ __device__ __forceinline__ u64 now_ns() {
 // Counters wrap at 2^32; compare by signed distance.
 __device__ __forceinline__ bool reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
 
-__device__ void report_timeout(const Params& p, u32 phase, u32 seq) {
+// Where a rank reports a timeout, and how long it waits.
+struct Bound {
+    u64 error_slot;
+    u64 timeout_ns;
+};
+
+__device__ void report_timeout(const Bound& p, u32 phase, u32 seq) {
     volatile u64* slot = (volatile u64*)p.error_slot;
     u64 record = (1ull << 56) | ((u64)phase << 48) | ((u64)(blockIdx.x & 0xffff) << 32) | seq;
     if (*slot == 0) *slot = record;
@@ -85,7 +91,7 @@ __device__ void report_timeout(const Params& p, u32 phase, u32 seq) {
 
 // Spins until *flag reaches target. Returns false (and raises the block's abort flag) on
 // timeout, or when another thread of the block already gave up.
-__device__ bool wait_flag(const u32* flag, u32 target, const Params& p, u32 phase, u32 seq,
+__device__ bool wait_flag(const u32* flag, u32 target, const Bound& p, u32 phase, u32 seq,
                           volatile int* abort) {
     if (reached(ld_acquire(flag), target)) return true;
     u64 start = now_ns();
@@ -164,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
     const u32 b = blockIdx.x;
     const u32 t = threadIdx.x;
     u32* mine = signal_of(p, p.rank);
+    const Bound bound = {p.error_slot, p.timeout_ns};
     if (t == 0) {
         abort_flag = 0;
         s_seq = ld_volatile(mine + GPUCAST_PACKET_SEQ + b) + 1;
@@ -182,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
         // The slot was last used GPUCAST_PACKET_SLOTS ops ago; wait until every peer is past it.
         if (t < p.nranks && t != p.rank && seq > GPUCAST_PACKET_SLOTS) {
             wait_flag(mine + GPUCAST_PACKET_ACK + b * GPUCAST_MAX_GPUS + t, seq - GPUCAST_PACKET_SLOTS,
-                      p, PHASE_PACKET_SLOT, seq, &abort_flag);
+                      bound, PHASE_PACKET_SLOT, seq, &abort_flag);
         }
         __syncthreads();
         if (abort_flag) return;
@@ -212,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
                     if ((++spins & 31) == 0) {
                         if (abort_flag) break;
                         if (now_ns() - start > p.timeout_ns) {
-                            report_timeout(p, PHASE_PACKET_DATA, seq);
+                            report_timeout(bound, PHASE_PACKET_DATA, seq);
                             abort_flag = 1;
                             break;
                         }
@@ -254,19 +261,20 @@ __device__ __forceinline__ void copy_units(const W* s, W* d, u64 n) {
     for (; i < n; i += stride) d[i] = s[i];
 }
 
-__device__ void copy_all(const Params& p) {
-    const unsigned char* s = (const unsigned char*)p.src;
-    unsigned char* d = (unsigned char*)p.dst;
-    const u64 unit = p.unit;
-    const u64 n = (p.bytes - p.head) / unit;
-    const u64 tail_start = p.head + n * unit;
-    const u32 tail = (u32)(p.bytes - tail_start);
-    if (blockIdx.x == 0 && threadIdx.x < p.head) d[threadIdx.x] = s[threadIdx.x];
+// Copies `bytes` bytes with the whole grid: `head` bytes one at a time, then `unit`-wide
+// accesses (both addresses are aligned to `unit` after the head), then the tail one at a time.
+__device__ void copy_bytes(u64 src_addr, u64 dst_addr, u64 bytes, u32 unit, u32 head) {
+    const unsigned char* s = (const unsigned char*)src_addr;
+    unsigned char* d = (unsigned char*)dst_addr;
+    const u64 n = (bytes - head) / unit;
+    const u64 tail_start = head + n * unit;
+    const u32 tail = (u32)(bytes - tail_start);
+    if (blockIdx.x == 0 && threadIdx.x < head) d[threadIdx.x] = s[threadIdx.x];
     if (blockIdx.x == gridDim.x - 1 && threadIdx.x < tail)
         d[tail_start + threadIdx.x] = s[tail_start + threadIdx.x];
-    s += p.head;
-    d += p.head;
-    switch (p.unit) {
+    s += head;
+    d += head;
+    switch (unit) {
         case 16: copy_units((const uint4*)s, (uint4*)d, n); break;
         case 8: copy_units((const u64*)s, (u64*)d, n); break;
         case 4: copy_units((const u32*)s, (u32*)d, n); break;
@@ -275,12 +283,17 @@ __device__ void copy_all(const Params& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const Params p) {
+// The pull protocol around a copy: `copy` runs on the root (its own output, unless in place) and
+// on every peer (reading the root's memory) between the arrival and done flags.
+template <typename Copy>
+__device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 timeout_ns, u32 rank,
+                                              u32 nranks, u32 root, Copy copy) {
     __shared__ int abort_flag;
     __shared__ u32 s_seq;
     const u32 b = blockIdx.x;
     const u32 t = threadIdx.x;
-    u32* mine = signal_of(p, p.rank);
+    u32* mine = (u32*)signal[rank];
+    const Bound p = {error_slot, timeout_ns};
     if (t == 0) {
         abort_flag = 0;
         s_seq = ld_volatile(mine + GPUCAST_PULL_SEQ + b) + 1;
@@ -288,27 +301,64 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const
     __syncthreads();
     const u32 seq = s_seq;
 
-    if (p.rank == p.root) {
-        if (t < p.nranks && t != p.rank) {
-            st_release(signal_of(p, t) + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + p.rank, seq);
+    if (rank == root) {
+        if (t < nranks && t != rank) {
+            st_release((u32*)signal[t] + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + rank, seq);
         }
-        if (p.dst != p.src) copy_all(p);
-        if (t < p.nranks && t != p.rank) {
+        copy(true);
+        if (t < nranks && t != rank) {
             wait_flag(mine + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + t, seq, p, PHASE_PULL_DONE, seq,
                       &abort_flag);
         }
     } else {
         if (t == 0) {
-            wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + p.root, seq, p,
-                      PHASE_PULL_ARRIVE, seq, &abort_flag);
+            wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + root, seq, p, PHASE_PULL_ARRIVE,
+                      seq, &abort_flag);
         }
         __syncthreads();
         if (abort_flag) return;
-        copy_all(p);
+        copy(false);
         __syncthreads();
-        if (t == 0) st_release(signal_of(p, p.root) + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + p.rank, seq);
+        if (t == 0) st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
     }
     __syncthreads();
     if (abort_flag) return;
     if (t == 0) st_volatile(mine + GPUCAST_PULL_SEQ + b, seq);
+}
+
+extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const Params p) {
+    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.rank, p.nranks, p.root,
+                  [&](bool is_root) {
+                      if (!is_root || p.dst != p.src) copy_bytes(p.src, p.dst, p.bytes, p.unit, p.head);
+                  });
+}
+
+// Fused form: one pull protocol around a list of copies (many tensors of one broadcast).
+struct ListEntry {
+    u64 src;
+    u64 dst;
+    u64 bytes;
+    u32 unit;
+    u32 head;
+};
+
+struct ListParams {
+    u64 signal[GPUCAST_MAX_GPUS];
+    u64 error_slot;
+    u64 timeout_ns;
+    u32 rank;
+    u32 nranks;
+    u32 root;
+    u32 count;
+    ListEntry entries[GPUCAST_LIST_MAX];
+};
+
+extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull_list(const ListParams p) {
+    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.rank, p.nranks, p.root,
+                  [&](bool is_root) {
+                      for (u32 i = 0; i < p.count; i++) {
+                          const ListEntry& e = p.entries[i];
+                          if (!is_root || e.dst != e.src) copy_bytes(e.src, e.dst, e.bytes, e.unit, e.head);
+                      }
+                  });
 }

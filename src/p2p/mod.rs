@@ -38,12 +38,44 @@ unsafe impl DeviceRepr for Params {}
 
 const _: () = assert!(std::mem::size_of::<Params>() == 136);
 
+/// One copy of a fused launch; matches `struct ListEntry` in kernel.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ListEntry {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: u64,
+    pub unit: u32,
+    pub head: u32,
+}
+
+/// Parameters of the fused pull kernel; matches `struct ListParams` in kernel.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ListParams {
+    pub signal: [u64; MAX_GPUS],
+    pub error_slot: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub root: u32,
+    pub count: u32,
+    pub entries: [ListEntry; plan::LIST_MAX],
+}
+
+// SAFETY: `repr(C)`, `Copy`, integers only, laid out as the kernel's `ListParams`.
+unsafe impl DeviceRepr for ListParams {}
+
+// The kernel parameter space is 4 KiB.
+const _: () = assert!(std::mem::size_of::<ListParams>() <= 4096);
+
 /// One GPU's share of the P2P path.
 struct RankState {
     ctx: Arc<CudaContext>,
     _module: Arc<CudaModule>,
     packet: CudaFunction,
     pull: CudaFunction,
+    pull_list: CudaFunction,
     /// Flags + packet inbox ([`layout::TOTAL_BYTES`]), plain `cuMemAlloc` memory that every peer
     /// maps through peer access.
     signal: CUdeviceptr,
@@ -107,6 +139,9 @@ impl P2p {
             let pull = module
                 .load_function(compile::PULL_KERNEL)
                 .map_err(Error::cuda("finding the pull kernel"))?;
+            let pull_list = module
+                .load_function(compile::PULL_LIST_KERNEL)
+                .map_err(Error::cuda("finding the fused pull kernel"))?;
             let mut error_dev: CUdeviceptr = 0;
             ctx.bind_to_thread().map_err(Error::cuda("binding a context"))?;
             // SAFETY: `host` is a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64 and
@@ -125,6 +160,7 @@ impl P2p {
                 _module: module,
                 packet,
                 pull,
+                pull_list,
                 signal,
                 error_dev,
             });
@@ -216,6 +252,68 @@ impl P2p {
                 )
             }
             .map_err(Error::cuda(format!("launching the P2P kernel on rank {rank}")))?;
+        }
+        Ok(())
+    }
+
+    /// Launches one fused pull over `copies[rank]` (each a list of (src, dst, bytes), the same
+    /// length and sizes on every rank).
+    ///
+    /// # Safety
+    /// As for [`P2p::launch`], for every listed copy.
+    pub(crate) unsafe fn launch_list(
+        &self,
+        root: usize,
+        copies: &[Vec<(u64, u64, usize)>],
+        streams: &[CUstream],
+    ) -> Result<()> {
+        let count = copies[0].len();
+        assert!(count <= plan::LIST_MAX, "planned batches hold at most LIST_MAX entries");
+        let total: usize = copies[0].iter().map(|c| c.2).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let geometry = plan::pull_geometry(total);
+        let mut params = ListParams {
+            signal: self.signals,
+            error_slot: 0,
+            timeout_ns: self.timeout_ns,
+            rank: 0,
+            nranks: u32::try_from(self.ranks.len()).expect("<= 8"),
+            root: u32::try_from(root).expect("<= 8"),
+            count: u32::try_from(count).expect("<= LIST_MAX"),
+            entries: [ListEntry::default(); plan::LIST_MAX],
+        };
+        for (rank, r) in self.ranks.iter().enumerate() {
+            params.rank = rank as u32;
+            params.error_slot = r.error_dev;
+            for (e, &(src, dst, bytes)) in params.entries.iter_mut().zip(&copies[rank]) {
+                let a = plan::co_alignment(src, dst, bytes as u64);
+                *e = ListEntry {
+                    src,
+                    dst,
+                    bytes: bytes as u64,
+                    unit: a.unit,
+                    head: a.head,
+                };
+            }
+            // SAFETY: the context is live (owned by the clique).
+            unsafe { result::ctx::set_current(r.ctx.cu_ctx()) }
+                .map_err(Error::cuda("binding a context"))?;
+            let mut arg = (&mut params) as *mut ListParams as *mut c_void;
+            // SAFETY: the fused kernel of this context takes one `ListParams` by value; the
+            // listed pointers are valid per this function's contract.
+            unsafe {
+                result::launch_kernel(
+                    r.pull_list.cu_function(),
+                    (geometry.blocks, 1, 1),
+                    (geometry.threads, 1, 1),
+                    0,
+                    streams[rank],
+                    std::slice::from_mut(&mut arg),
+                )
+            }
+            .map_err(Error::cuda(format!("launching the fused P2P kernel on rank {rank}")))?;
         }
         Ok(())
     }

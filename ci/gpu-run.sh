@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
+#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [weights]   (default: tests examples)
+# Logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files); the benchmark's
+# CSV, table and plot are copied to $OUT; a summary table is printed last.
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+dest=${OUT:-.gpu/out}
+out=$(mktemp -d /tmp/gpucast-logs.XXXX)
+mkdir -p "$dest"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests examples)
+want() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+nvidia-smi topo -m | head -5
+summary=()
+run() {
+  local name=$1; shift
+  local t0=$(date +%s%N)
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  local dt="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
+  if [ $rc -eq 0 ]; then
+    summary+=("$(printf '%-44s %-6s %8ss  %s' "$name" ok "$dt" "$(grep -E '^test result|tests? passed|checked|GB/s' "$out/$name.log" | tail -1 | cut -c1-90)")")
+  else
+    summary+=("$(printf '%-44s %-6s %8ss  see %s.log' "$name" "FAIL($rc)" "$dt" "$name")")
+    echo "==== $name failed (rc $rc); last lines:"; tail -40 "$out/$name.log"
+  fi
+}
+
+if want tests; then
+  for t in .gpu/bin/test-*; do
+    run "$(basename "$t")" "$t" --include-ignored --test-threads 1
+  done
+fi
+if want examples; then
+  run example-broadcast .gpu/bin/example-broadcast
+  run example-broadcast-1gpu env CUDA_VISIBLE_DEVICES=0 .gpu/bin/example-broadcast
+fi
+if want weights; then
+  run example-weights .gpu/bin/example-broadcast_weights --compare
+fi
+if want bench-quick; then
+  run bench-quick .gpu/bin/bench-broadcast --bench -e 64M --repeats 7 --target-ms 10 --out "$out/bench-quick" --torch no
+  cp "$out/bench-quick/table.txt" "$dest/bench-quick-table.txt" 2>/dev/null
+  cp "$out/bench-quick/broadcast.csv" "$dest/bench-quick.csv" 2>/dev/null
+fi
+if want bench; then
+  run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
+  for f in broadcast.csv broadcast.png table.txt torch.csv; do cp "$out/bench/$f" "$dest/bench-$f" 2>/dev/null; done
+fi
+
+tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null
+echo
+echo "==== summary"
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,77 @@
+//! Helpers shared by the GPU tests: random typed data, poisoning, byte views.
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use gpucast::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use gpucast::{Clique, Element};
+use rand::{Rng, RngCore, SeedableRng};
+use std::sync::Arc;
+
+/// Seeded RNG, printed so a failure can be replayed with GPUCAST_TEST_SEED.
+pub fn rng() -> rand::rngs::StdRng {
+    let seed = std::env::var("GPUCAST_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random::<u64>());
+    eprintln!("seed {seed} (set GPUCAST_TEST_SEED to replay)");
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+/// `n` elements of random bits.
+pub fn random_vec<T: Element>(n: usize, rng: &mut impl RngCore) -> Vec<T> {
+    let mut bytes = vec![0u8; n * std::mem::size_of::<T>()];
+    rng.fill_bytes(&mut bytes);
+    from_bytes(&bytes)
+}
+
+/// Reinterprets bytes as elements.
+pub fn from_bytes<T: Element>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    assert_eq!(bytes.len() % size, 0);
+    let n = bytes.len() / size;
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    // SAFETY: every Element type is plain old data with no invalid bit patterns (integers,
+    // IEEE floats, f16/bf16), and `v` has capacity for `n` elements = `bytes.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, bytes.len());
+        v.set_len(n);
+    }
+    v
+}
+
+/// The bytes of a slice of elements.
+pub fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: Element types are plain old data; the byte view covers exactly the slice.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// One poisoned output per rank of `n` elements, allocated on the clique's streams.
+pub fn poisoned_outputs<T: Element>(clique: &Clique, n: usize, rng: &mut impl RngCore) -> Vec<CudaSlice<T>> {
+    (0..clique.len())
+        .map(|r| {
+            let poison: Vec<T> = random_vec(n, rng);
+            clique.stream(r).clone_htod(&poison).expect("upload poison")
+        })
+        .collect()
+}
+
+/// Downloads `buf` (on `stream`'s device) and compares it bit for bit with `expected`.
+pub fn assert_bytes_eq<T: Element>(stream: &Arc<CudaStream>, buf: &impl DevicePtr<T>, expected: &[T], what: &str) {
+    let got: Vec<T> = stream.clone_dtoh(buf).expect("download");
+    let (g, e) = (as_bytes(&got), as_bytes(expected));
+    assert_eq!(g.len(), e.len(), "{what}: length");
+    if let Some(i) = g.iter().zip(e).position(|(a, b)| a != b) {
+        let bad = g.iter().zip(e).filter(|(a, b)| a != b).count();
+        panic!(
+            "{what}: {bad} of {} bytes differ, first at byte {i} (got {:#04x}, want {:#04x})",
+            g.len(),
+            g[i],
+            e[i]
+        );
+    }
+}
+
+/// A clique of the first two GPUs, or a panic that says why there is none.
+pub fn two_gpus() -> Clique {
+    Clique::new(&[0, 1]).expect("a clique of GPUs 0 and 1")
+}

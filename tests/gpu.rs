@@ -1,0 +1,592 @@
+//! GPU tests: they need two CUDA GPUs with peer access and are ignored by a plain `cargo test`.
+//! Run them with `cargo test --release --test gpu -- --include-ignored --test-threads 1`.
+//!
+//! Every test uses random inputs, poisons outputs before each call and compares bit for bit.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use gpucast::cudarc::driver::{result, CudaSlice, DevicePtrMut};
+use gpucast::half::{bf16, f16};
+use gpucast::{BroadcastOptions, Clique, Element, Error, Path, Route};
+use rand::{Rng, RngCore};
+
+const PATHS: [Path; 3] = [Path::Nccl, Path::P2p, Path::Auto];
+
+fn check_broadcast<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+    let data: Vec<T> = random_vec(n, rng);
+    let input = clique.stream(root).clone_htod(&data).unwrap();
+    let mut outputs = poisoned_outputs::<T>(clique, n, rng);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .unwrap_or_else(|e| panic!("{} n={n} root={root} {path:?}: {e}", T::DTYPE));
+    clique.synchronize().unwrap();
+    for (rank, out) in outputs.iter().enumerate() {
+        let what = format!("{} n={n} root={root} {path:?} rank {rank}", T::DTYPE);
+        assert_bytes_eq(clique.stream(rank), out, &data, &what);
+    }
+    // The input is untouched.
+    assert_bytes_eq(clique.stream(root), &input, &data, "input after broadcast");
+}
+
+fn every_root_length_path<T: Element>(clique: &Clique, rng: &mut impl RngCore) {
+    for root in 0..clique.len() {
+        for n in [0usize, 1, 3, 4095, (1 << 20) + 7] {
+            for path in PATHS {
+                check_broadcast::<T>(clique, root, n, path, rng);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_type_root_length_and_path() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    every_root_length_path::<f32>(&clique, &mut rng);
+    every_root_length_path::<f64>(&clique, &mut rng);
+    every_root_length_path::<f16>(&clique, &mut rng);
+    every_root_length_path::<bf16>(&clique, &mut rng);
+    every_root_length_path::<i8>(&clique, &mut rng);
+    every_root_length_path::<u8>(&clique, &mut rng);
+    every_root_length_path::<i32>(&clique, &mut rng);
+    every_root_length_path::<u32>(&clique, &mut rng);
+    every_root_length_path::<i64>(&clique, &mut rng);
+    every_root_length_path::<u64>(&clique, &mut rng);
+}
+
+/// 256 MiB per type, every root and path. Outputs are poisoned on the device with a random byte.
+fn large<T: Element>(clique: &Clique, rng: &mut impl RngCore) {
+    let n = (256usize << 20) / std::mem::size_of::<T>();
+    let data: Vec<T> = random_vec(n, rng);
+    for root in 0..clique.len() {
+        let input = clique.stream(root).clone_htod(&data).unwrap();
+        for path in PATHS {
+            let mut outputs: Vec<CudaSlice<T>> = (0..clique.len())
+                // SAFETY: poisoned right below before any read.
+                .map(|r| unsafe { clique.stream(r).alloc::<T>(n) }.unwrap())
+                .collect();
+            for (r, out) in outputs.iter_mut().enumerate() {
+                let s = clique.stream(r);
+                let (ptr, _g) = out.device_ptr_mut(s);
+                // SAFETY: `ptr` is a live allocation of n elements on this stream's device.
+                unsafe { result::memset_d8_async(ptr, rng.random(), n * size_of::<T>(), s.cu_stream()) }.unwrap();
+            }
+            clique
+                .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+                .unwrap();
+            clique.synchronize().unwrap();
+            for (rank, out) in outputs.iter().enumerate() {
+                let what = format!("{} 256MiB root={root} {path:?} rank {rank}", T::DTYPE);
+                assert_bytes_eq(clique.stream(rank), out, &data, &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn every_type_256_mib() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    large::<f32>(&clique, &mut rng);
+    large::<f64>(&clique, &mut rng);
+    large::<f16>(&clique, &mut rng);
+    large::<bf16>(&clique, &mut rng);
+    large::<i8>(&clique, &mut rng);
+    large::<u8>(&clique, &mut rng);
+    large::<i32>(&clique, &mut rng);
+    large::<u32>(&clique, &mut rng);
+    large::<i64>(&clique, &mut rng);
+    large::<u64>(&clique, &mut rng);
+}
+
+/// Views at every small offset: the P2P kernels must handle any alignment of source and
+/// destination, and write nothing outside the view.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn views_at_any_alignment_write_exactly_their_bytes() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let offsets = [0usize, 1, 2, 3, 5, 8, 13, 16];
+    for len in [1usize, 17, 1000, 70_000, 300_000] {
+        for (i, &src_off) in offsets.iter().enumerate() {
+            let dst_off = offsets[(i * 3 + len) % offsets.len()];
+            for path in [Path::P2p, Path::Nccl] {
+                let total = len + 32;
+                let src_all: Vec<u8> = random_vec(total, &mut rng);
+                let input = clique.stream(0).clone_htod(&src_all).unwrap();
+                let guards: Vec<Vec<u8>> = (0..2).map(|_| random_vec(total, &mut rng)).collect();
+                let mut outs: Vec<CudaSlice<u8>> =
+                    (0..2).map(|r| clique.stream(r).clone_htod(&guards[r]).unwrap()).collect();
+                {
+                    let view = input.slice(src_off..src_off + len);
+                    let mut views: Vec<_> = outs.iter_mut().map(|o| o.slice_mut(dst_off..dst_off + len)).collect();
+                    clique
+                        .broadcast_with(0, &view, &mut views, &BroadcastOptions::path(path))
+                        .unwrap();
+                }
+                clique.synchronize().unwrap();
+                for (rank, out) in outs.iter().enumerate() {
+                    let mut want = guards[rank].clone();
+                    want[dst_off..dst_off + len].copy_from_slice(&src_all[src_off..src_off + len]);
+                    let what = format!("len={len} src+{src_off} dst+{dst_off} {path:?} rank {rank}");
+                    assert_bytes_eq(clique.stream(rank), out, &want, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn in_place_every_root_and_path() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    for n in [1usize, 4095, 40_000, (1 << 20) + 7] {
+        for root in 0..2 {
+            for path in PATHS {
+                let data: Vec<bf16> = random_vec(n, &mut rng);
+                let mut bufs: Vec<CudaSlice<bf16>> = (0..2)
+                    .map(|r| {
+                        let init = if r == root { data.clone() } else { random_vec(n, &mut rng) };
+                        clique.stream(r).clone_htod(&init).unwrap()
+                    })
+                    .collect();
+                clique
+                    .broadcast_in_place_with(root, &mut bufs, &BroadcastOptions::path(path))
+                    .unwrap();
+                clique.synchronize().unwrap();
+                for (rank, b) in bufs.iter().enumerate() {
+                    assert_bytes_eq(clique.stream(rank), b, &data, &format!("in place n={n} root={root} {path:?} rank {rank}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 1 CUDA GPU"]
+fn single_gpu_clique() {
+    let clique = Clique::new(&[0]).unwrap();
+    let mut rng = rng();
+    for n in [1usize, 4095, (1 << 20) + 7] {
+        for path in PATHS {
+            check_broadcast::<f32>(&clique, 0, n, path, &mut rng);
+        }
+    }
+}
+
+/// 1,000 back-to-back broadcasts with alternating roots into distinct outputs, checked at the end.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn thousand_back_to_back_alternating_roots() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let n = 1024;
+    let ops = 1000;
+    let data: Vec<Vec<u32>> = (0..ops).map(|_| random_vec(n, &mut rng)).collect();
+    let inputs: Vec<CudaSlice<u32>> =
+        data.iter().enumerate().map(|(i, d)| clique.stream(i % 2).clone_htod(d).unwrap()).collect();
+    let mut outputs: Vec<Vec<CudaSlice<u32>>> = (0..ops).map(|_| poisoned_outputs(&clique, n, &mut rng)).collect();
+    clique.synchronize().unwrap();
+    for i in 0..ops {
+        clique.broadcast(i % 2, &inputs[i], &mut outputs[i]).unwrap();
+    }
+    clique.synchronize().unwrap();
+    for i in 0..ops {
+        for rank in 0..2 {
+            assert_bytes_eq(clique.stream(rank), &outputs[i][rank], &data[i], &format!("op {i} rank {rank}"));
+        }
+    }
+}
+
+/// 100,000 back-to-back small broadcasts, alternating roots, sizes (so grids differ from op to
+/// op) and paths, checked at random points and at the end. A stale or torn packet, or a counter
+/// that drifts between GPUs, shows up as wrong data or a timeout.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn hundred_thousand_mixed_small_broadcasts() {
+    let clique = Clique::builder()
+        .devices(&[0, 1])
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let mut rng = rng();
+    const K: usize = 16; // distinct inputs per root
+    const R: usize = 32; // output ring
+    let max = 160 << 10; // bytes; above the packet limit, so pull runs too
+    let data: Vec<Vec<Vec<u8>>> = (0..2).map(|_| (0..K).map(|_| random_vec(max, &mut rng)).collect()).collect();
+    let inputs: Vec<Vec<CudaSlice<u8>>> = (0..2)
+        .map(|r| data[r].iter().map(|d| clique.stream(r).clone_htod(d).unwrap()).collect())
+        .collect();
+    let mut ring: Vec<Vec<CudaSlice<u8>>> = (0..R).map(|_| poisoned_outputs(&clique, max, &mut rng)).collect();
+    // What each ring slot should hold: (root, input index, length).
+    let mut expect: Vec<Option<(usize, usize, usize)>> = vec![None; R];
+    let sizes = [1usize, 7, 16, 100, 1000, 4096, 8191, 65536, 65537, 100_000, max];
+    let ops = 100_000;
+    let mut routes = [0usize; 4];
+    let check = |ring: &Vec<Vec<CudaSlice<u8>>>, expect: &Vec<Option<(usize, usize, usize)>>, at: usize| {
+        clique.synchronize().unwrap_or_else(|e| panic!("after op {at}: {e}"));
+        for (slot, e) in expect.iter().enumerate() {
+            if let Some((root, k, len)) = *e {
+                for rank in 0..2 {
+                    let got: Vec<u8> = clique.stream(rank).clone_dtoh(&ring[slot][rank].slice(..len)).unwrap();
+                    assert!(got == data[root][k][..len], "op ~{at}, slot {slot}, rank {rank}, root {root}, len {len}: wrong data");
+                }
+            }
+        }
+    };
+    for i in 0..ops {
+        let root = if rng.random_bool(0.5) { 0 } else { 1 };
+        let k = rng.random_range(0..K);
+        let len = sizes[rng.random_range(0..sizes.len())];
+        let path = match rng.random_range(0..20) {
+            0 => Path::Nccl,
+            1..=9 => Path::Auto,
+            _ => Path::P2p,
+        };
+        let slot = i % R;
+        let opts = BroadcastOptions::path(path);
+        let route = clique.route(len, &opts).unwrap();
+        routes[match route {
+            Route::Nccl => 0,
+            Route::P2pPacket => 1,
+            Route::P2pPull => 2,
+            _ => 3,
+        }] += 1;
+        let input = inputs[root][k].slice(..len);
+        let mut outs: Vec<_> = ring[slot].iter_mut().map(|o| o.slice_mut(..len)).collect();
+        clique.broadcast_with(root, &input, &mut outs, &opts).unwrap();
+        drop(outs);
+        expect[slot] = Some((root, k, len));
+        if rng.random_range(0..5000) == 0 {
+            check(&ring, &expect, i);
+        }
+    }
+    check(&ring, &expect, ops);
+    eprintln!("routes: nccl {} packet {} pull {}", routes[0], routes[1], routes[2]);
+    assert!(routes[0] > 0 && routes[1] > 0 && routes[2] > 0, "every route ran: {routes:?}");
+}
+
+/// A captured sequence (both roots, packet, pull and NCCL) replayed several times; the inputs
+/// change between replays, so a replay that reused stale data or stale counters would fail.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn graph_capture_replays_correctly() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let cases = [(0usize, 1000usize, Path::P2p), (1, 50_000, Path::P2p), (0, 300_000, Path::P2p), (1, 4096, Path::Nccl), (1, 7, Path::Auto)];
+    let mut inputs: Vec<CudaSlice<u8>> = cases.iter().map(|&(r, n, _)| clique.stream(r).clone_htod(&vec![0u8; n]).unwrap()).collect();
+    let mut outputs: Vec<Vec<CudaSlice<u8>>> = cases.iter().map(|&(_, n, _)| poisoned_outputs(&clique, n, &mut rng)).collect();
+    clique.synchronize().unwrap();
+    let graph = clique
+        .capture(|c| {
+            for (i, &(root, _, path)) in cases.iter().enumerate() {
+                c.broadcast_with(root, &inputs[i], &mut outputs[i], &BroadcastOptions::path(path))?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    for replay in 0..5 {
+        let datas: Vec<Vec<u8>> = cases.iter().map(|&(_, n, _)| random_vec(n, &mut rng)).collect();
+        for (i, &(root, _, _)) in cases.iter().enumerate() {
+            clique.stream(root).memcpy_htod(&datas[i], &mut inputs[i]).unwrap();
+        }
+        clique.synchronize().unwrap();
+        graph.launch().unwrap();
+        clique.synchronize().unwrap();
+        for (i, &(root, n, path)) in cases.iter().enumerate() {
+            for rank in 0..2 {
+                assert_bytes_eq(clique.stream(rank), &outputs[i][rank], &datas[i], &format!("replay {replay} case {i} (root {root}, {n} B, {path:?}) rank {rank}"));
+            }
+        }
+    }
+    // Eager calls after the graph still line up with the device counters.
+    check_broadcast::<u8>(&clique, 1, 3000, Path::P2p, &mut rng);
+    check_broadcast::<u8>(&clique, 0, 200_000, Path::P2p, &mut rng);
+}
+
+unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
+    std::thread::sleep(Duration::from_millis(arg as u64));
+}
+
+/// Holds `rank`'s stream on the host for `ms`, so that rank arrives late.
+fn stall(clique: &Clique, rank: usize, ms: u64) {
+    // SAFETY: the callback only sleeps (no CUDA calls) and its argument is a plain integer.
+    unsafe { result::stream::launch_host_function(clique.stream(rank).cu_stream(), sleep_host, ms as *mut _) }.unwrap();
+}
+
+/// A peer that never shows up within the timeout gives `Error::Timeout` (not a hang), and the
+/// clique recovers: the next broadcasts are correct.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn timeouts_are_reported_and_the_clique_recovers() {
+    let clique = Clique::builder()
+        .devices(&[0, 1])
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let mut rng = rng();
+    // (bytes, which rank stalls): pull with a late peer makes the root time out waiting for
+    // "done"; packets with a late root make the peer time out waiting for data.
+    for (n, late, phase) in [(400_000usize, 1usize, "finish reading"), (2048, 0, "packets")] {
+        let data: Vec<u8> = random_vec(n, &mut rng);
+        let input = clique.stream(0).clone_htod(&data).unwrap();
+        let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+        clique.synchronize().unwrap();
+        stall(&clique, late, 1500);
+        clique
+            .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+            .unwrap();
+        let started = std::time::Instant::now();
+        match clique.synchronize() {
+            Err(Error::Timeout { phase: p, .. }) => assert!(p.contains(phase), "phase {p:?}"),
+            other => panic!("expected a timeout ({phase}), got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        for path in [Path::P2p, Path::Nccl] {
+            for m in [100usize, 5000, 200_000] {
+                check_broadcast::<u8>(&clique, 1, m, path, &mut rng);
+                check_broadcast::<u8>(&clique, 0, m, path, &mut rng);
+            }
+        }
+    }
+}
+
+/// Inputs and outputs from cudarc's stream-ordered pool and from plain cuMemAlloc both work on
+/// the P2P path (the pull protocol reads the root's buffer from the peer).
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn pool_and_plain_allocations() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    for n in [3000usize, 500_000] {
+        for plain_input in [false, true] {
+            let data: Vec<u8> = random_vec(n, &mut rng);
+            let input = if plain_input {
+                clique.context(0).bind_to_thread().unwrap();
+                // SAFETY: a fresh allocation of n bytes on device 0, wrapped once and filled below.
+                let ptr = unsafe { result::malloc_sync(n) }.unwrap();
+                // SAFETY: `ptr` is a live cuMemAlloc allocation of n bytes, owned by the slice.
+                let mut s = unsafe { clique.stream(0).upgrade_device_ptr::<u8>(ptr, n) };
+                clique.stream(0).memcpy_htod(&data, &mut s).unwrap();
+                s
+            } else {
+                clique.stream(0).clone_htod(&data).unwrap()
+            };
+            let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+            for path in [Path::P2p, Path::Nccl] {
+                clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path)).unwrap();
+                clique.synchronize().unwrap();
+                for rank in 0..2 {
+                    assert_bytes_eq(clique.stream(rank), &outputs[rank], &data, &format!("plain={plain_input} n={n} {path:?}"));
+                }
+            }
+        }
+    }
+}
+
+/// Work on the caller's own streams is ordered with broadcasts through wait_for and record.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn ordering_with_caller_streams() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let n = 1 << 20;
+    let mine: Vec<_> = (0..2).map(|r| clique.context(r).new_stream().unwrap()).collect();
+    let data: Vec<u32> = random_vec(n, &mut rng);
+    let input = mine[0].clone_htod(&data).unwrap();
+    let mut outputs = poisoned_outputs::<u32>(&clique, n, &mut rng);
+    clique.wait_for(&[&mine[0], &mine[1]]).unwrap();
+    clique.broadcast(0, &input, &mut outputs).unwrap();
+    let events = clique.record().unwrap();
+    for r in 0..2 {
+        mine[r].wait(&events[r]).unwrap();
+        let got: Vec<u32> = mine[r].clone_dtoh(&outputs[r]).unwrap();
+        assert!(got == data, "rank {r}");
+    }
+}
+
+/// Bad arguments are reported before anything is enqueued: the outputs keep their poison.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn bad_arguments_enqueue_nothing() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let n = 100;
+    let data: Vec<u8> = random_vec(n, &mut rng);
+    let input_on_1 = clique.stream(1).clone_htod(&data).unwrap();
+    let input_on_0 = clique.stream(0).clone_htod(&data).unwrap();
+    let poison: Vec<Vec<u8>> = (0..2).map(|_| random_vec(n, &mut rng)).collect();
+    let mut outputs: Vec<CudaSlice<u8>> = (0..2).map(|r| clique.stream(r).clone_htod(&poison[r]).unwrap()).collect();
+    assert!(matches!(clique.broadcast(0, &input_on_1, &mut outputs), Err(Error::WrongDevice { .. })));
+    assert!(matches!(clique.broadcast(2, &input_on_0, &mut outputs), Err(Error::RootOutOfRange { .. })));
+    assert!(matches!(clique.broadcast(0, &input_on_0, &mut outputs[..1]), Err(Error::OutputCount { .. })));
+    let short = input_on_0.slice(..50);
+    assert!(matches!(clique.broadcast(0, &short, &mut outputs), Err(Error::LengthMismatch { .. })));
+    let mut swapped: Vec<_> = outputs.iter_mut().rev().map(|o| o.slice_mut(..)).collect();
+    assert!(matches!(clique.broadcast(0, &input_on_0, &mut swapped), Err(Error::WrongDevice { .. })));
+    drop(swapped);
+    clique.synchronize().unwrap();
+    for r in 0..2 {
+        assert_bytes_eq(clique.stream(r), &outputs[r], &poison[r], "untouched output");
+    }
+    let empty = input_on_0.slice(0..0);
+    let mut empties: Vec<_> = outputs.iter_mut().map(|o| o.slice_mut(0..0)).collect();
+    clique.broadcast(0, &empty, &mut empties).unwrap();
+    drop(empties);
+    clique.synchronize().unwrap();
+    for r in 0..2 {
+        assert_bytes_eq(clique.stream(r), &outputs[r], &poison[r], "untouched after an empty broadcast");
+    }
+}
+
+/// A fused broadcast of many tensors of mixed types and sizes, on every path, both roots,
+/// out of place and in place; the report counts what went where.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn fused_mixed_types_and_sizes() {
+    use gpucast::{DeviceTensor, DeviceTensorMut};
+    let clique = two_gpus();
+    let mut rng = rng();
+    // (type tag, elements): odd sizes, zero, tiny, above the P2P list limit in count.
+    let mut specs: Vec<(u8, usize)> = vec![(0, 0), (1, 1), (2, 3), (3, 4095), (4, (1 << 20) + 7), (5, 5 << 20), (6, 100_000), (7, 17)];
+    for i in 0..150 {
+        specs.push(((i % 8) as u8, rng.random_range(1..5000)));
+    }
+    for root in 0..2 {
+        for path in PATHS {
+            for in_place in [false, true] {
+                // Each tensor as raw bytes, typed by its tag when uploaded.
+                let datas: Vec<Vec<u8>> = specs.iter().map(|&(tag, n)| random_vec(n * tag_size(tag), &mut rng)).collect();
+                let inputs: Vec<Tensor> = specs.iter().zip(&datas).map(|(&(tag, _), d)| Tensor::upload(&clique, root, tag, d)).collect();
+                let mut outs: Vec<Vec<Tensor>> = (0..2)
+                    .map(|r| {
+                        specs
+                            .iter()
+                            .zip(&datas)
+                            .map(|(&(tag, n), d)| {
+                                if in_place && r == root {
+                                    Tensor::upload(&clique, r, tag, d)
+                                } else {
+                                    Tensor::upload(&clique, r, tag, &random_vec::<u8>(n * tag_size(tag), &mut rng))
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let opts = BroadcastOptions::path(path);
+                let report = {
+                    let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> =
+                        outs.iter_mut().map(|row| row.iter_mut().map(Tensor::as_mut).collect()).collect();
+                    if in_place {
+                        clique.broadcast_many_in_place(root, &mut lists, &opts).unwrap()
+                    } else {
+                        let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(Tensor::as_ref).collect();
+                        clique.broadcast_many_with(root, &ins, &mut lists, &opts).unwrap()
+                    }
+                };
+                clique.synchronize().unwrap();
+                assert_eq!(report.tensors, specs.len());
+                assert_eq!(report.p2p_tensors + report.nccl_tensors, specs.len() - 1, "the empty tensor is skipped");
+                match path {
+                    Path::Nccl => assert_eq!(report.p2p_tensors, 0),
+                    Path::P2p => {
+                        assert_eq!(report.nccl_tensors, 0);
+                        assert!(report.p2p_launches >= 2, "158 tensors need two list launches");
+                    }
+                    _ => {}
+                }
+                for (rank, row) in outs.iter().enumerate() {
+                    for (t, tensor) in row.iter().enumerate() {
+                        let got = tensor.download(&clique, rank);
+                        assert!(got == datas[t], "root {root} {path:?} in_place={in_place} rank {rank} tensor {t} ({:?}) differs", specs[t]);
+                    }
+                }
+            }
+        }
+    }
+    // Validation: a type mismatch is rejected before anything runs.
+    let a = Tensor::upload(&clique, 0, 0, &[0u8; 8]);
+    let mut o0 = Tensor::upload(&clique, 0, 0, &[0u8; 8]);
+    let mut o1 = Tensor::upload(&clique, 1, 2, &[0u8; 8]);
+    let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = vec![vec![o0.as_mut()], vec![o1.as_mut()]];
+    let err = clique.broadcast_many(0, &[a.as_ref()], &mut lists).unwrap_err();
+    assert!(matches!(err, Error::InvalidList(ref m) if m.contains("tensor 0")), "{err}");
+}
+
+fn tag_size(tag: u8) -> usize {
+    [4, 8, 2, 2, 1, 1, 4, 8][tag as usize]
+}
+
+/// A tensor of one of eight element types, for the fused test.
+enum Tensor {
+    F32(CudaSlice<f32>),
+    F64(CudaSlice<f64>),
+    F16(CudaSlice<f16>),
+    Bf16(CudaSlice<bf16>),
+    I8(CudaSlice<i8>),
+    U8(CudaSlice<u8>),
+    I32(CudaSlice<i32>),
+    U64(CudaSlice<u64>),
+}
+
+impl Tensor {
+    fn upload(clique: &Clique, rank: usize, tag: u8, bytes: &[u8]) -> Tensor {
+        let s = clique.stream(rank);
+        match tag {
+            0 => Tensor::F32(s.clone_htod(&from_bytes::<f32>(bytes)).unwrap()),
+            1 => Tensor::F64(s.clone_htod(&from_bytes::<f64>(bytes)).unwrap()),
+            2 => Tensor::F16(s.clone_htod(&from_bytes::<f16>(bytes)).unwrap()),
+            3 => Tensor::Bf16(s.clone_htod(&from_bytes::<bf16>(bytes)).unwrap()),
+            4 => Tensor::I8(s.clone_htod(&from_bytes::<i8>(bytes)).unwrap()),
+            5 => Tensor::U8(s.clone_htod(&from_bytes::<u8>(bytes)).unwrap()),
+            6 => Tensor::I32(s.clone_htod(&from_bytes::<i32>(bytes)).unwrap()),
+            _ => Tensor::U64(s.clone_htod(&from_bytes::<u64>(bytes)).unwrap()),
+        }
+    }
+
+    fn download(&self, clique: &Clique, rank: usize) -> Vec<u8> {
+        let s = clique.stream(rank);
+        match self {
+            Tensor::F32(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::F64(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::F16(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::Bf16(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::I8(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::U8(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::I32(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+            Tensor::U64(t) => as_bytes(&s.clone_dtoh(t).unwrap()).to_vec(),
+        }
+    }
+
+    fn as_ref(&self) -> &dyn gpucast::DeviceTensor {
+        match self {
+            Tensor::F32(t) => t,
+            Tensor::F64(t) => t,
+            Tensor::F16(t) => t,
+            Tensor::Bf16(t) => t,
+            Tensor::I8(t) => t,
+            Tensor::U8(t) => t,
+            Tensor::I32(t) => t,
+            Tensor::U64(t) => t,
+        }
+    }
+
+    fn as_mut(&mut self) -> &mut dyn gpucast::DeviceTensorMut {
+        match self {
+            Tensor::F32(t) => t,
+            Tensor::F64(t) => t,
+            Tensor::F16(t) => t,
+            Tensor::Bf16(t) => t,
+            Tensor::I8(t) => t,
+            Tensor::U8(t) => t,
+            Tensor::I32(t) => t,
+            Tensor::U64(t) => t,
+        }
+    }
+}
