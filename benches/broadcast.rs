@@ -1,1 +1,538 @@
-fn main() {}
+//! Broadcast benchmark: NCCL vs gpucast's P2P kernel vs Auto, with the copy engine, the
+//! bare-launch floor and (when python3 has torch) PyTorch side by side, nccl-tests style.
+//!
+//! `cargo bench --bench broadcast -- --help` lists the options. Every size's outputs are checked
+//! bit for bit once per path before it is timed.
+
+#![allow(
+    clippy::cast_possible_truncation,
+    reason = "sizes, counts and iteration numbers stay far below 2^32 (and usize is 64-bit here)"
+)]
+
+mod report;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use gpucast::cudarc::driver::{
+    result, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+};
+use gpucast::{BroadcastOptions, Clique, DType, Path};
+use indicatif::{ProgressBar, ProgressStyle};
+use report::{Mode, Row};
+
+#[derive(Parser, Debug)]
+#[command(about = "gpucast broadcast benchmark: NCCL vs P2P vs Auto (and PyTorch)")]
+struct Args {
+    /// Smallest message (bytes; K/M/G suffixes).
+    #[arg(short = 'b', long, default_value = "1K")]
+    min_bytes: String,
+    /// Largest message.
+    #[arg(short = 'e', long, default_value = "1G")]
+    max_bytes: String,
+    /// Size step factor.
+    #[arg(short = 'f', long, default_value_t = 2)]
+    factor: u64,
+    /// Element type (f32, bf16, f16, f64, i8, u8, i32, u32, i64, u64).
+    #[arg(short = 'd', long, default_value = "f32")]
+    dtype: String,
+    /// Root rank.
+    #[arg(short = 'r', long, default_value_t = 0)]
+    root: usize,
+    /// Number of GPUs (2 up to all visible; default all, at most 8).
+    #[arg(short = 'g', long)]
+    gpus: Option<usize>,
+    /// Paths to measure: nccl, p2p, auto, copy-engine, launch-floor, and the P2P kernel with its
+    /// protocol forced: p2p-packet (only up to the packet limit), p2p-pull.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "nccl,p2p,auto,copy-engine,launch-floor"
+    )]
+    paths: Vec<String>,
+    /// Modes: eager, graph.
+    #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
+    modes: Vec<String>,
+    /// Timed repeats per point (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    repeats: usize,
+    /// Target milliseconds of work per repeat (sets the iterations per repeat).
+    #[arg(long, default_value_t = 20.0)]
+    target_ms: f64,
+    /// Output folder for the CSV, the table and the plot.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+    /// Also run benches/torch_broadcast.py and merge its numbers (auto: when python3 has torch).
+    #[arg(long, default_value = "auto")]
+    torch: String,
+    /// Python interpreter for the PyTorch side.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Ignored: `cargo bench` passes it to every bench binary.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// Rotating buffers: an input pool on the root and an output pool on every rank, used as
+/// `sets` consecutive slices so that back-to-back iterations do not hit a warm L2.
+struct Pools {
+    input: CudaSlice<u8>,
+    outputs: Vec<CudaSlice<u8>>,
+    host_input: Vec<u8>,
+}
+
+const POOL_MIN: usize = 512 << 20;
+
+fn sets_for(bytes: usize, pool: usize) -> usize {
+    (pool / bytes).clamp(1, 64)
+}
+
+fn xorshift_fill(buf: &mut [u8], mut seed: u64) {
+    for chunk in buf.chunks_mut(8) {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let b = seed.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let min = report::parse_size(&args.min_bytes).context("bad --min-bytes")?;
+    let max = report::parse_size(&args.max_bytes).context("bad --max-bytes")?;
+    let dtype = DType::parse(&args.dtype).context("bad --dtype")?;
+    let sizes: Vec<usize> = report::size_sweep(min, max, args.factor)
+        .into_iter()
+        .map(|s| (s as usize / dtype.size()).max(1) * dtype.size())
+        .collect();
+    if sizes.is_empty() {
+        bail!("no sizes between {min} and {max}");
+    }
+    let modes: Vec<Mode> = args
+        .modes
+        .iter()
+        .map(|m| Mode::parse(m).with_context(|| format!("unknown mode {m}")))
+        .collect::<Result<_>>()?;
+    let ngpus = match args.gpus {
+        Some(g) => g,
+        None => gpucast::device_count()?.min(gpucast::MAX_GPUS),
+    };
+    if ngpus < 2 {
+        bail!("the benchmark needs at least 2 GPUs ({ngpus} visible)");
+    }
+    let ordinals: Vec<usize> = (0..ngpus).collect();
+    let clique = Clique::new(&ordinals)?;
+    let (a, b, c) = gpucast::nccl_version()?;
+    println!("# gpucast broadcast benchmark");
+    println!("# GPUs: {ngpus}, root {}, dtype {dtype}", args.root);
+    println!(
+        "# NCCL {a}.{b}.{c}, NCCL_PROTO={}, NCCL_ALGO={}, NCCL_NVLS_ENABLE={}",
+        env_or("NCCL_PROTO"),
+        env_or("NCCL_ALGO"),
+        env_or("NCCL_NVLS_ENABLE")
+    );
+    println!("# thresholds: {:?}", clique.thresholds());
+    println!("# P2P: {:?}", clique.p2p_available());
+    println!("{}", clique.topology());
+
+    let max_size = *sizes.iter().max().expect("non-empty");
+    let pool = POOL_MIN.max(2 * max_size);
+    let mut host_input = vec![0u8; pool];
+    xorshift_fill(&mut host_input, 0x9e37_79b9_7f4a_7c15);
+    let pools = Pools {
+        input: clique.stream(args.root).clone_htod(&host_input)?,
+        outputs: (0..ngpus)
+            .map(|r| clique.stream(r).alloc_zeros::<u8>(pool))
+            .collect::<std::result::Result<_, _>>()?,
+        host_input,
+    };
+    let mut pools = pools;
+    let floor = EmptyKernel::new(&clique)?;
+
+    warm_up(&clique, &mut pools, args.root, &floor)?;
+    let paths: Vec<String> = args.paths.clone();
+    let total = sizes.len() * paths.len() * modes.len();
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
+    let mut rows = Vec::new();
+    for &bytes in &sizes {
+        for path in &paths {
+            verify(&clique, &mut pools, path, args.root, bytes, &floor)
+                .with_context(|| format!("checking {path} at {bytes} bytes"))?;
+            for &mode in &modes {
+                bar.set_message(format!(
+                    "{path} {} {}",
+                    mode.name(),
+                    report::format_size(bytes as u64)
+                ));
+                let row = measure(
+                    &clique, &mut pools, path, mode, args.root, bytes, dtype, &args, &floor,
+                )
+                .with_context(|| format!("timing {path} {} at {bytes} bytes", mode.name()))?;
+                rows.extend(row);
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    drop(pools);
+    drop(floor);
+    drop(clique);
+
+    let want_torch = match args.torch.as_str() {
+        "yes" | "true" | "1" => true,
+        "no" | "false" | "0" => false,
+        _ => Command::new(&args.python)
+            .args([
+                "-c",
+                "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)",
+            ])
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false),
+    };
+    std::fs::create_dir_all(&args.out)?;
+    if want_torch {
+        let csv = args.out.join("torch.csv");
+        let modes_arg = args.modes.join(",");
+        let status = Command::new(&args.python)
+            .arg(script_path("benches/torch_broadcast.py"))
+            .args(["--sizes", &format!("{}:{}", args.min_bytes, args.max_bytes)])
+            .args(["--factor", &args.factor.to_string()])
+            .args(["--dtype", torch_dtype(dtype)])
+            .args(["--root", &args.root.to_string()])
+            .args(["--gpus", &ngpus.to_string()])
+            .args(["--modes", &modes_arg])
+            .args(["--target-ms", &args.target_ms.to_string()])
+            .args(["--repeats", &args.repeats.to_string()])
+            .arg("--csv")
+            .arg(&csv)
+            .status()
+            .context("running benches/torch_broadcast.py")?;
+        if status.success() {
+            let f = std::io::BufReader::new(std::fs::File::open(&csv)?);
+            let torch_rows = report::read_csv(f).map_err(anyhow::Error::msg)?;
+            println!("# merged {} PyTorch rows", torch_rows.len());
+            rows.extend(torch_rows);
+        } else {
+            println!("# PyTorch script failed ({status}); its numbers are skipped");
+        }
+    } else {
+        println!(
+            "# PyTorch skipped: {} has no torch with 2 GPUs (or --torch no)",
+            args.python
+        );
+    }
+
+    let table = report::format_table(&rows, "nccl");
+    println!("{table}");
+    let mut summary = Vec::new();
+    for &mode in &modes {
+        if let Some(x) = report::last_win(&rows, mode, "p2p", "nccl") {
+            summary.push(format!(
+                "{}: P2P beats NCCL up to {} (last size where it wins)",
+                mode.name(),
+                report::format_size(x)
+            ));
+        }
+        if let Some(x) = report::crossover(&rows, mode, "p2p", "nccl") {
+            summary.push(format!(
+                "{}: crossover (NCCL at least as fast from here on): {}",
+                mode.name(),
+                report::format_size(x)
+            ));
+        }
+        for line in report::ratio_summary(&rows, mode, 64 << 10) {
+            summary.push(format!("{}: {line}", mode.name()));
+        }
+    }
+    for line in &summary {
+        println!("{line}");
+    }
+    let mut csv = std::fs::File::create(args.out.join("broadcast.csv"))?;
+    report::write_csv(&rows, &mut csv)?;
+    std::fs::write(
+        args.out.join("table.txt"),
+        format!("{table}\n{}\n", summary.join("\n")),
+    )?;
+    let title = format!("broadcast, {ngpus} GPUs, {dtype}, root {}", args.root);
+    if let Err(e) = report::plot(&rows, &args.out.join("broadcast.png"), &title) {
+        println!("# plot failed: {e}");
+    }
+    println!("# wrote {}", args.out.display());
+    Ok(())
+}
+
+/// A file of this repository: from the build's checkout if it is still there, else relative to
+/// the working directory (the GPU machine runs the staged binary from a copy of the repository).
+fn script_path(relative: &str) -> PathBuf {
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from(relative)
+    }
+}
+
+fn env_or(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| "unset".into())
+}
+
+fn torch_dtype(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::I8 => "int8",
+        DType::U8 => "uint8",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        _ => "float32",
+    }
+}
+
+/// An empty kernel, launched once per GPU per op: the floor of any design that launches a
+/// kernel on every GPU.
+struct EmptyKernel {
+    funcs: Vec<CudaFunction>,
+}
+
+impl EmptyKernel {
+    fn new(clique: &Clique) -> Result<EmptyKernel> {
+        let ptx =
+            gpucast::cudarc::nvrtc::compile_ptx("extern \"C\" __global__ void gpucast_empty() {}")
+                .map_err(|e| anyhow::anyhow!("compiling the empty kernel: {e:?}"))?;
+        let funcs = (0..clique.len())
+            .map(|r| {
+                let m = clique.context(r).load_module(ptx.clone())?;
+                m.load_function("gpucast_empty")
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(EmptyKernel { funcs })
+    }
+
+    fn launch(&self, clique: &Clique) -> Result<()> {
+        for (r, f) in self.funcs.iter().enumerate() {
+            // SAFETY: a live context of the clique.
+            unsafe { result::ctx::set_current(clique.context(r).cu_ctx()) }?;
+            // SAFETY: the empty kernel takes no parameters.
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    (1, 1, 1),
+                    (32, 1, 1),
+                    0,
+                    clique.raw_streams()[r],
+                    &mut [],
+                )
+            }?;
+        }
+        Ok(())
+    }
+}
+
+/// Broadcast options of a path name (`p2p-packet` and `p2p-pull` force the kernel's protocol).
+fn options_for(path: &str) -> Result<BroadcastOptions> {
+    Ok(match path {
+        "p2p-packet" => BroadcastOptions {
+            path: Some(Path::P2p),
+            packet_threshold: Some(gpucast::plan::PACKET_MAX_BYTES),
+            ..Default::default()
+        },
+        "p2p-pull" => BroadcastOptions {
+            path: Some(Path::P2p),
+            packet_threshold: Some(0),
+            ..Default::default()
+        },
+        p => BroadcastOptions::path(Path::parse(p).with_context(|| format!("unknown path {p}"))?),
+    })
+}
+
+/// One op of `path` on rotating set `set`.
+fn run_op(
+    clique: &Clique,
+    pools: &mut Pools,
+    path: &str,
+    root: usize,
+    bytes: usize,
+    set: usize,
+    floor: &EmptyKernel,
+) -> Result<()> {
+    let off = set * bytes;
+    match path {
+        "launch-floor" => floor.launch(clique),
+        "copy-engine" => {
+            let (src, _r) = pools.input.device_ptr(clique.stream(root));
+            let dsts: Vec<u64> = pools
+                .outputs
+                .iter_mut()
+                .enumerate()
+                .map(|(r, o)| o.device_ptr_mut(clique.stream(r)).0 + off as u64)
+                .collect();
+            // SAFETY: the pools hold `pool` bytes and `off + bytes <= pool` (sets_for).
+            unsafe { clique.copy_engine_raw(root, src + off as u64, &dsts, bytes) }?;
+            Ok(())
+        }
+        p => {
+            let opts = options_for(p)?;
+            let input = pools.input.slice(off..off + bytes);
+            let mut outs: Vec<_> = pools
+                .outputs
+                .iter_mut()
+                .map(|o| o.slice_mut(off..off + bytes))
+                .collect();
+            clique.broadcast_with(root, &input, &mut outs, &opts)?;
+            Ok(())
+        }
+    }
+}
+
+fn pool_len(pools: &Pools) -> usize {
+    pools.input.len()
+}
+
+/// About two seconds of mixed work before anything is timed: idle GPUs run at low clocks and
+/// the first sizes of a sweep would otherwise be measured on a cold machine.
+fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel) -> Result<()> {
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed().as_secs_f64() < 2.0 {
+        for (path, bytes) in [("nccl", 1 << 20), ("p2p", 4096), ("p2p", 1 << 20), ("launch-floor", 0)] {
+            run_op(clique, pools, path, root, bytes.max(1), i % 4, floor)?;
+        }
+        i += 1;
+        if i % 64 == 0 {
+            clique.synchronize()?;
+        }
+    }
+    clique.synchronize()?;
+    Ok(())
+}
+
+/// Runs one op of `path` into poisoned outputs and compares every rank's output with the input.
+fn verify(
+    clique: &Clique,
+    pools: &mut Pools,
+    path: &str,
+    root: usize,
+    bytes: usize,
+    floor: &EmptyKernel,
+) -> Result<()> {
+    if path == "launch-floor" {
+        return Ok(());
+    }
+    for (r, o) in pools.outputs.iter_mut().enumerate() {
+        let s: &Arc<CudaStream> = clique.stream(r);
+        let (p, _g) = o.device_ptr_mut(s);
+        // SAFETY: `p` points to the pool of `pool` >= bytes bytes on this stream's device.
+        unsafe { result::memset_d8_async(p, 0xA5 ^ r as u8, bytes, s.cu_stream()) }?;
+    }
+    run_op(clique, pools, path, root, bytes, 0, floor)?;
+    clique.synchronize()?;
+    let want = &pools.host_input[..bytes];
+    for r in 0..clique.len() {
+        if path == "copy-engine" && r == root {
+            continue;
+        }
+        let got: Vec<u8> = clique
+            .stream(r)
+            .clone_dtoh(&pools.outputs[r].slice(..bytes))?;
+        if got != want {
+            let i = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            bail!("{path}: rank {r} output differs from the input at byte {i} of {bytes}");
+        }
+    }
+    Ok(())
+}
+
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one call site; a struct would only rename them"
+)]
+fn measure(
+    clique: &Clique,
+    pools: &mut Pools,
+    path: &str,
+    mode: Mode,
+    root: usize,
+    bytes: usize,
+    dtype: DType,
+    args: &Args,
+    floor: &EmptyKernel,
+) -> Result<Option<Row>> {
+    let sets = sets_for(bytes, pool_len(pools));
+    // Iterations so that a repeat holds about target_ms of work (estimate: 10 us + 300 GB/s).
+    let est_us = 10.0 + bytes as f64 / 300e3;
+    let iters = ((args.target_ms * 1e3 / est_us) as usize).clamp(4, 2000);
+    let route = match options_for(path) {
+        Ok(opts) => clique.route(bytes, &opts)?.name().to_string(),
+        Err(_) => "-".to_string(),
+    };
+    if path == "p2p-packet" && bytes > gpucast::plan::PACKET_MAX_BYTES {
+        return Ok(None);
+    }
+    let mut samples = Vec::with_capacity(args.repeats);
+    match mode {
+        Mode::Eager => {
+            for i in 0..iters.min(50) {
+                run_op(clique, pools, path, root, bytes, i % sets, floor)?;
+            }
+            clique.synchronize()?;
+            for _ in 0..args.repeats {
+                clique.synchronize()?;
+                let t0 = Instant::now();
+                for i in 0..iters {
+                    run_op(clique, pools, path, root, bytes, i % sets, floor)?;
+                }
+                clique.synchronize()?;
+                samples.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+            }
+        }
+        Mode::Graph => {
+            clique.synchronize()?;
+            let graph = match clique.capture(|c| {
+                for i in 0..iters {
+                    run_op(c, pools, path, root, bytes, i % sets, floor)
+                        .map_err(|e| gpucast::Error::InvalidList(e.to_string()))?;
+                }
+                Ok(())
+            }) {
+                Ok(g) => g,
+                Err(e) => {
+                    println!("# graph capture of {path} failed: {e}; skipped");
+                    clique.synchronize().ok();
+                    return Ok(None);
+                }
+            };
+            graph.upload()?;
+            graph.launch()?;
+            clique.synchronize()?;
+            for _ in 0..args.repeats {
+                let t0 = Instant::now();
+                graph.launch()?;
+                clique.synchronize()?;
+                samples.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+            }
+        }
+    }
+    let st = report::stats(&samples).context("no samples")?;
+    Ok(Some(Row {
+        gpus: clique.len(),
+        mode,
+        path: path.to_string(),
+        route,
+        bytes: bytes as u64,
+        count: (bytes / dtype.size()) as u64,
+        dtype: dtype.name().to_string(),
+        root,
+        time_us: st.median,
+        min_us: st.min,
+        max_us: st.max,
+    }))
+}

@@ -19,7 +19,7 @@ summary=()
 run() {
   local name=$1; shift
   local t0=$(date +%s%N)
-  "$@" >"$out/$name.log" 2>&1
+  timeout -k 10 "${LIMIT:-300}" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   local dt="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
@@ -44,7 +44,8 @@ if want weights; then
   run example-weights .gpu/bin/example-broadcast_weights --compare
 fi
 if want bench-quick; then
-  run bench-quick .gpu/bin/bench-broadcast --bench -e 64M --repeats 7 --target-ms 10 --out "$out/bench-quick" --torch no
+  run bench-quick .gpu/bin/bench-broadcast --bench -e 64M --repeats 7 --target-ms 10 --out "$out/bench-quick" --torch no \
+    --paths nccl,p2p,p2p-packet,p2p-pull,auto,copy-engine,launch-floor
   cp "$out/bench-quick/table.txt" "$dest/bench-quick-table.txt" 2>/dev/null
   cp "$out/bench-quick/broadcast.csv" "$dest/bench-quick.csv" 2>/dev/null
 fi

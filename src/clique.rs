@@ -22,7 +22,8 @@ pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// Default bound on a P2P wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
-const CUDA_HINT: &str = "install the NVIDIA driver (it provides libcuda.so.1); in a container, start it with \
+const CUDA_HINT: &str =
+    "install the NVIDIA driver (it provides libcuda.so.1); in a container, start it with \
 GPU access (e.g. `docker run --gpus all` with the NVIDIA container toolkit)";
 
 /// The CUDA version of the driver API gpucast was built against (its `cuda-*` feature).
@@ -45,6 +46,8 @@ pub struct BroadcastOptions {
     pub path: Option<Path>,
     /// `Auto`'s P2P limit in bytes for this call; `None` takes the clique's.
     pub p2p_threshold: Option<usize>,
+    /// The P2P kernel's packet/pull switch point for this call; `None` takes the clique's.
+    pub packet_threshold: Option<usize>,
 }
 
 impl BroadcastOptions {
@@ -52,7 +55,7 @@ impl BroadcastOptions {
     pub fn path(path: Path) -> BroadcastOptions {
         BroadcastOptions {
             path: Some(path),
-            p2p_threshold: None,
+            ..BroadcastOptions::default()
         }
     }
 }
@@ -224,7 +227,10 @@ impl Clique {
         let n = ordinals.len();
 
         let mut thresholds = Thresholds::for_gpus(n);
-        if let Some(t) = b.p2p_threshold.or(plan::bytes_from_env(plan::P2P_THRESHOLD_ENV)?) {
+        if let Some(t) = b
+            .p2p_threshold
+            .or(plan::bytes_from_env(plan::P2P_THRESHOLD_ENV)?)
+        {
             thresholds.p2p_max_bytes = t;
         }
         if let Some(t) = b
@@ -241,7 +247,8 @@ impl Clique {
         let mut ctxs = Vec::with_capacity(n);
         let mut streams = Vec::with_capacity(n);
         for &o in &ordinals {
-            let ctx = CudaContext::new(o).map_err(Error::cuda(format!("creating a context on device {o}")))?;
+            let ctx = CudaContext::new(o)
+                .map_err(Error::cuda(format!("creating a context on device {o}")))?;
             // SAFETY: the clique orders all of its work by stream (see "Ordering" above); buffers
             // made on these contexts are used on the clique's streams or ordered by the caller.
             unsafe { ctx.disable_event_tracking() };
@@ -257,7 +264,7 @@ impl Clique {
 
         let p2p = match topology.p2p_support() {
             Err(why) => Err(why),
-            Ok(()) => P2p::new(&ctxs, timeout.as_nanos().min(u64::MAX as u128) as u64)
+            Ok(()) => P2p::new(&ctxs, u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX))
                 .map_err(|e| e.to_string()),
         };
         if let Err(why) = &p2p {
@@ -339,6 +346,9 @@ impl Clique {
         let mut t = self.thresholds;
         if let Some(p) = options.p2p_threshold {
             t.p2p_max_bytes = p;
+        }
+        if let Some(p) = options.packet_threshold {
+            t.packet_max_bytes = p;
         }
         plan::choose(
             options.path.unwrap_or(self.default_path),
@@ -458,8 +468,9 @@ impl Clique {
 
     fn drain_and_recover(&self, p2p: &P2p) -> Result<()> {
         for (rank, s) in self.streams.iter().enumerate() {
-            s.synchronize()
-                .map_err(Error::cuda(format!("draining rank {rank} after a P2P timeout")))?;
+            s.synchronize().map_err(Error::cuda(format!(
+                "draining rank {rank} after a P2P timeout"
+            )))?;
         }
         p2p.recover()
     }
@@ -479,7 +490,13 @@ impl Clique {
         dtype: DType,
     ) -> Result<()> {
         let bytes = count * dtype.size();
-        let span = tracing::debug_span!("broadcast", root, bytes, dtype = dtype.name(), path = route.name());
+        let span = tracing::debug_span!(
+            "broadcast",
+            root,
+            bytes,
+            dtype = dtype.name(),
+            path = route.name()
+        );
         let _enter = span.enter();
         match route {
             Route::Empty => Ok(()),
@@ -489,7 +506,10 @@ impl Clique {
                 unsafe { comms.broadcast(root, src, dsts, count, dtype.nccl(), &self.raw_streams) }
             }
             Route::P2pPacket | Route::P2pPull => {
-                let p2p = self.p2p.as_ref().map_err(|why| Error::P2pUnavailable(why.clone()))?;
+                let p2p = self
+                    .p2p
+                    .as_ref()
+                    .map_err(|why| Error::P2pUnavailable(why.clone()))?;
                 let (geometry, params) = p2p.params(route, root, src, bytes);
                 // SAFETY: per this function's contract; `launch` covers every rank in order.
                 unsafe { p2p.launch(route, geometry, params, dsts, &self.raw_streams) }
@@ -536,9 +556,9 @@ impl Clique {
             }
         }
         for (rank, s) in streams.iter().enumerate() {
-            self.streams[rank]
-                .join(s)
-                .map_err(Error::cuda(format!("ordering rank {rank} after a caller stream")))?;
+            self.streams[rank].join(s).map_err(Error::cuda(format!(
+                "ordering rank {rank} after a caller stream"
+            )))?;
         }
         Ok(())
     }
@@ -564,7 +584,10 @@ impl Clique {
     where
         F: FnOnce(&Clique) -> Result<()>,
     {
-        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        // Relaxed: the GPUs' captures run side by side on this thread, and ending one (which
+        // instantiates its graph) while another is still capturing is an "unsafe" call in the
+        // global and thread-local modes (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED).
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         let mut begun = 0;
         let mut status = Ok(());
         for s in &self.streams {
@@ -611,8 +634,14 @@ impl Clique {
     /// Raw device addresses: `src` must hold `bytes` bytes on the root's device and each
     /// `dsts[rank]` as many on that rank's device, valid until the streams pass this point.
     #[doc(hidden)]
-    pub unsafe fn copy_engine_raw(&self, root: usize, src: u64, dsts: &[u64], bytes: usize) -> Result<()> {
-        for rank in 0..self.len() {
+    pub unsafe fn copy_engine_raw(
+        &self,
+        root: usize,
+        src: u64,
+        dsts: &[u64],
+        bytes: usize,
+    ) -> Result<()> {
+        for (rank, &dst) in dsts.iter().enumerate().take(self.len()) {
             if rank == root {
                 continue;
             }
@@ -623,7 +652,7 @@ impl Clique {
             unsafe {
                 result::memcpy_peer_async(
                     self.ctxs[rank].cu_ctx(),
-                    dsts[rank],
+                    dst,
                     self.ctxs[root].cu_ctx(),
                     src,
                     bytes,
@@ -681,14 +710,19 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
             if can == 0 {
                 continue;
             }
-            ctxs[i].bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            ctxs[i]
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
             // SAFETY: both contexts are live; enabling twice reports ALREADY_ENABLED, accepted.
             let r = unsafe { sys::cuCtxEnablePeerAccess(ctxs[j].cu_ctx(), 0) };
             if r != sys::cudaError_enum::CUDA_SUCCESS
                 && r != sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
             {
                 return Err(Error::Cuda {
-                    during: format!("enabling peer access from device {} to {}", ordinals[i], ordinals[j]),
+                    during: format!(
+                        "enabling peer access from device {} to {}",
+                        ordinals[i], ordinals[j]
+                    ),
                     source: result::DriverError(r),
                 });
             }
@@ -706,10 +740,12 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             // SAFETY: `pool` is device j's live pool; `desc` is one valid descriptor.
-            unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1).result() }.map_err(Error::cuda(format!(
-                "granting device {} access to device {}'s memory pool",
-                ordinals[i], ordinals[j]
-            )))?;
+            unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1).result() }.map_err(Error::cuda(
+                format!(
+                    "granting device {} access to device {}'s memory pool",
+                    ordinals[i], ordinals[j]
+                ),
+            ))?;
             let mut atomics = 0;
             // SAFETY: valid devices and out pointer.
             unsafe {
@@ -722,7 +758,11 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
                 .result()
             }
             .map_err(Error::cuda("querying peer attributes"))?;
-            links[i][j] = if atomics != 0 { Link::NvLink } else { Link::Pcie };
+            links[i][j] = if atomics != 0 {
+                Link::NvLink
+            } else {
+                Link::Pcie
+            };
         }
     }
     let names = ctxs

@@ -32,13 +32,22 @@ pub type OutputLists<'a, 'b> = [Vec<&'a mut (dyn DeviceTensorMut + 'b)>];
 
 fn in_tensor(t: usize, e: Error) -> Error {
     match e {
-        Error::WrongDevice { what, rank, expected, found } => Error::WrongDevice {
+        Error::WrongDevice {
+            what,
+            rank,
+            expected,
+            found,
+        } => Error::WrongDevice {
             what: format!("tensor {t} {what}"),
             rank,
             expected,
             found,
         },
-        Error::LengthMismatch { what, expected, got } => Error::LengthMismatch {
+        Error::LengthMismatch {
+            what,
+            expected,
+            got,
+        } => Error::LengthMismatch {
             what: format!("tensor {t} {what}"),
             expected,
             got,
@@ -136,7 +145,11 @@ impl Clique {
                 return Err(Error::InvalidList(format!(
                     "rank {rank} has {} tensors, the {} has {count}",
                     list.len(),
-                    if inputs.is_some() { "input list" } else { "root" }
+                    if inputs.is_some() {
+                        "input list"
+                    } else {
+                        "root"
+                    }
                 )));
             }
         }
@@ -225,7 +238,12 @@ impl Clique {
                 .map_err(|why| Error::P2pUnavailable(why.clone()))?;
             for batch in &fused.p2p {
                 let copies: Vec<Vec<(u64, u64, usize)>> = (0..n)
-                    .map(|rank| batch.iter().map(|&t| (srcs[t], dsts[rank][t], bytes[t])).collect())
+                    .map(|rank| {
+                        batch
+                            .iter()
+                            .map(|&t| (srcs[t], dsts[rank][t], bytes[t]))
+                            .collect()
+                    })
                     .collect();
                 // SAFETY: per this function's contract.
                 unsafe { p2p.launch_list(root, &copies, self.raw_streams()) }?;
@@ -240,20 +258,19 @@ impl Clique {
                 let g = comms.group()?;
                 for &t in group {
                     let (len, dtype) = shapes[t];
-                    for rank in 0..n {
-                        let send = if rank == root { srcs[t] } else { dsts[rank][t] };
+                    for (rank, row) in dsts.iter().enumerate() {
+                        let send = if rank == root { srcs[t] } else { row[t] };
+                        let op = crate::nccl::RankOp {
+                            rank,
+                            root,
+                            send,
+                            recv: row[t],
+                            count: len,
+                            dtype: dtype.nccl(),
+                            stream: self.raw_streams()[rank],
+                        };
                         // SAFETY: per this function's contract.
-                        unsafe {
-                            comms.broadcast_rank(
-                                rank,
-                                root,
-                                send,
-                                dsts[rank][t],
-                                len,
-                                dtype.nccl(),
-                                self.raw_streams()[rank],
-                            )
-                        }?;
+                        unsafe { comms.broadcast_rank(op) }?;
                     }
                 }
                 g.end()?;

@@ -75,7 +75,8 @@ mod tensor;
 mod topology;
 
 pub use clique::{
-    device_count, BroadcastOptions, Clique, CliqueBuilder, CliqueGraph, DEFAULT_TIMEOUT, TIMEOUT_ENV,
+    device_count, BroadcastOptions, Clique, CliqueBuilder, CliqueGraph, DEFAULT_TIMEOUT,
+    TIMEOUT_ENV,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

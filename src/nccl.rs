@@ -111,7 +111,12 @@ impl NcclLib {
             })
     }
 
-    fn check(&self, code: RawResult, comm: ncclComm_t, during: impl FnOnce() -> String) -> Result<()> {
+    fn check(
+        &self,
+        code: RawResult,
+        comm: ncclComm_t,
+        during: impl FnOnce() -> String,
+    ) -> Result<()> {
         if code == 0 {
             return Ok(());
         }
@@ -159,6 +164,17 @@ unsafe fn cstr(p: *const c_char) -> String {
     }
 }
 
+/// One rank's part of an NCCL broadcast.
+pub(crate) struct RankOp {
+    pub rank: usize,
+    pub root: usize,
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+    pub dtype: ncclDataType_t,
+    pub stream: CUstream,
+}
+
 /// The NCCL communicators of one process, one per clique rank, destroyed on drop.
 pub(crate) struct Comms {
     lib: &'static NcclLib,
@@ -184,7 +200,9 @@ impl Comms {
         let n = c_int::try_from(devs.len()).expect("at most 8 devices");
         // SAFETY: `comms` has room for `n` handles and `devs` holds `n` valid ordinals.
         let code = unsafe { (lib.comm_init_all)(comms.as_mut_ptr(), n, devs.as_ptr()) };
-        lib.check(code, std::ptr::null_mut(), || format!("ncclCommInitAll on devices {ordinals:?}"))?;
+        lib.check(code, std::ptr::null_mut(), || {
+            format!("ncclCommInitAll on devices {ordinals:?}")
+        })?;
         Ok(Comms { lib, comms })
     }
 
@@ -219,7 +237,8 @@ impl Comms {
                     streams[rank],
                 )
             };
-            self.lib.check(code, comm, || format!("ncclBroadcast on rank {rank}"))?;
+            self.lib
+                .check(code, comm, || format!("ncclBroadcast on rank {rank}"))?;
         }
         group.end()
     }
@@ -233,31 +252,24 @@ impl Comms {
     ///
     /// # Safety
     /// As for [`Comms::broadcast`], for this rank's buffers.
-    pub(crate) unsafe fn broadcast_rank(
-        &self,
-        rank: usize,
-        root: usize,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: ncclDataType_t,
-        stream: CUstream,
-    ) -> Result<()> {
-        let comm = self.comms[rank];
-        let root_c = c_int::try_from(root).expect("root validated < 8");
+    pub(crate) unsafe fn broadcast_rank(&self, op: RankOp) -> Result<()> {
+        let comm = self.comms[op.rank];
+        let root_c = c_int::try_from(op.root).expect("root validated < 8");
         // SAFETY: guaranteed by the caller.
         let code = unsafe {
             (self.lib.broadcast)(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                dtype,
+                op.send as *const c_void,
+                op.recv as *mut c_void,
+                op.count,
+                op.dtype,
                 root_c,
                 comm,
-                stream,
+                op.stream,
             )
         };
-        self.lib.check(code, comm, || format!("ncclBroadcast on rank {rank}"))
+        let rank = op.rank;
+        self.lib
+            .check(code, comm, || format!("ncclBroadcast on rank {rank}"))
     }
 
     /// The first asynchronous error any communicator reports, if any.
@@ -266,10 +278,14 @@ impl Comms {
             let mut state: RawResult = 0;
             // SAFETY: `comm` is live; `state` is a valid out pointer.
             let code = unsafe { (self.lib.comm_get_async_error)(comm, &mut state) };
-            self.lib.check(code, comm, || format!("ncclCommGetAsyncError on rank {rank}"))?;
+            self.lib.check(code, comm, || {
+                format!("ncclCommGetAsyncError on rank {rank}")
+            })?;
             // ncclInProgress (7) is not an error: non-blocking init or a collective is still running.
             if state != 0 && state != 7 {
-                self.lib.check(state, comm, || format!("asynchronous NCCL error on rank {rank}"))?;
+                self.lib.check(state, comm, || {
+                    format!("asynchronous NCCL error on rank {rank}")
+                })?;
             }
         }
         Ok(())
@@ -281,7 +297,9 @@ impl Drop for Comms {
         for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
             // SAFETY: `comm` is live and is not used again; destroy waits for its pending work.
             let code = unsafe { (self.lib.comm_destroy)(comm) };
-            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || format!("ncclCommDestroy rank {rank}")) {
+            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
+                format!("ncclCommDestroy rank {rank}")
+            }) {
                 tracing::warn!(error = %e, "could not destroy an NCCL communicator");
             }
         }
@@ -307,7 +325,8 @@ impl Group {
         self.open = false;
         // SAFETY: matches the ncclGroupStart of `start`.
         let code = unsafe { (self.lib.group_end)() };
-        self.lib.check(code, std::ptr::null_mut(), || "ncclGroupEnd".into())
+        self.lib
+            .check(code, std::ptr::null_mut(), || "ncclGroupEnd".into())
     }
 }
 

@@ -110,8 +110,10 @@ impl Thresholds {
 
 /// Default `Auto` limit for 2 GPUs (see [`Thresholds::for_gpus`]).
 pub const DEFAULT_P2P_MAX_2GPU: usize = 64 << 20;
-/// Default packet/pull switch point.
-pub const DEFAULT_PACKET_MAX: usize = 64 << 10;
+/// Default packet/pull switch point: the packet protocol's capacity. On 2 H200 the packet
+/// protocol was faster than pull at every size it can carry (eager, 2026-11-30: 7.2 vs 9.6 us at
+/// 256 KiB), since pull pays two flag round trips and a remote-read latency.
+pub const DEFAULT_PACKET_MAX: usize = PACKET_MAX_BYTES;
 
 /// Why the P2P path cannot run on a clique, if it cannot.
 pub type P2pAvailability<'a> = std::result::Result<(), &'a str>;
@@ -166,10 +168,12 @@ pub fn parse_bytes(s: &str) -> Option<usize> {
 pub fn bytes_from_env(name: &'static str) -> Result<Option<usize>> {
     match std::env::var(name) {
         Err(_) => Ok(None),
-        Ok(v) => parse_bytes(&v).map(Some).ok_or_else(|| Error::InvalidSetting {
-            name,
-            reason: format!("{v:?} is not a byte count (e.g. 262144, 256K, 4M)"),
-        }),
+        Ok(v) => parse_bytes(&v)
+            .map(Some)
+            .ok_or_else(|| Error::InvalidSetting {
+                name,
+                reason: format!("{v:?} is not a byte count (e.g. 262144, 256K, 4M)"),
+            }),
     }
 }
 
@@ -224,7 +228,11 @@ pub fn validate_broadcast(
     if root >= n {
         return Err(Error::RootOutOfRange { root, size: n });
     }
-    let what = if input.is_some() { "outputs" } else { "buffers" };
+    let what = if input.is_some() {
+        "outputs"
+    } else {
+        "buffers"
+    };
     if outputs.len() != n {
         return Err(Error::OutputCount {
             what,
@@ -296,7 +304,7 @@ pub const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BYTES) as
 /// Data bytes a packet block aims for (fewer bytes per block, more blocks polling in parallel).
 pub const PACKET_BYTES_PER_BLOCK: usize = 2048;
 /// Bytes a pull block aims for before the grid stops growing.
-pub const PULL_BYTES_PER_BLOCK: usize = 64 << 10;
+pub const PULL_BYTES_PER_BLOCK: usize = 16 << 10;
 
 /// Most copies in one fused P2P launch (the descriptor table travels in the kernel's 4 KiB
 /// parameter space: 96 bytes of header plus 32 bytes per entry).
@@ -342,8 +350,13 @@ pub struct Geometry {
 
 /// Geometry of a packet launch for `bytes` (1 ..= [`PACKET_MAX_BYTES`]).
 pub fn packet_geometry(bytes: usize) -> Geometry {
-    assert!(bytes > 0 && bytes <= PACKET_MAX_BYTES, "packet message of {bytes} bytes");
-    let want = bytes.div_ceil(PACKET_BYTES_PER_BLOCK).clamp(1, PACKET_MAX_BLOCKS as usize);
+    assert!(
+        bytes > 0 && bytes <= PACKET_MAX_BYTES,
+        "packet message of {bytes} bytes"
+    );
+    let want = bytes
+        .div_ceil(PACKET_BYTES_PER_BLOCK)
+        .clamp(1, PACKET_MAX_BLOCKS as usize);
     let chunk = bytes.div_ceil(want).next_multiple_of(16);
     let blocks = bytes.div_ceil(chunk);
     Geometry {
@@ -356,7 +369,9 @@ pub fn packet_geometry(bytes: usize) -> Geometry {
 /// Geometry of a pull launch for `bytes` (> 0).
 pub fn pull_geometry(bytes: usize) -> Geometry {
     assert!(bytes > 0, "pull of 0 bytes");
-    let blocks = bytes.div_ceil(PULL_BYTES_PER_BLOCK).clamp(1, MAX_BLOCKS as usize);
+    let blocks = bytes
+        .div_ceil(PULL_BYTES_PER_BLOCK)
+        .clamp(1, MAX_BLOCKS as usize);
     Geometry {
         blocks: u32::try_from(blocks).expect("at most MAX_BLOCKS"),
         threads: THREADS,
@@ -493,23 +508,47 @@ mod tests {
     #[test]
     fn layout_fits_and_does_not_overlap() {
         use layout::*;
-        assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
-        assert!(ARRIVE < DONE && DONE < SIGNAL_WORDS);
-        assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET % 4096 == 0);
-        assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
-        assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
+        const {
+            assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
+            assert!(ARRIVE < DONE && DONE < SIGNAL_WORDS);
+            assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET % 4096 == 0);
+            assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
+            assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
+        }
+        // Flag arrays are indexed [block][gpu]: the last word of DONE is still inside the area.
+        assert_eq!(
+            DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1,
+            SIGNAL_WORDS - 1
+        );
     }
 
     #[test]
     fn packet_geometry_covers_every_byte_without_empty_blocks() {
-        for bytes in [1usize, 15, 16, 17, 2047, 2048, 2049, 65536, 100_003, PACKET_MAX_BYTES] {
+        for bytes in [
+            1usize,
+            15,
+            16,
+            17,
+            2047,
+            2048,
+            2049,
+            65536,
+            100_003,
+            PACKET_MAX_BYTES,
+        ] {
             let g = packet_geometry(bytes);
-            assert!(g.blocks >= 1 && g.blocks <= PACKET_MAX_BLOCKS, "{bytes}: {g:?}");
+            assert!(
+                g.blocks >= 1 && g.blocks <= PACKET_MAX_BLOCKS,
+                "{bytes}: {g:?}"
+            );
             assert_eq!(g.chunk % 16, 0);
             assert!(g.chunk <= PACKET_REGION_BYTES, "{bytes}: {g:?}");
             let covered = g.blocks as usize * g.chunk as usize;
             assert!(covered >= bytes, "{bytes}: {g:?}");
-            assert!((g.blocks as usize - 1) * (g.chunk as usize) < bytes, "empty block: {g:?}");
+            assert!(
+                (g.blocks as usize - 1) * (g.chunk as usize) < bytes,
+                "empty block: {g:?}"
+            );
         }
     }
 
@@ -538,7 +577,10 @@ mod tests {
         let a = co_alignment(0x1001, 0x2002, 7);
         assert_eq!((a.unit, a.head, a.body_units, a.tail), (1, 0, 7, 0));
         let a = co_alignment(0x1001, 0x2001, 3);
-        assert_eq!(a.head as u64 + a.body_units * a.unit as u64 + a.tail as u64, 3);
+        assert_eq!(
+            a.head as u64 + a.body_units * a.unit as u64 + a.tail as u64,
+            3
+        );
         for src in 0..32u64 {
             for dst in 0..32u64 {
                 for bytes in [0u64, 1, 5, 16, 33, 1000] {
@@ -561,14 +603,35 @@ mod tests {
             packet_max_bytes: 64 << 10,
         };
         assert_eq!(choose(Path::Auto, 0, Ok(()), &t).unwrap(), Route::Empty);
-        assert_eq!(choose(Path::Auto, 1024, Ok(()), &t).unwrap(), Route::P2pPacket);
-        assert_eq!(choose(Path::Auto, 64 << 10, Ok(()), &t).unwrap(), Route::P2pPacket);
-        assert_eq!(choose(Path::Auto, (64 << 10) + 1, Ok(()), &t).unwrap(), Route::P2pPull);
-        assert_eq!(choose(Path::Auto, 1 << 20, Ok(()), &t).unwrap(), Route::P2pPull);
-        assert_eq!(choose(Path::Auto, (1 << 20) + 1, Ok(()), &t).unwrap(), Route::Nccl);
-        assert_eq!(choose(Path::Auto, 1024, Err("no NVRTC"), &t).unwrap(), Route::Nccl);
+        assert_eq!(
+            choose(Path::Auto, 1024, Ok(()), &t).unwrap(),
+            Route::P2pPacket
+        );
+        assert_eq!(
+            choose(Path::Auto, 64 << 10, Ok(()), &t).unwrap(),
+            Route::P2pPacket
+        );
+        assert_eq!(
+            choose(Path::Auto, (64 << 10) + 1, Ok(()), &t).unwrap(),
+            Route::P2pPull
+        );
+        assert_eq!(
+            choose(Path::Auto, 1 << 20, Ok(()), &t).unwrap(),
+            Route::P2pPull
+        );
+        assert_eq!(
+            choose(Path::Auto, (1 << 20) + 1, Ok(()), &t).unwrap(),
+            Route::Nccl
+        );
+        assert_eq!(
+            choose(Path::Auto, 1024, Err("no NVRTC"), &t).unwrap(),
+            Route::Nccl
+        );
         assert_eq!(choose(Path::Nccl, 1024, Ok(()), &t).unwrap(), Route::Nccl);
-        assert_eq!(choose(Path::P2p, 1 << 30, Ok(()), &t).unwrap(), Route::P2pPull);
+        assert_eq!(
+            choose(Path::P2p, 1 << 30, Ok(()), &t).unwrap(),
+            Route::P2pPull
+        );
         let e = choose(Path::P2p, 1024, Err("GPU 0 and 1 lack peer access"), &t).unwrap_err();
         assert!(matches!(e, Error::P2pUnavailable(ref m) if m.contains("peer access")));
         // A packet threshold above what the inbox holds is capped.
@@ -601,12 +664,18 @@ mod tests {
         ));
         assert!(matches!(
             validate_devices(&[0, 2], 2),
-            Err(Error::DeviceOutOfRange { ordinal: 2, available: 2 })
+            Err(Error::DeviceOutOfRange {
+                ordinal: 2,
+                available: 2
+            })
         ));
         let nine: Vec<usize> = (0..9).collect();
         assert!(matches!(
             validate_devices(&nine, 16),
-            Err(Error::TooManyDevices { requested: 9, max: 8 })
+            Err(Error::TooManyDevices {
+                requested: 9,
+                max: 8
+            })
         ));
     }
 
@@ -618,7 +687,10 @@ mod tests {
     fn broadcast_arguments() {
         let ords = [3, 5];
         let outs = [buf(3, 10), buf(5, 10)];
-        assert_eq!(validate_broadcast(&ords, 1, Some(buf(5, 10)), &outs).unwrap(), 10);
+        assert_eq!(
+            validate_broadcast(&ords, 1, Some(buf(5, 10)), &outs).unwrap(),
+            10
+        );
         assert_eq!(validate_broadcast(&ords, 0, None, &outs).unwrap(), 10);
         assert!(matches!(
             validate_broadcast(&ords, 2, Some(buf(3, 10)), &outs),
@@ -626,7 +698,11 @@ mod tests {
         ));
         assert!(matches!(
             validate_broadcast(&ords, 0, Some(buf(3, 10)), &outs[..1]),
-            Err(Error::OutputCount { expected: 2, got: 1, .. })
+            Err(Error::OutputCount {
+                expected: 2,
+                got: 1,
+                ..
+            })
         ));
         assert!(matches!(
             validate_broadcast(&ords, 0, Some(buf(5, 10)), &outs),
@@ -638,12 +714,19 @@ mod tests {
         ));
         assert!(matches!(
             validate_broadcast(&ords, 0, Some(buf(3, 10)), &[buf(3, 10), buf(5, 9)]),
-            Err(Error::LengthMismatch { expected: 10, got: 9, .. })
+            Err(Error::LengthMismatch {
+                expected: 10,
+                got: 9,
+                ..
+            })
         ));
         assert!(matches!(
             validate_broadcast(&ords, 1, None, &[buf(3, 9), buf(5, 10)]),
             Err(Error::LengthMismatch { ref what, .. }) if what == "buffer 0"
         ));
-        assert_eq!(validate_broadcast(&ords, 0, Some(buf(3, 0)), &[buf(3, 0), buf(5, 0)]).unwrap(), 0);
+        assert_eq!(
+            validate_broadcast(&ords, 0, Some(buf(3, 0)), &[buf(3, 0), buf(5, 0)]).unwrap(),
+            0
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! Type-erased device buffers, for broadcasts of many tensors of mixed element types.
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
 
 use crate::dtype::{DType, Element};
 

@@ -146,7 +146,10 @@ mod tests {
         let t = topo(vec![vec![SelfLink, NvLink], vec![NvLink, SelfLink]]);
         assert!(t.p2p_support().is_ok());
         let s = t.to_string();
-        assert!(s.contains("GPU0") && s.contains("NV") && s.contains("P2P kernel: available"), "{s}");
+        assert!(
+            s.contains("GPU0") && s.contains("NV") && s.contains("P2P kernel: available"),
+            "{s}"
+        );
     }
 
     #[test]

@@ -3,6 +3,11 @@
 //!
 //! Every test uses random inputs, poisons outputs before each call and compares bit for bit.
 
+#![allow(
+    clippy::needless_range_loop,
+    reason = "ranks index several parallel arrays"
+)]
+
 mod common;
 
 use std::time::Duration;
@@ -15,7 +20,13 @@ use rand::{Rng, RngCore};
 
 const PATHS: [Path; 3] = [Path::Nccl, Path::P2p, Path::Auto];
 
-fn check_broadcast<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+fn check_broadcast<T: Element>(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    path: Path,
+    rng: &mut impl RngCore,
+) {
     let data: Vec<T> = random_vec(n, rng);
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<T>(clique, n, rng);
@@ -73,7 +84,10 @@ fn large<T: Element>(clique: &Clique, rng: &mut impl RngCore) {
                 let s = clique.stream(r);
                 let (ptr, _g) = out.device_ptr_mut(s);
                 // SAFETY: `ptr` is a live allocation of n elements on this stream's device.
-                unsafe { result::memset_d8_async(ptr, rng.random(), n * size_of::<T>(), s.cu_stream()) }.unwrap();
+                unsafe {
+                    result::memset_d8_async(ptr, rng.random(), n * size_of::<T>(), s.cu_stream())
+                }
+                .unwrap();
             }
             clique
                 .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
@@ -120,11 +134,15 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
                 let src_all: Vec<u8> = random_vec(total, &mut rng);
                 let input = clique.stream(0).clone_htod(&src_all).unwrap();
                 let guards: Vec<Vec<u8>> = (0..2).map(|_| random_vec(total, &mut rng)).collect();
-                let mut outs: Vec<CudaSlice<u8>> =
-                    (0..2).map(|r| clique.stream(r).clone_htod(&guards[r]).unwrap()).collect();
+                let mut outs: Vec<CudaSlice<u8>> = (0..2)
+                    .map(|r| clique.stream(r).clone_htod(&guards[r]).unwrap())
+                    .collect();
                 {
                     let view = input.slice(src_off..src_off + len);
-                    let mut views: Vec<_> = outs.iter_mut().map(|o| o.slice_mut(dst_off..dst_off + len)).collect();
+                    let mut views: Vec<_> = outs
+                        .iter_mut()
+                        .map(|o| o.slice_mut(dst_off..dst_off + len))
+                        .collect();
                     clique
                         .broadcast_with(0, &view, &mut views, &BroadcastOptions::path(path))
                         .unwrap();
@@ -133,7 +151,8 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
                 for (rank, out) in outs.iter().enumerate() {
                     let mut want = guards[rank].clone();
                     want[dst_off..dst_off + len].copy_from_slice(&src_all[src_off..src_off + len]);
-                    let what = format!("len={len} src+{src_off} dst+{dst_off} {path:?} rank {rank}");
+                    let what =
+                        format!("len={len} src+{src_off} dst+{dst_off} {path:?} rank {rank}");
                     assert_bytes_eq(clique.stream(rank), out, &want, &what);
                 }
             }
@@ -152,7 +171,11 @@ fn in_place_every_root_and_path() {
                 let data: Vec<bf16> = random_vec(n, &mut rng);
                 let mut bufs: Vec<CudaSlice<bf16>> = (0..2)
                     .map(|r| {
-                        let init = if r == root { data.clone() } else { random_vec(n, &mut rng) };
+                        let init = if r == root {
+                            data.clone()
+                        } else {
+                            random_vec(n, &mut rng)
+                        };
                         clique.stream(r).clone_htod(&init).unwrap()
                     })
                     .collect();
@@ -161,7 +184,12 @@ fn in_place_every_root_and_path() {
                     .unwrap();
                 clique.synchronize().unwrap();
                 for (rank, b) in bufs.iter().enumerate() {
-                    assert_bytes_eq(clique.stream(rank), b, &data, &format!("in place n={n} root={root} {path:?} rank {rank}"));
+                    assert_bytes_eq(
+                        clique.stream(rank),
+                        b,
+                        &data,
+                        &format!("in place n={n} root={root} {path:?} rank {rank}"),
+                    );
                 }
             }
         }
@@ -189,17 +217,29 @@ fn thousand_back_to_back_alternating_roots() {
     let n = 1024;
     let ops = 1000;
     let data: Vec<Vec<u32>> = (0..ops).map(|_| random_vec(n, &mut rng)).collect();
-    let inputs: Vec<CudaSlice<u32>> =
-        data.iter().enumerate().map(|(i, d)| clique.stream(i % 2).clone_htod(d).unwrap()).collect();
-    let mut outputs: Vec<Vec<CudaSlice<u32>>> = (0..ops).map(|_| poisoned_outputs(&clique, n, &mut rng)).collect();
+    let inputs: Vec<CudaSlice<u32>> = data
+        .iter()
+        .enumerate()
+        .map(|(i, d)| clique.stream(i % 2).clone_htod(d).unwrap())
+        .collect();
+    let mut outputs: Vec<Vec<CudaSlice<u32>>> = (0..ops)
+        .map(|_| poisoned_outputs(&clique, n, &mut rng))
+        .collect();
     clique.synchronize().unwrap();
     for i in 0..ops {
-        clique.broadcast(i % 2, &inputs[i], &mut outputs[i]).unwrap();
+        clique
+            .broadcast(i % 2, &inputs[i], &mut outputs[i])
+            .unwrap();
     }
     clique.synchronize().unwrap();
     for i in 0..ops {
         for rank in 0..2 {
-            assert_bytes_eq(clique.stream(rank), &outputs[i][rank], &data[i], &format!("op {i} rank {rank}"));
+            assert_bytes_eq(
+                clique.stream(rank),
+                &outputs[i][rank],
+                &data[i],
+                &format!("op {i} rank {rank}"),
+            );
         }
     }
 }
@@ -219,23 +259,44 @@ fn hundred_thousand_mixed_small_broadcasts() {
     const K: usize = 16; // distinct inputs per root
     const R: usize = 32; // output ring
     let max = 160 << 10; // bytes; above the packet limit, so pull runs too
-    let data: Vec<Vec<Vec<u8>>> = (0..2).map(|_| (0..K).map(|_| random_vec(max, &mut rng)).collect()).collect();
-    let inputs: Vec<Vec<CudaSlice<u8>>> = (0..2)
-        .map(|r| data[r].iter().map(|d| clique.stream(r).clone_htod(d).unwrap()).collect())
+    let data: Vec<Vec<Vec<u8>>> = (0..2)
+        .map(|_| (0..K).map(|_| random_vec(max, &mut rng)).collect())
         .collect();
-    let mut ring: Vec<Vec<CudaSlice<u8>>> = (0..R).map(|_| poisoned_outputs(&clique, max, &mut rng)).collect();
+    let inputs: Vec<Vec<CudaSlice<u8>>> = (0..2)
+        .map(|r| {
+            data[r]
+                .iter()
+                .map(|d| clique.stream(r).clone_htod(d).unwrap())
+                .collect()
+        })
+        .collect();
+    let mut ring: Vec<Vec<CudaSlice<u8>>> = (0..R)
+        .map(|_| poisoned_outputs(&clique, max, &mut rng))
+        .collect();
     // What each ring slot should hold: (root, input index, length).
     let mut expect: Vec<Option<(usize, usize, usize)>> = vec![None; R];
-    let sizes = [1usize, 7, 16, 100, 1000, 4096, 8191, 65536, 65537, 100_000, max];
+    let sizes = [
+        1usize, 7, 16, 100, 1000, 4096, 8191, 65536, 65537, 100_000, max,
+    ];
     let ops = 100_000;
     let mut routes = [0usize; 4];
-    let check = |ring: &Vec<Vec<CudaSlice<u8>>>, expect: &Vec<Option<(usize, usize, usize)>>, at: usize| {
-        clique.synchronize().unwrap_or_else(|e| panic!("after op {at}: {e}"));
+    let check = |ring: &Vec<Vec<CudaSlice<u8>>>,
+                 expect: &Vec<Option<(usize, usize, usize)>>,
+                 at: usize| {
+        clique
+            .synchronize()
+            .unwrap_or_else(|e| panic!("after op {at}: {e}"));
         for (slot, e) in expect.iter().enumerate() {
             if let Some((root, k, len)) = *e {
                 for rank in 0..2 {
-                    let got: Vec<u8> = clique.stream(rank).clone_dtoh(&ring[slot][rank].slice(..len)).unwrap();
-                    assert!(got == data[root][k][..len], "op ~{at}, slot {slot}, rank {rank}, root {root}, len {len}: wrong data");
+                    let got: Vec<u8> = clique
+                        .stream(rank)
+                        .clone_dtoh(&ring[slot][rank].slice(..len))
+                        .unwrap();
+                    assert!(
+                        got == data[root][k][..len],
+                        "op ~{at}, slot {slot}, rank {rank}, root {root}, len {len}: wrong data"
+                    );
                 }
             }
         }
@@ -260,7 +321,9 @@ fn hundred_thousand_mixed_small_broadcasts() {
         }] += 1;
         let input = inputs[root][k].slice(..len);
         let mut outs: Vec<_> = ring[slot].iter_mut().map(|o| o.slice_mut(..len)).collect();
-        clique.broadcast_with(root, &input, &mut outs, &opts).unwrap();
+        clique
+            .broadcast_with(root, &input, &mut outs, &opts)
+            .unwrap();
         drop(outs);
         expect[slot] = Some((root, k, len));
         if rng.random_range(0..5000) == 0 {
@@ -268,8 +331,14 @@ fn hundred_thousand_mixed_small_broadcasts() {
         }
     }
     check(&ring, &expect, ops);
-    eprintln!("routes: nccl {} packet {} pull {}", routes[0], routes[1], routes[2]);
-    assert!(routes[0] > 0 && routes[1] > 0 && routes[2] > 0, "every route ran: {routes:?}");
+    eprintln!(
+        "routes: nccl {} packet {} pull {}",
+        routes[0], routes[1], routes[2]
+    );
+    assert!(
+        routes[0] > 0 && routes[1] > 0 && routes[2] > 0,
+        "every route ran: {routes:?}"
+    );
 }
 
 /// A captured sequence (both roots, packet, pull and NCCL) replayed several times; the inputs
@@ -279,29 +348,57 @@ fn hundred_thousand_mixed_small_broadcasts() {
 fn graph_capture_replays_correctly() {
     let clique = two_gpus();
     let mut rng = rng();
-    let cases = [(0usize, 1000usize, Path::P2p), (1, 50_000, Path::P2p), (0, 300_000, Path::P2p), (1, 4096, Path::Nccl), (1, 7, Path::Auto)];
-    let mut inputs: Vec<CudaSlice<u8>> = cases.iter().map(|&(r, n, _)| clique.stream(r).clone_htod(&vec![0u8; n]).unwrap()).collect();
-    let mut outputs: Vec<Vec<CudaSlice<u8>>> = cases.iter().map(|&(_, n, _)| poisoned_outputs(&clique, n, &mut rng)).collect();
+    let cases = [
+        (0usize, 1000usize, Path::P2p),
+        (1, 50_000, Path::P2p),
+        (0, 300_000, Path::P2p),
+        (1, 4096, Path::Nccl),
+        (1, 7, Path::Auto),
+    ];
+    let mut inputs: Vec<CudaSlice<u8>> = cases
+        .iter()
+        .map(|&(r, n, _)| clique.stream(r).clone_htod(&vec![0u8; n]).unwrap())
+        .collect();
+    let mut outputs: Vec<Vec<CudaSlice<u8>>> = cases
+        .iter()
+        .map(|&(_, n, _)| poisoned_outputs(&clique, n, &mut rng))
+        .collect();
     clique.synchronize().unwrap();
     let graph = clique
         .capture(|c| {
             for (i, &(root, _, path)) in cases.iter().enumerate() {
-                c.broadcast_with(root, &inputs[i], &mut outputs[i], &BroadcastOptions::path(path))?;
+                c.broadcast_with(
+                    root,
+                    &inputs[i],
+                    &mut outputs[i],
+                    &BroadcastOptions::path(path),
+                )?;
             }
             Ok(())
         })
         .unwrap();
     for replay in 0..5 {
-        let datas: Vec<Vec<u8>> = cases.iter().map(|&(_, n, _)| random_vec(n, &mut rng)).collect();
+        let datas: Vec<Vec<u8>> = cases
+            .iter()
+            .map(|&(_, n, _)| random_vec(n, &mut rng))
+            .collect();
         for (i, &(root, _, _)) in cases.iter().enumerate() {
-            clique.stream(root).memcpy_htod(&datas[i], &mut inputs[i]).unwrap();
+            clique
+                .stream(root)
+                .memcpy_htod(&datas[i], &mut inputs[i])
+                .unwrap();
         }
         clique.synchronize().unwrap();
         graph.launch().unwrap();
         clique.synchronize().unwrap();
         for (i, &(root, n, path)) in cases.iter().enumerate() {
             for rank in 0..2 {
-                assert_bytes_eq(clique.stream(rank), &outputs[i][rank], &datas[i], &format!("replay {replay} case {i} (root {root}, {n} B, {path:?}) rank {rank}"));
+                assert_bytes_eq(
+                    clique.stream(rank),
+                    &outputs[i][rank],
+                    &datas[i],
+                    &format!("replay {replay} case {i} (root {root}, {n} B, {path:?}) rank {rank}"),
+                );
             }
         }
     }
@@ -317,7 +414,14 @@ unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
 /// Holds `rank`'s stream on the host for `ms`, so that rank arrives late.
 fn stall(clique: &Clique, rank: usize, ms: u64) {
     // SAFETY: the callback only sleeps (no CUDA calls) and its argument is a plain integer.
-    unsafe { result::stream::launch_host_function(clique.stream(rank).cu_stream(), sleep_host, ms as *mut _) }.unwrap();
+    unsafe {
+        result::stream::launch_host_function(
+            clique.stream(rank).cu_stream(),
+            sleep_host,
+            ms as *mut _,
+        )
+    }
+    .unwrap();
 }
 
 /// A peer that never shows up within the timeout gives `Error::Timeout` (not a hang), and the
@@ -333,7 +437,10 @@ fn timeouts_are_reported_and_the_clique_recovers() {
     let mut rng = rng();
     // (bytes, which rank stalls): pull with a late peer makes the root time out waiting for
     // "done"; packets with a late root make the peer time out waiting for data.
-    for (n, late, phase) in [(400_000usize, 1usize, "finish reading"), (2048, 0, "packets")] {
+    for (n, late, phase) in [
+        (400_000usize, 1usize, "finish reading"),
+        (2048, 0, "packets"),
+    ] {
         let data: Vec<u8> = random_vec(n, &mut rng);
         let input = clique.stream(0).clone_htod(&data).unwrap();
         let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
@@ -380,10 +487,17 @@ fn pool_and_plain_allocations() {
             };
             let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
             for path in [Path::P2p, Path::Nccl] {
-                clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path)).unwrap();
+                clique
+                    .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                    .unwrap();
                 clique.synchronize().unwrap();
                 for rank in 0..2 {
-                    assert_bytes_eq(clique.stream(rank), &outputs[rank], &data, &format!("plain={plain_input} n={n} {path:?}"));
+                    assert_bytes_eq(
+                        clique.stream(rank),
+                        &outputs[rank],
+                        &data,
+                        &format!("plain={plain_input} n={n} {path:?}"),
+                    );
                 }
             }
         }
@@ -397,7 +511,9 @@ fn ordering_with_caller_streams() {
     let clique = two_gpus();
     let mut rng = rng();
     let n = 1 << 20;
-    let mine: Vec<_> = (0..2).map(|r| clique.context(r).new_stream().unwrap()).collect();
+    let mine: Vec<_> = (0..2)
+        .map(|r| clique.context(r).new_stream().unwrap())
+        .collect();
     let data: Vec<u32> = random_vec(n, &mut rng);
     let input = mine[0].clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<u32>(&clique, n, &mut rng);
@@ -422,18 +538,40 @@ fn bad_arguments_enqueue_nothing() {
     let input_on_1 = clique.stream(1).clone_htod(&data).unwrap();
     let input_on_0 = clique.stream(0).clone_htod(&data).unwrap();
     let poison: Vec<Vec<u8>> = (0..2).map(|_| random_vec(n, &mut rng)).collect();
-    let mut outputs: Vec<CudaSlice<u8>> = (0..2).map(|r| clique.stream(r).clone_htod(&poison[r]).unwrap()).collect();
-    assert!(matches!(clique.broadcast(0, &input_on_1, &mut outputs), Err(Error::WrongDevice { .. })));
-    assert!(matches!(clique.broadcast(2, &input_on_0, &mut outputs), Err(Error::RootOutOfRange { .. })));
-    assert!(matches!(clique.broadcast(0, &input_on_0, &mut outputs[..1]), Err(Error::OutputCount { .. })));
+    let mut outputs: Vec<CudaSlice<u8>> = (0..2)
+        .map(|r| clique.stream(r).clone_htod(&poison[r]).unwrap())
+        .collect();
+    assert!(matches!(
+        clique.broadcast(0, &input_on_1, &mut outputs),
+        Err(Error::WrongDevice { .. })
+    ));
+    assert!(matches!(
+        clique.broadcast(2, &input_on_0, &mut outputs),
+        Err(Error::RootOutOfRange { .. })
+    ));
+    assert!(matches!(
+        clique.broadcast(0, &input_on_0, &mut outputs[..1]),
+        Err(Error::OutputCount { .. })
+    ));
     let short = input_on_0.slice(..50);
-    assert!(matches!(clique.broadcast(0, &short, &mut outputs), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(
+        clique.broadcast(0, &short, &mut outputs),
+        Err(Error::LengthMismatch { .. })
+    ));
     let mut swapped: Vec<_> = outputs.iter_mut().rev().map(|o| o.slice_mut(..)).collect();
-    assert!(matches!(clique.broadcast(0, &input_on_0, &mut swapped), Err(Error::WrongDevice { .. })));
+    assert!(matches!(
+        clique.broadcast(0, &input_on_0, &mut swapped),
+        Err(Error::WrongDevice { .. })
+    ));
     drop(swapped);
     clique.synchronize().unwrap();
     for r in 0..2 {
-        assert_bytes_eq(clique.stream(r), &outputs[r], &poison[r], "untouched output");
+        assert_bytes_eq(
+            clique.stream(r),
+            &outputs[r],
+            &poison[r],
+            "untouched output",
+        );
     }
     let empty = input_on_0.slice(0..0);
     let mut empties: Vec<_> = outputs.iter_mut().map(|o| o.slice_mut(0..0)).collect();
@@ -441,7 +579,12 @@ fn bad_arguments_enqueue_nothing() {
     drop(empties);
     clique.synchronize().unwrap();
     for r in 0..2 {
-        assert_bytes_eq(clique.stream(r), &outputs[r], &poison[r], "untouched after an empty broadcast");
+        assert_bytes_eq(
+            clique.stream(r),
+            &outputs[r],
+            &poison[r],
+            "untouched after an empty broadcast",
+        );
     }
 }
 
@@ -454,7 +597,16 @@ fn fused_mixed_types_and_sizes() {
     let clique = two_gpus();
     let mut rng = rng();
     // (type tag, elements): odd sizes, zero, tiny, above the P2P list limit in count.
-    let mut specs: Vec<(u8, usize)> = vec![(0, 0), (1, 1), (2, 3), (3, 4095), (4, (1 << 20) + 7), (5, 5 << 20), (6, 100_000), (7, 17)];
+    let mut specs: Vec<(u8, usize)> = vec![
+        (0, 0),
+        (1, 1),
+        (2, 3),
+        (3, 4095),
+        (4, (1 << 20) + 7),
+        (5, 5 << 20),
+        (6, 100_000),
+        (7, 17),
+    ];
     for i in 0..150 {
         specs.push(((i % 8) as u8, rng.random_range(1..5000)));
     }
@@ -462,8 +614,15 @@ fn fused_mixed_types_and_sizes() {
         for path in PATHS {
             for in_place in [false, true] {
                 // Each tensor as raw bytes, typed by its tag when uploaded.
-                let datas: Vec<Vec<u8>> = specs.iter().map(|&(tag, n)| random_vec(n * tag_size(tag), &mut rng)).collect();
-                let inputs: Vec<Tensor> = specs.iter().zip(&datas).map(|(&(tag, _), d)| Tensor::upload(&clique, root, tag, d)).collect();
+                let datas: Vec<Vec<u8>> = specs
+                    .iter()
+                    .map(|&(tag, n)| random_vec(n * tag_size(tag), &mut rng))
+                    .collect();
+                let inputs: Vec<Tensor> = specs
+                    .iter()
+                    .zip(&datas)
+                    .map(|(&(tag, _), d)| Tensor::upload(&clique, root, tag, d))
+                    .collect();
                 let mut outs: Vec<Vec<Tensor>> = (0..2)
                     .map(|r| {
                         specs
@@ -473,7 +632,12 @@ fn fused_mixed_types_and_sizes() {
                                 if in_place && r == root {
                                     Tensor::upload(&clique, r, tag, d)
                                 } else {
-                                    Tensor::upload(&clique, r, tag, &random_vec::<u8>(n * tag_size(tag), &mut rng))
+                                    Tensor::upload(
+                                        &clique,
+                                        r,
+                                        tag,
+                                        &random_vec::<u8>(n * tag_size(tag), &mut rng),
+                                    )
                                 }
                             })
                             .collect()
@@ -481,23 +645,37 @@ fn fused_mixed_types_and_sizes() {
                     .collect();
                 let opts = BroadcastOptions::path(path);
                 let report = {
-                    let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> =
-                        outs.iter_mut().map(|row| row.iter_mut().map(Tensor::as_mut).collect()).collect();
+                    let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = outs
+                        .iter_mut()
+                        .map(|row| row.iter_mut().map(Tensor::as_mut).collect())
+                        .collect();
                     if in_place {
-                        clique.broadcast_many_in_place(root, &mut lists, &opts).unwrap()
+                        clique
+                            .broadcast_many_in_place(root, &mut lists, &opts)
+                            .unwrap()
                     } else {
-                        let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(Tensor::as_ref).collect();
-                        clique.broadcast_many_with(root, &ins, &mut lists, &opts).unwrap()
+                        let ins: Vec<&dyn DeviceTensor> =
+                            inputs.iter().map(Tensor::as_ref).collect();
+                        clique
+                            .broadcast_many_with(root, &ins, &mut lists, &opts)
+                            .unwrap()
                     }
                 };
                 clique.synchronize().unwrap();
                 assert_eq!(report.tensors, specs.len());
-                assert_eq!(report.p2p_tensors + report.nccl_tensors, specs.len() - 1, "the empty tensor is skipped");
+                assert_eq!(
+                    report.p2p_tensors + report.nccl_tensors,
+                    specs.len() - 1,
+                    "the empty tensor is skipped"
+                );
                 match path {
                     Path::Nccl => assert_eq!(report.p2p_tensors, 0),
                     Path::P2p => {
                         assert_eq!(report.nccl_tensors, 0);
-                        assert!(report.p2p_launches >= 2, "158 tensors need two list launches");
+                        assert!(
+                            report.p2p_launches >= 2,
+                            "158 tensors need two list launches"
+                        );
                     }
                     _ => {}
                 }
@@ -515,8 +693,13 @@ fn fused_mixed_types_and_sizes() {
     let mut o0 = Tensor::upload(&clique, 0, 0, &[0u8; 8]);
     let mut o1 = Tensor::upload(&clique, 1, 2, &[0u8; 8]);
     let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = vec![vec![o0.as_mut()], vec![o1.as_mut()]];
-    let err = clique.broadcast_many(0, &[a.as_ref()], &mut lists).unwrap_err();
-    assert!(matches!(err, Error::InvalidList(ref m) if m.contains("tensor 0")), "{err}");
+    let err = clique
+        .broadcast_many(0, &[a.as_ref()], &mut lists)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidList(ref m) if m.contains("tensor 0")),
+        "{err}"
+    );
 }
 
 fn tag_size(tag: u8) -> usize {

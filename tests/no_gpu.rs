@@ -19,24 +19,49 @@ fn missing_driver_is_a_typed_error_with_a_fix() {
         return;
     }
     match result {
-        Err(e @ Error::LibraryMissing { library: "libcuda", .. }) => {
+        Err(
+            e @ Error::LibraryMissing {
+                library: "libcuda", ..
+            },
+        ) => {
             let msg = e.to_string();
             assert!(msg.contains("libcuda") && msg.contains("Fix:"), "{msg}");
         }
         Err(other) => panic!("expected LibraryMissing(libcuda), got {other}"),
         Ok(_) => panic!("a clique without a CUDA driver"),
     }
-    assert!(matches!(device_count(), Err(Error::LibraryMissing { library: "libcuda", .. })));
-    assert!(matches!(Clique::all(), Err(Error::LibraryMissing { library: "libcuda", .. })));
+    assert!(matches!(
+        device_count(),
+        Err(Error::LibraryMissing {
+            library: "libcuda",
+            ..
+        })
+    ));
+    assert!(matches!(
+        Clique::all(),
+        Err(Error::LibraryMissing {
+            library: "libcuda",
+            ..
+        })
+    ));
 }
 
 #[test]
 fn missing_nccl_is_a_typed_error_with_a_fix() {
     match nccl_version() {
-        Ok((major, minor, _)) => assert!(major >= 2 && minor > 0, "odd NCCL version {major}.{minor}"),
-        Err(e @ Error::LibraryMissing { library: "libnccl", .. }) => {
+        Ok((major, minor, _)) => {
+            assert!(major >= 2 && minor > 0, "odd NCCL version {major}.{minor}")
+        }
+        Err(
+            e @ Error::LibraryMissing {
+                library: "libnccl", ..
+            },
+        ) => {
             let msg = e.to_string();
-            assert!(msg.contains("libnccl.so.2") && msg.contains("GPUCAST_NCCL_LIBRARY"), "{msg}");
+            assert!(
+                msg.contains("libnccl.so.2") && msg.contains("GPUCAST_NCCL_LIBRARY"),
+                "{msg}"
+            );
         }
         Err(other) => panic!("unexpected error {other}"),
     }
@@ -51,12 +76,21 @@ fn device_list_errors_come_before_any_gpu_work() {
     ));
     if !driver_present() {
         // Without a driver the first error is the missing library, even for a bad list.
-        assert!(matches!(Clique::new(&[0, 0]), Err(Error::LibraryMissing { .. })));
+        assert!(matches!(
+            Clique::new(&[0, 0]),
+            Err(Error::LibraryMissing { .. })
+        ));
         return;
     }
     assert!(matches!(Clique::new(&[]), Err(Error::NoDevice(_))));
-    assert!(matches!(Clique::new(&[0, 0]), Err(Error::DuplicateDevice { ordinal: 0 })));
-    assert!(matches!(Clique::new(&[0, 99]), Err(Error::DeviceOutOfRange { ordinal: 99, .. })));
+    assert!(matches!(
+        Clique::new(&[0, 0]),
+        Err(Error::DuplicateDevice { ordinal: 0 })
+    ));
+    assert!(matches!(
+        Clique::new(&[0, 99]),
+        Err(Error::DeviceOutOfRange { ordinal: 99, .. })
+    ));
 }
 
 #[test]
@@ -67,7 +101,10 @@ fn errors_display_their_context() {
         expected: 3,
         found: 0,
     };
-    assert_eq!(e.to_string(), "output 1 must be on device 3 (clique rank 1) but is on device 0");
+    assert_eq!(
+        e.to_string(),
+        "output 1 must be on device 3 (clique rank 1) but is on device 0"
+    );
     let e = Error::Timeout {
         rank: 0,
         phase: "waiting for the root's packets",
@@ -76,5 +113,8 @@ fn errors_display_their_context() {
         timeout_ms: 300,
     };
     let s = e.to_string();
-    assert!(s.contains("rank 0") && s.contains("300 ms") && s.contains("reset"), "{s}");
+    assert!(
+        s.contains("rank 0") && s.contains("300 ms") && s.contains("reset"),
+        "{s}"
+    );
 }

@@ -19,7 +19,10 @@ pub(crate) fn source() -> String {
         ("GPUCAST_MAX_GPUS", plan::MAX_GPUS),
         ("GPUCAST_THREADS", plan::THREADS as usize),
         ("GPUCAST_PACKET_SLOTS", plan::PACKET_SLOTS as usize),
-        ("GPUCAST_PACKET_REGION_BYTES", plan::PACKET_REGION_BYTES as usize),
+        (
+            "GPUCAST_PACKET_REGION_BYTES",
+            plan::PACKET_REGION_BYTES as usize,
+        ),
         ("GPUCAST_PACKET_SEQ", layout::PACKET_SEQ),
         ("GPUCAST_PULL_SEQ", layout::PULL_SEQ),
         ("GPUCAST_PACKET_ACK", layout::PACKET_ACK),
@@ -50,7 +53,8 @@ for CUDA 12) and put the folder holding libnvrtc.so.<major> on LD_LIBRARY_PATH";
 /// Compiles the kernels to PTX for compute capability `major.minor`, once per process per
 /// architecture.
 pub(crate) fn ptx_for(major: i32, minor: i32) -> Result<String> {
-    static CACHE: Mutex<Vec<((i32, i32), Result<String, String>)>> = Mutex::new(Vec::new());
+    type Entry = ((i32, i32), Result<String, String>);
+    static CACHE: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
     if !nvrtc_present() {
         return Err(Error::LibraryMissing {
             library: "libnvrtc",
@@ -60,7 +64,10 @@ pub(crate) fn ptx_for(major: i32, minor: i32) -> Result<String> {
     }
     let arch = format!("compute_{major}{minor}");
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    let cached = cache.iter().find(|(k, _)| *k == (major, minor)).map(|(_, v)| v.clone());
+    let cached = cache
+        .iter()
+        .find(|(k, _)| *k == (major, minor))
+        .map(|(_, v)| v.clone());
     let result = match cached {
         Some(r) => r,
         None => {
@@ -85,10 +92,13 @@ fn compile(arch: &str) -> Result<String, String> {
         }
         other => format!("{other:?}"),
     })?;
-    tracing::debug!(arch, ms = started.elapsed().as_millis() as u64, "compiled the P2P kernels");
+    tracing::debug!(
+        arch,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "compiled the P2P kernels"
+    );
     Ok(ptx.to_src())
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -121,9 +131,18 @@ mod tests {
         }
         for (major, minor) in [(8, 0), (9, 0)] {
             let ptx = ptx_for(major, minor).unwrap_or_else(|e| panic!("{e}"));
-            assert!(ptx.contains(".entry gpucast_packet"), "no packet kernel in PTX");
-            assert!(ptx.contains(".entry gpucast_pull("), "no pull kernel in PTX");
-            assert!(ptx.contains(".entry gpucast_pull_list("), "no list kernel in PTX");
+            assert!(
+                ptx.contains(".entry gpucast_packet"),
+                "no packet kernel in PTX"
+            );
+            assert!(
+                ptx.contains(".entry gpucast_pull("),
+                "no pull kernel in PTX"
+            );
+            assert!(
+                ptx.contains(".entry gpucast_pull_list("),
+                "no list kernel in PTX"
+            );
             // The flag protocol relies on these instructions being emitted as written.
             assert!(ptx.contains("ld.acquire.sys.global.u32"));
             assert!(ptx.contains("st.release.sys.global.u32"));

@@ -110,7 +110,9 @@ impl P2p {
         let n = ctxs.len();
         // SAFETY: a fresh pinned, portable, device-mapped host allocation of MAX_GPUS u64.
         let host = unsafe {
-            ctxs[0].bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            ctxs[0]
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
             result::malloc_host(
                 MAX_GPUS * 8,
                 sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
@@ -130,9 +132,11 @@ impl P2p {
                 .compute_capability()
                 .map_err(Error::cuda("reading the compute capability"))?;
             let ptx = compile::ptx_for(major, minor)?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(Error::cuda(format!("loading the P2P kernels on rank {rank}")))?;
+            let module =
+                ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                    .map_err(Error::cuda(format!(
+                        "loading the P2P kernels on rank {rank}"
+                    )))?;
             let packet = module
                 .load_function(compile::PACKET_KERNEL)
                 .map_err(Error::cuda("finding the packet kernel"))?;
@@ -143,7 +147,8 @@ impl P2p {
                 .load_function(compile::PULL_LIST_KERNEL)
                 .map_err(Error::cuda("finding the fused pull kernel"))?;
             let mut error_dev: CUdeviceptr = 0;
-            ctx.bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            ctx.bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
             // SAFETY: `host` is a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64 and
             // rank < MAX_GPUS; `error_dev` is an out pointer.
             unsafe {
@@ -152,8 +157,9 @@ impl P2p {
             }
             .map_err(Error::cuda("mapping the error slot"))?;
             // SAFETY: plain device allocation in the current (rank's) context; freed in Drop.
-            let signal = unsafe { result::malloc_sync(layout::TOTAL_BYTES) }
-                .map_err(Error::cuda(format!("allocating the signal area on rank {rank}")))?;
+            let signal = unsafe { result::malloc_sync(layout::TOTAL_BYTES) }.map_err(
+                Error::cuda(format!("allocating the signal area on rank {rank}")),
+            )?;
             p2p.signals[rank] = signal;
             p2p.ranks.push(RankState {
                 ctx: ctx.clone(),
@@ -172,19 +178,29 @@ impl P2p {
     /// Zeroes every signal area and waits for it (used at creation and after a timeout).
     fn zero_signals_sync(&self) -> Result<()> {
         for r in &self.ranks {
-            r.ctx.bind_to_thread().map_err(Error::cuda("binding a context"))?;
+            r.ctx
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
             // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context.
             unsafe { result::memset_d8_sync(r.signal, 0, layout::TOTAL_BYTES) }
                 .map_err(Error::cuda("zeroing a signal area"))?;
         }
         for r in &self.ranks {
-            r.ctx.synchronize().map_err(Error::cuda("synchronising after zeroing signals"))?;
+            r.ctx
+                .synchronize()
+                .map_err(Error::cuda("synchronising after zeroing signals"))?;
         }
         Ok(())
     }
 
     /// The per-rank kernel parameters of one broadcast (everything but `dst`).
-    pub(crate) fn params(&self, route: Route, root: usize, src: u64, bytes: usize) -> (Geometry, Params) {
+    pub(crate) fn params(
+        &self,
+        route: Route,
+        root: usize,
+        src: u64,
+        bytes: usize,
+    ) -> (Geometry, Params) {
         let geometry = match route {
             Route::P2pPacket => plan::packet_geometry(bytes),
             _ => plan::pull_geometry(bytes),
@@ -224,7 +240,7 @@ impl P2p {
         streams: &[CUstream],
     ) -> Result<()> {
         for (rank, r) in self.ranks.iter().enumerate() {
-            params.rank = rank as u32;
+            params.rank = u32::try_from(rank).expect("<= 8");
             params.dst = dsts[rank];
             params.error_slot = r.error_dev;
             let f: CUfunction = if route == Route::P2pPacket {
@@ -251,7 +267,9 @@ impl P2p {
                     std::slice::from_mut(&mut arg),
                 )
             }
-            .map_err(Error::cuda(format!("launching the P2P kernel on rank {rank}")))?;
+            .map_err(Error::cuda(format!(
+                "launching the P2P kernel on rank {rank}"
+            )))?;
         }
         Ok(())
     }
@@ -268,7 +286,10 @@ impl P2p {
         streams: &[CUstream],
     ) -> Result<()> {
         let count = copies[0].len();
-        assert!(count <= plan::LIST_MAX, "planned batches hold at most LIST_MAX entries");
+        assert!(
+            count <= plan::LIST_MAX,
+            "planned batches hold at most LIST_MAX entries"
+        );
         let total: usize = copies[0].iter().map(|c| c.2).sum();
         if total == 0 {
             return Ok(());
@@ -285,7 +306,7 @@ impl P2p {
             entries: [ListEntry::default(); plan::LIST_MAX],
         };
         for (rank, r) in self.ranks.iter().enumerate() {
-            params.rank = rank as u32;
+            params.rank = u32::try_from(rank).expect("<= 8");
             params.error_slot = r.error_dev;
             for (e, &(src, dst, bytes)) in params.entries.iter_mut().zip(&copies[rank]) {
                 let a = plan::co_alignment(src, dst, bytes as u64);
@@ -313,7 +334,9 @@ impl P2p {
                     std::slice::from_mut(&mut arg),
                 )
             }
-            .map_err(Error::cuda(format!("launching the fused P2P kernel on rank {rank}")))?;
+            .map_err(Error::cuda(format!(
+                "launching the fused P2P kernel on rank {rank}"
+            )))?;
         }
         Ok(())
     }

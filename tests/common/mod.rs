@@ -46,7 +46,11 @@ pub fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
 }
 
 /// One poisoned output per rank of `n` elements, allocated on the clique's streams.
-pub fn poisoned_outputs<T: Element>(clique: &Clique, n: usize, rng: &mut impl RngCore) -> Vec<CudaSlice<T>> {
+pub fn poisoned_outputs<T: Element>(
+    clique: &Clique,
+    n: usize,
+    rng: &mut impl RngCore,
+) -> Vec<CudaSlice<T>> {
     (0..clique.len())
         .map(|r| {
             let poison: Vec<T> = random_vec(n, rng);
@@ -56,7 +60,12 @@ pub fn poisoned_outputs<T: Element>(clique: &Clique, n: usize, rng: &mut impl Rn
 }
 
 /// Downloads `buf` (on `stream`'s device) and compares it bit for bit with `expected`.
-pub fn assert_bytes_eq<T: Element>(stream: &Arc<CudaStream>, buf: &impl DevicePtr<T>, expected: &[T], what: &str) {
+pub fn assert_bytes_eq<T: Element>(
+    stream: &Arc<CudaStream>,
+    buf: &impl DevicePtr<T>,
+    expected: &[T],
+    what: &str,
+) {
     let got: Vec<T> = stream.clone_dtoh(buf).expect("download");
     let (g, e) = (as_bytes(&got), as_bytes(expected));
     assert_eq!(g.len(), e.len(), "{what}: length");
