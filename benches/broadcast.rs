@@ -159,26 +159,48 @@ fn main() -> Result<()> {
     let total = sizes.len() * paths.len() * modes.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
+    std::fs::create_dir_all(&args.out)?;
+    let watchdog = Watchdog::start(args.out.join("partial.csv"));
     let mut rows = Vec::new();
-    for &bytes in &sizes {
-        for path in &paths {
-            verify(&clique, &mut pools, path, args.root, bytes, &floor)
-                .with_context(|| format!("checking {path} at {bytes} bytes"))?;
-            for &mode in &modes {
-                bar.set_message(format!(
+    // Eager first, then graph mode with NCCL last: a point that misbehaves late in the sweep
+    // costs as little as possible (the watchdog ends the run with what was measured).
+    for &mode in &modes {
+        let mut order: Vec<&String> = paths.iter().collect();
+        if mode == Mode::Graph {
+            order.sort_by_key(|p| p.as_str() == "nccl");
+        }
+        for &bytes in &sizes {
+            for path in &order {
+                let point = format!(
                     "{path} {} {}",
                     mode.name(),
                     report::format_size(bytes as u64)
-                ));
+                );
+                watchdog.at(&point);
+                bar.set_message(point.clone());
+                if mode == modes[0] {
+                    verify(&clique, &mut pools, path, args.root, bytes, &floor)
+                        .with_context(|| format!("checking {path} at {bytes} bytes"))?;
+                }
                 let row = measure(
                     &clique, &mut pools, path, mode, args.root, bytes, dtype, &args, &floor,
                 )
-                .with_context(|| format!("timing {path} {} at {bytes} bytes", mode.name()))?;
+                .with_context(|| format!("timing {point}"))?;
+                if let Some(r) = &row {
+                    bar.println(format!(
+                        "{point}: {:.2} us ({:.1} GB/s, {})",
+                        r.time_us,
+                        r.busbw_gbps(),
+                        r.route
+                    ));
+                    watchdog.record(r);
+                }
                 rows.extend(row);
                 bar.inc(1);
             }
         }
     }
+    watchdog.done();
     bar.finish_and_clear();
     drop(pools);
     drop(floor);
@@ -297,6 +319,63 @@ fn torch_dtype(d: DType) -> &'static str {
     }
 }
 
+/// Ends the run (exit code 3) if one point makes no progress for a minute, after printing where
+/// it stopped; every finished point is appended to `partial.csv` as it completes.
+struct Watchdog {
+    state: Arc<std::sync::Mutex<(String, Instant, bool)>>,
+    csv: PathBuf,
+}
+
+impl Watchdog {
+    fn start(csv: PathBuf) -> Watchdog {
+        let state = Arc::new(std::sync::Mutex::new((
+            String::from("start"),
+            Instant::now(),
+            false,
+        )));
+        let s = state.clone();
+        std::fs::write(&csv, format!("{}\n", report::CSV_HEADER)).ok();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(5));
+            let Ok((point, since, done)) = s.lock().map(|g| g.clone()) else {
+                return;
+            };
+            if done {
+                return;
+            }
+            if since.elapsed().as_secs() > 60 {
+                eprintln!("watchdog: no progress for 60 s at {point}; exiting with what was measured (partial.csv)");
+                std::process::exit(3);
+            }
+        });
+        Watchdog { state, csv }
+    }
+
+    fn at(&self, point: &str) {
+        if let Ok(mut g) = self.state.lock() {
+            *g = (point.to_string(), Instant::now(), false);
+        }
+    }
+
+    fn record(&self, row: &Row) {
+        use std::io::Write;
+        let mut text = Vec::new();
+        if report::write_csv(std::slice::from_ref(row), &mut text).is_ok() {
+            let text = String::from_utf8_lossy(&text);
+            let body: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&self.csv) {
+                f.write_all(body.as_bytes()).ok();
+            }
+        }
+    }
+
+    fn done(&self) {
+        if let Ok(mut g) = self.state.lock() {
+            g.2 = true;
+        }
+    }
+}
+
 /// An empty kernel, launched once per GPU per op: the floor of any design that launches a
 /// kernel on every GPU.
 struct EmptyKernel {
@@ -403,7 +482,12 @@ fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel)
     let t0 = Instant::now();
     let mut i = 0;
     while t0.elapsed().as_secs_f64() < 2.0 {
-        for (path, bytes) in [("nccl", 1 << 20), ("p2p", 4096), ("p2p", 1 << 20), ("launch-floor", 0)] {
+        for (path, bytes) in [
+            ("nccl", 1 << 20),
+            ("p2p", 4096),
+            ("p2p", 1 << 20),
+            ("launch-floor", 0),
+        ] {
             run_op(clique, pools, path, root, bytes.max(1), i % 4, floor)?;
         }
         i += 1;
@@ -495,6 +579,7 @@ fn measure(
             }
         }
         Mode::Graph => {
+            let iters = iters.min(500);
             clique.synchronize()?;
             let graph = match clique.capture(|c| {
                 for i in 0..iters {

@@ -51,7 +51,7 @@ if want bench-quick; then
 fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
-  for f in broadcast.csv broadcast.png table.txt torch.csv; do cp "$out/bench/$f" "$dest/bench-$f" 2>/dev/null; done
+  for f in broadcast.csv broadcast.png table.txt torch.csv partial.csv; do cp "$out/bench/$f" "$dest/bench-$f" 2>/dev/null; done
 fi
 
 tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null

@@ -608,7 +608,18 @@ impl Clique {
             let flags = sys::CUgraphInstantiate_flags(0);
             match s.end_capture(flags) {
                 Ok(Some(g)) => graphs.push(g),
-                Ok(None) => {}
+                Ok(None) => {
+                    // A GPU without a graph would leave its peers waiting at every replay.
+                    if status.is_ok() {
+                        status = Err(Error::Cuda {
+                            during: "ending a graph capture (a GPU's capture produced no graph)"
+                                .into(),
+                            source: result::DriverError(
+                                sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                            ),
+                        });
+                    }
+                }
                 Err(e) => {
                     if status.is_ok() {
                         status = Err(Error::Cuda {

@@ -258,7 +258,7 @@ fn hundred_thousand_mixed_small_broadcasts() {
     let mut rng = rng();
     const K: usize = 16; // distinct inputs per root
     const R: usize = 32; // output ring
-    let max = 160 << 10; // bytes; above the packet limit, so pull runs too
+    let max = 320 << 10; // bytes; above the packet limit, so pull runs too
     let data: Vec<Vec<Vec<u8>>> = (0..2)
         .map(|_| (0..K).map(|_| random_vec(max, &mut rng)).collect())
         .collect();
@@ -276,31 +276,30 @@ fn hundred_thousand_mixed_small_broadcasts() {
     // What each ring slot should hold: (root, input index, length).
     let mut expect: Vec<Option<(usize, usize, usize)>> = vec![None; R];
     let sizes = [
-        1usize, 7, 16, 100, 1000, 4096, 8191, 65536, 65537, 100_000, max,
+        1usize, 7, 16, 100, 1000, 4096, 8191, 65536, 65537, 100_000, 262_145, max,
     ];
     let ops = 100_000;
     let mut routes = [0usize; 4];
-    let check = |ring: &Vec<Vec<CudaSlice<u8>>>,
-                 expect: &Vec<Option<(usize, usize, usize)>>,
-                 at: usize| {
-        clique
-            .synchronize()
-            .unwrap_or_else(|e| panic!("after op {at}: {e}"));
-        for (slot, e) in expect.iter().enumerate() {
-            if let Some((root, k, len)) = *e {
-                for rank in 0..2 {
-                    let got: Vec<u8> = clique
-                        .stream(rank)
-                        .clone_dtoh(&ring[slot][rank].slice(..len))
-                        .unwrap();
-                    assert!(
+    let check =
+        |ring: &Vec<Vec<CudaSlice<u8>>>, expect: &Vec<Option<(usize, usize, usize)>>, at: usize| {
+            clique
+                .synchronize()
+                .unwrap_or_else(|e| panic!("after op {at}: {e}"));
+            for (slot, e) in expect.iter().enumerate() {
+                if let Some((root, k, len)) = *e {
+                    for rank in 0..2 {
+                        let got: Vec<u8> = clique
+                            .stream(rank)
+                            .clone_dtoh(&ring[slot][rank].slice(..len))
+                            .unwrap();
+                        assert!(
                         got == data[root][k][..len],
                         "op ~{at}, slot {slot}, rank {rank}, root {root}, len {len}: wrong data"
                     );
+                    }
                 }
             }
-        }
-    };
+        };
     for i in 0..ops {
         let root = if rng.random_bool(0.5) { 0 } else { 1 };
         let k = rng.random_range(0..K);

@@ -1,0 +1,1420 @@
+//! Pure (no GPU) logic of the broadcast benchmark: measured rows, size sweeps,
+//! statistics, the nccl-tests style table, crossover analysis, CSV in and out,
+//! headline ratios and the PNG plot.
+//!
+//! The bench binary (`benches/broadcast.rs`) includes this file with `mod report;`
+//! and the CPU tests (`tests/bench_report.rs`) with a `#[path]` attribute. Each of
+//! them uses a different subset of the items, hence the `dead_code` allowance.
+//!
+//! # Fonts in the plot
+//!
+//! The plot draws no text through plotters. Plotters' `ttf` feature loads system
+//! fonts through font-kit, which links `libfontconfig` and `libfreetype` at build
+//! time and run time and fails to draw text (or the binary fails to start) on a
+//! headless machine without them; without `ttf` (and without `ab_glyph`, which needs
+//! a font file) plotters' fallback font *panics* when asked to draw text. So the
+//! crate enables plotters without `ttf`, this module never hands text to plotters
+//! (no captions, no mesh labels, no series labels), and every label is drawn by
+//! [`draw_text`] from a built-in 5x8 pixel font ([`FONT_5X8`], classic public
+//! 5x7-with-descenders glyphs written out as numbers in this file). The PNG, labels
+//! included, therefore looks the same on every machine, fonts or not.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::io::{self, BufRead, Write};
+use std::path::Path;
+use std::str::FromStr;
+
+use plotters::prelude::*;
+
+/// How the broadcasts were issued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mode {
+    /// Launched one by one from the host.
+    Eager,
+    /// Captured once into a CUDA graph, then replayed.
+    Graph,
+}
+
+impl Mode {
+    /// Both modes, in table order.
+    pub const ALL: [Mode; 2] = [Mode::Eager, Mode::Graph];
+
+    /// The lower-case name: `"eager"` or `"graph"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Eager => "eager",
+            Mode::Graph => "graph",
+        }
+    }
+
+    /// Parses a name (case-insensitive, surrounding blanks ignored): `eager`/`graph`.
+    pub fn parse(s: &str) -> Option<Mode> {
+        let s = s.trim();
+        if s.eq_ignore_ascii_case("eager") {
+            Some(Mode::Eager)
+        } else if s.eq_ignore_ascii_case("graph") {
+            Some(Mode::Graph)
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Mode::parse(s).ok_or_else(|| format!("unknown mode {s:?} (expected eager or graph)"))
+    }
+}
+
+/// One measured point: one path, one mode, one message size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// Number of GPUs taking part (root included).
+    pub gpus: usize,
+    /// Eager launches or graph replays.
+    pub mode: Mode,
+    /// What was measured: `nccl`, `p2p`, `auto`, `copy-engine`, `launch-floor`,
+    /// `torch-comm`, `torch-dist`, ...
+    pub path: String,
+    /// What actually ran (`p2p-packet`, `p2p-pull`, `nccl`, ...) or `-`.
+    pub route: String,
+    /// Message size in bytes.
+    pub bytes: u64,
+    /// Message size in elements of `dtype`.
+    pub count: u64,
+    /// Element type, gpucast style (`f32`, `bf16`, `u8`, ...).
+    pub dtype: String,
+    /// Index of the root GPU.
+    pub root: usize,
+    /// Median time per broadcast, in microseconds.
+    pub time_us: f64,
+    /// Fastest repeat's time per broadcast, in microseconds.
+    pub min_us: f64,
+    /// Slowest repeat's time per broadcast, in microseconds.
+    pub max_us: f64,
+}
+
+impl Row {
+    /// Algorithm bandwidth in GB/s (1e9 bytes per second): `bytes / time_us`.
+    /// 0.0 when the time is not a positive finite number.
+    pub fn algbw_gbps(&self) -> f64 {
+        if self.time_us.is_finite() && self.time_us > 0.0 {
+            self.bytes as f64 / self.time_us / 1e3
+        } else {
+            0.0
+        }
+    }
+
+    /// Bus bandwidth in GB/s. For a broadcast nccl-tests uses a factor of 1, so this
+    /// equals [`Row::algbw_gbps`].
+    pub fn busbw_gbps(&self) -> f64 {
+        self.algbw_gbps()
+    }
+}
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const TIB: u64 = 1 << 40;
+
+/// Parses a size: a whole number with an optional binary suffix, case-insensitive:
+/// `4096`, `4096B`, `1K`, `1KB`, `64KiB`, `1M`, `1G`, `1T` (all powers of 1024, as in
+/// nccl-tests). Blanks around the number are ignored. `None` for anything else,
+/// fractions, negatives or values that overflow a `u64`.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    if digits == 0 {
+        return None;
+    }
+    let number: u64 = s[..digits].parse().ok()?;
+    let suffix = s[digits..].trim().to_ascii_lowercase();
+    let unit = match suffix.as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => KIB,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => GIB,
+        "t" | "tb" | "tib" => TIB,
+        _ => return None,
+    };
+    number.checked_mul(unit)
+}
+
+/// Formats a size the way [`parse_size`] reads it: the largest binary unit that
+/// divides it exactly (`1K`, `64K`, `3M`, `1G`, `2T`), else plain bytes (`1536`, `0`).
+pub fn format_size(bytes: u64) -> String {
+    if bytes == 0 {
+        return "0".to_string();
+    }
+    for (unit, suffix) in [(TIB, "T"), (GIB, "G"), (MIB, "M"), (KIB, "K")] {
+        if bytes % unit == 0 {
+            return format!("{}{}", bytes / unit, suffix);
+        }
+    }
+    bytes.to_string()
+}
+
+/// The nccl-tests `-b min -e max -f factor` sweep: `min, min*factor, ...` while the
+/// size stays `<= max`. Empty when `min == 0`, `min > max` or `factor < 2`; stops
+/// before a product would overflow.
+pub fn size_sweep(min: u64, max: u64, factor: u64) -> Vec<u64> {
+    let mut sizes = Vec::new();
+    if min == 0 || min > max || factor < 2 {
+        return sizes;
+    }
+    let mut size = min;
+    while size <= max {
+        sizes.push(size);
+        match size.checked_mul(factor) {
+            Some(next) => size = next,
+            None => break,
+        }
+    }
+    sizes
+}
+
+/// Summary of repeated measurements.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stats {
+    /// The median (mean of the middle two for an even count).
+    pub median: f64,
+    /// The smallest sample.
+    pub min: f64,
+    /// The largest sample.
+    pub max: f64,
+    /// The 10th percentile (linear interpolation between ranks).
+    pub p10: f64,
+    /// The 90th percentile (linear interpolation between ranks).
+    pub p90: f64,
+    /// The number of samples.
+    pub n: usize,
+}
+
+/// Statistics of `samples`. `None` when there are no samples or when any sample is
+/// NaN (a NaN means a broken measurement, so the whole set is rejected rather than
+/// silently skipped). Percentiles interpolate linearly between ranks, like numpy's
+/// default, so the median of an even count is the mean of the middle two.
+pub fn stats(samples: &[f64]) -> Option<Stats> {
+    if samples.is_empty() || samples.iter().any(|s| s.is_nan()) {
+        return None;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    Some(Stats {
+        median: quantile(&sorted, 0.5),
+        min: sorted[0],
+        max: sorted[sorted.len() - 1],
+        p10: quantile(&sorted, 0.1),
+        p90: quantile(&sorted, 0.9),
+        n: sorted.len(),
+    })
+}
+
+/// Quantile `q` of a sorted, non-empty slice with linear interpolation.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let pos = q * (sorted.len() - 1) as f64;
+    let lo = pos.floor();
+    let frac = pos - lo;
+    // `pos` lies in [0, len - 1], so the float-to-index casts cannot truncate.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let lo = lo as usize;
+    let hi = (lo + 1).min(sorted.len() - 1);
+    if frac == 0.0 {
+        sorted[lo]
+    } else {
+        sorted[lo] + (sorted[hi] - sorted[lo]) * frac
+    }
+}
+
+/// The paths that the bench and the PyTorch script write, in table order.
+pub const PATH_ORDER: [&str; 7] = [
+    "nccl",
+    "p2p",
+    "auto",
+    "torch-comm",
+    "torch-dist",
+    "copy-engine",
+    "launch-floor",
+];
+
+/// Sort key of a path: its index in [`PATH_ORDER`], unknown paths after, by name.
+fn path_key(path: &str) -> (usize, &str) {
+    let rank = PATH_ORDER
+        .iter()
+        .position(|p| *p == path)
+        .unwrap_or(PATH_ORDER.len());
+    (rank, path)
+}
+
+/// The distinct paths in `rows`, in table order: [`PATH_ORDER`] first, then any
+/// others alphabetically.
+pub fn paths_present(rows: &[Row]) -> Vec<String> {
+    let mut paths: Vec<&str> = rows
+        .iter()
+        .map(|r| r.path.as_str())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    paths.sort_by_key(|p| path_key(p));
+    paths.into_iter().map(str::to_string).collect()
+}
+
+/// The distinct GPU counts in `rows`, ascending.
+pub fn gpu_counts(rows: &[Row]) -> Vec<usize> {
+    rows.iter()
+        .map(|r| r.gpus)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// The rows measured with `gpus` GPUs.
+pub fn rows_for_gpus(rows: &[Row], gpus: usize) -> Vec<Row> {
+    rows.iter().filter(|r| r.gpus == gpus).cloned().collect()
+}
+
+/// Time per op by size for one (GPU count or any, mode, path). The first row of a
+/// point wins when the input holds duplicates; times that are not positive finite
+/// numbers count as missing.
+fn times(rows: &[Row], gpus: Option<usize>, mode: Mode, path: &str) -> BTreeMap<u64, f64> {
+    let mut map = BTreeMap::new();
+    for r in rows {
+        let valid = r.time_us.is_finite() && r.time_us > 0.0;
+        if valid && r.mode == mode && r.path == path && gpus.map_or(true, |g| g == r.gpus) {
+            map.entry(r.bytes).or_insert(r.time_us);
+        }
+    }
+    map
+}
+
+/// Sizes where both paths were measured, ascending, with (fast time, slow time).
+fn common(rows: &[Row], gpus: Option<usize>, mode: Mode, a: &str, b: &str) -> Vec<(u64, f64, f64)> {
+    let ta = times(rows, gpus, mode, a);
+    let tb = times(rows, gpus, mode, b);
+    ta.iter()
+        .filter_map(|(bytes, t)| tb.get(bytes).map(|u| (*bytes, *t, *u)))
+        .collect()
+}
+
+/// The size from which `fast` stops winning for good in `mode`: the smallest size S
+/// such that at S and at every larger size measured for both paths, `slow` is at least
+/// as fast as `fast` (`slow` time <= `fast` time). `None` when `fast` still wins at the
+/// largest common size or the paths share no size.
+///
+/// Rows should come from one GPU count (see [`rows_for_gpus`]); among duplicate
+/// points the first row wins, and points whose time is not a positive finite number
+/// are left out.
+pub fn crossover(rows: &[Row], mode: Mode, fast: &str, slow: &str) -> Option<u64> {
+    let points = common(rows, None, mode, fast, slow);
+    let mut cross = None;
+    for &(bytes, t_fast, t_slow) in points.iter().rev() {
+        if t_fast < t_slow {
+            break;
+        }
+        cross = Some(bytes);
+    }
+    cross
+}
+
+/// The largest common size at which `fast` is strictly faster than `slow` in `mode`:
+/// the last win before [`crossover`] (the value a size threshold would be set to), or
+/// the largest common size when `fast` wins there (then `crossover` is `None`).
+/// `None` when `fast` never wins or the paths share no size.
+pub fn last_win(rows: &[Row], mode: Mode, fast: &str, slow: &str) -> Option<u64> {
+    common(rows, None, mode, fast, slow)
+        .iter()
+        .rev()
+        .find(|(_, t_fast, t_slow)| t_fast < t_slow)
+        .map(|(bytes, _, _)| *bytes)
+}
+
+/// A text field of the table.
+struct Column {
+    group: String,
+    name: String,
+    unit: String,
+    cells: Vec<String>,
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.2}")
+    } else {
+        "-".to_string()
+    }
+}
+
+/// An nccl-tests style text table of `rows`.
+///
+/// One section per (GPU count, mode), eager first; one line per size; columns size,
+/// count, type, root, then for each path present (in [`paths_present`] order) its time
+/// per op (us), algbw and busbw (GB/s), for every path other than `baseline` its speedup
+/// over `baseline` (`baseline time / path time`, as `2.51x`), and a `route` column for
+/// paths whose rows name routes other than themselves (`auto`, `p2p`). Speedup columns
+/// are left out of a section without the baseline path. Missing points print as `-`.
+pub fn format_table(rows: &[Row], baseline: &str) -> String {
+    let mut out = String::new();
+    let sections: BTreeSet<(usize, Mode)> = rows.iter().map(|r| (r.gpus, r.mode)).collect();
+    for (gpus, mode) in sections {
+        let section: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.gpus == gpus && r.mode == mode)
+            .cloned()
+            .collect();
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        format_section(&mut out, &section, gpus, mode, baseline);
+    }
+    out
+}
+
+fn format_section(out: &mut String, rows: &[Row], gpus: usize, mode: Mode, baseline: &str) {
+    let paths = paths_present(rows);
+    let sizes: Vec<u64> = rows
+        .iter()
+        .map(|r| r.bytes)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let has_baseline = paths.iter().any(|p| p == baseline);
+    // First row of each (path, bytes).
+    let mut points: BTreeMap<(&str, u64), &Row> = BTreeMap::new();
+    for r in rows {
+        points.entry((r.path.as_str(), r.bytes)).or_insert(r);
+    }
+    let point = |path: &str, bytes: u64| points.get(&(path, bytes)).copied();
+    // Count, type and root from the first path (in table order) measured at the size.
+    let first = |bytes: u64| paths.iter().find_map(|p| point(p, bytes));
+
+    let mut cols = vec![
+        Column {
+            group: String::new(),
+            name: "size".into(),
+            unit: "(B)".into(),
+            cells: sizes.iter().map(|&b| format_size(b)).collect(),
+        },
+        Column {
+            group: String::new(),
+            name: "count".into(),
+            unit: "(elems)".into(),
+            cells: sizes
+                .iter()
+                .map(|&b| first(b).map_or("-".into(), |r| r.count.to_string()))
+                .collect(),
+        },
+        Column {
+            group: String::new(),
+            name: "type".into(),
+            unit: String::new(),
+            cells: sizes
+                .iter()
+                .map(|&b| first(b).map_or("-".into(), |r| r.dtype.clone()))
+                .collect(),
+        },
+        Column {
+            group: String::new(),
+            name: "root".into(),
+            unit: String::new(),
+            cells: sizes
+                .iter()
+                .map(|&b| first(b).map_or("-".into(), |r| r.root.to_string()))
+                .collect(),
+        },
+    ];
+    for path in &paths {
+        let cell = |f: &dyn Fn(&Row) -> String| -> Vec<String> {
+            sizes
+                .iter()
+                .map(|&b| point(path, b).map_or("-".into(), f))
+                .collect()
+        };
+        let mut push = |name: &str, unit: &str, cells: Vec<String>| {
+            cols.push(Column {
+                group: path.clone(),
+                name: name.into(),
+                unit: unit.into(),
+                cells,
+            })
+        };
+        push("time", "(us)", cell(&|r| fmt_num(r.time_us)));
+        push("algbw", "(GB/s)", cell(&|r| fmt_num(r.algbw_gbps())));
+        push("busbw", "(GB/s)", cell(&|r| fmt_num(r.busbw_gbps())));
+        if has_baseline && path != baseline {
+            let cells = sizes
+                .iter()
+                .map(|&b| match (point(baseline, b), point(path, b)) {
+                    (Some(base), Some(r)) if r.time_us > 0.0 && base.time_us.is_finite() => {
+                        let speedup = base.time_us / r.time_us;
+                        if speedup.is_finite() {
+                            format!("{speedup:.2}x")
+                        } else {
+                            "-".into()
+                        }
+                    }
+                    _ => "-".into(),
+                })
+                .collect();
+            push(&format!("vs {baseline}"), "(x)", cells);
+        }
+        let routed = rows
+            .iter()
+            .any(|r| &r.path == path && r.route != "-" && r.route != *path && !r.route.is_empty());
+        if routed {
+            push("route", "", cell(&|r| r.route.clone()));
+        }
+    }
+
+    out.push_str(&format!(
+        "# gpus: {gpus}  mode: {mode}  baseline: {}\n",
+        if has_baseline { baseline } else { "(absent)" }
+    ));
+    let widths: Vec<usize> = cols
+        .iter()
+        .map(|c| {
+            c.cells
+                .iter()
+                .map(String::len)
+                .chain([c.name.len(), c.unit.len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    const SEP: &str = "  ";
+    // Group line: each path's name centered over its columns, padded with dashes.
+    let mut group_line = String::from("#");
+    let mut i = 0;
+    while i < cols.len() {
+        let mut j = i;
+        while j < cols.len() && cols[j].group == cols[i].group {
+            j += 1;
+        }
+        let span = widths[i..j].iter().sum::<usize>() + SEP.len() * (j - i - 1);
+        group_line.push_str(SEP);
+        if cols[i].group.is_empty() {
+            group_line.push_str(&" ".repeat(span));
+        } else {
+            let label = format!(" {} ", cols[i].group);
+            if label.len() >= span {
+                group_line.push_str(&label[..span.min(label.len())]);
+                group_line.push_str(&" ".repeat(span.saturating_sub(label.len())));
+            } else {
+                let left = (span - label.len()) / 2;
+                let right = span - label.len() - left;
+                group_line.push_str(&"-".repeat(left));
+                group_line.push_str(&label);
+                group_line.push_str(&"-".repeat(right));
+            }
+        }
+        i = j;
+    }
+    out.push_str(group_line.trim_end());
+    out.push('\n');
+    for (prefix, field) in [("#", 0), ("#", 1)] {
+        let mut line = String::from(prefix);
+        for (c, w) in cols.iter().zip(&widths) {
+            let text = if field == 0 { &c.name } else { &c.unit };
+            line.push_str(SEP);
+            line.push_str(&format!("{text:>w$}"));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    for row in 0..sizes.len() {
+        let mut line = String::from(" ");
+        for (c, w) in cols.iter().zip(&widths) {
+            line.push_str(SEP);
+            line.push_str(&format!("{:>w$}", c.cells[row]));
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+}
+
+/// The CSV header that [`write_csv`] writes and [`read_csv`] expects.
+pub const CSV_HEADER: &str =
+    "gpus,mode,path,route,bytes,count,dtype,root,time_us,min_us,max_us,algbw_gbps,busbw_gbps";
+
+/// Writes `rows` as CSV with [`CSV_HEADER`]. Floats use Rust's shortest round-trip
+/// formatting, so [`read_csv`] gets the same values back. A text field holding a
+/// comma, quote or line break is refused with an `InvalidInput` error.
+pub fn write_csv(rows: &[Row], mut w: impl Write) -> io::Result<()> {
+    writeln!(w, "{CSV_HEADER}")?;
+    for r in rows {
+        for field in [&r.path, &r.route, &r.dtype] {
+            if field.contains([',', '"', '\n', '\r']) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("CSV field {field:?} holds a comma, quote or line break"),
+                ));
+            }
+        }
+        writeln!(
+            w,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            r.gpus,
+            r.mode,
+            r.path,
+            r.route,
+            r.bytes,
+            r.count,
+            r.dtype,
+            r.root,
+            r.time_us,
+            r.min_us,
+            r.max_us,
+            r.algbw_gbps(),
+            r.busbw_gbps()
+        )?;
+    }
+    w.flush()
+}
+
+/// Reads rows written by [`write_csv`] (or by `benches/torch_broadcast.py`).
+///
+/// The first non-blank line must be a header naming at least the columns `gpus, mode,
+/// path, route, bytes, count, dtype, root, time_us, min_us, max_us` in any order; other
+/// columns (`algbw_gbps`, `busbw_gbps`, unknown ones) are ignored, as bandwidths are
+/// recomputed from bytes and time. Blank lines and lines starting with `#` are skipped.
+/// An error names the 1-based line number.
+pub fn read_csv(r: impl BufRead) -> Result<Vec<Row>, String> {
+    const NEEDED: [&str; 11] = [
+        "gpus", "mode", "path", "route", "bytes", "count", "dtype", "root", "time_us", "min_us",
+        "max_us",
+    ];
+    let mut index: Option<(Vec<usize>, usize)> = None;
+    let mut rows = Vec::new();
+    for (n, line) in r.lines().enumerate() {
+        let lineno = n + 1;
+        let line = line.map_err(|e| format!("line {lineno}: {e}"))?;
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let Some((idx, width)) = &index else {
+            let mut idx = Vec::with_capacity(NEEDED.len());
+            for name in NEEDED {
+                let pos = fields
+                    .iter()
+                    .position(|f| *f == name)
+                    .ok_or_else(|| format!("line {lineno}: header lacks column {name:?}"))?;
+                idx.push(pos);
+            }
+            index = Some((idx, fields.len()));
+            continue;
+        };
+        if fields.len() != *width {
+            return Err(format!(
+                "line {lineno}: {} fields, the header has {width}",
+                fields.len()
+            ));
+        }
+        let get = |i: usize| fields[idx[i]];
+        fn num<T: FromStr>(lineno: usize, name: &str, s: &str) -> Result<T, String> {
+            s.parse()
+                .map_err(|_| format!("line {lineno}: bad {name} {s:?}"))
+        }
+        let text = |i: usize| -> Result<String, String> {
+            let s = get(i);
+            if s.is_empty() {
+                Err(format!("line {lineno}: empty {}", NEEDED[i]))
+            } else {
+                Ok(s.to_string())
+            }
+        };
+        rows.push(Row {
+            gpus: num(lineno, "gpus", get(0))?,
+            mode: Mode::parse(get(1))
+                .ok_or_else(|| format!("line {lineno}: bad mode {:?}", get(1)))?,
+            path: text(2)?,
+            route: text(3)?,
+            bytes: num(lineno, "bytes", get(4))?,
+            count: num(lineno, "count", get(5))?,
+            dtype: text(6)?,
+            root: num(lineno, "root", get(7))?,
+            time_us: num(lineno, "time_us", get(8))?,
+            min_us: num(lineno, "min_us", get(9))?,
+            max_us: num(lineno, "max_us", get(10))?,
+        });
+    }
+    if index.is_none() {
+        return Err("line 1: no CSV header (empty input)".to_string());
+    }
+    Ok(rows)
+}
+
+/// One ratio range as words: `2.60x-3.10x faster (median 2.80x)`. `ratios` are
+/// speed ratios (other time / this time), finite and positive, non-empty.
+fn describe_ratios(ratios: &[f64]) -> String {
+    let Some(s) = stats(ratios) else {
+        return "-".to_string();
+    };
+    let slower = |r: f64| 1.0 / r;
+    if s.min >= 1.0 {
+        if s.n == 1 || s.min == s.max {
+            format!("{:.2}x faster", s.median)
+        } else {
+            format!(
+                "{:.2}x-{:.2}x faster (median {:.2}x)",
+                s.min, s.max, s.median
+            )
+        }
+    } else if s.max < 1.0 {
+        if s.n == 1 || s.min == s.max {
+            format!("{:.2}x slower", slower(s.median))
+        } else {
+            format!(
+                "{:.2}x-{:.2}x slower (median {:.2}x)",
+                slower(s.max),
+                slower(s.min),
+                slower(s.median)
+            )
+        }
+    } else {
+        let median = if s.median >= 1.0 {
+            format!("{:.2}x faster", s.median)
+        } else {
+            format!("{:.2}x slower", slower(s.median))
+        };
+        format!(
+            "from {:.2}x slower to {:.2}x faster (median {median})",
+            slower(s.min),
+            s.max
+        )
+    }
+}
+
+/// Headline ratios for `mode` as human-readable lines.
+///
+/// For sizes `<= small_max`: `p2p vs nccl`, `auto vs nccl`, `p2p vs torch-comm`,
+/// `p2p vs torch-dist`, `p2p vs copy-engine` and `p2p vs launch-floor` (speed ratio
+/// `other time / p2p time`, as a range with its median). Over all sizes: `auto vs best
+/// of (nccl, p2p)`, the worst `auto time / min(nccl time, p2p time)` and its size.
+/// Only lines whose paths have common sizes appear. Lines do not name the mode (the
+/// caller knows it); with several GPU counts in `rows` each line starts with its count.
+/// Example: `<= 64K: p2p vs nccl: 2.60x-3.10x faster (median 2.80x) (7 sizes)`.
+pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
+    const PAIRS: [(&str, &str); 6] = [
+        ("p2p", "nccl"),
+        ("auto", "nccl"),
+        ("p2p", "torch-comm"),
+        ("p2p", "torch-dist"),
+        ("p2p", "copy-engine"),
+        ("p2p", "launch-floor"),
+    ];
+    let counts = gpu_counts(rows);
+    let mut lines = Vec::new();
+    for &gpus in &counts {
+        let prefix = if counts.len() > 1 {
+            format!("{gpus} GPUs, ")
+        } else {
+            String::new()
+        };
+        for (a, b) in PAIRS {
+            let ratios: Vec<f64> = common(rows, Some(gpus), mode, a, b)
+                .into_iter()
+                .filter(|&(bytes, _, _)| bytes <= small_max)
+                .map(|(_, ta, tb)| tb / ta)
+                .filter(|r| r.is_finite() && *r > 0.0)
+                .collect();
+            if ratios.is_empty() {
+                continue;
+            }
+            lines.push(format!(
+                "{prefix}<= {}: {a} vs {b}: {} ({} sizes)",
+                format_size(small_max),
+                describe_ratios(&ratios),
+                ratios.len()
+            ));
+        }
+        let auto = times(rows, Some(gpus), mode, "auto");
+        let nccl = times(rows, Some(gpus), mode, "nccl");
+        let p2p = times(rows, Some(gpus), mode, "p2p");
+        let mut worst: Option<(f64, u64)> = None;
+        for (&bytes, &t_auto) in &auto {
+            let (Some(&t_nccl), Some(&t_p2p)) = (nccl.get(&bytes), p2p.get(&bytes)) else {
+                continue;
+            };
+            let ratio = t_auto / t_nccl.min(t_p2p);
+            if ratio.is_finite() && worst.map_or(true, |(w, _)| ratio > w) {
+                worst = Some((ratio, bytes));
+            }
+        }
+        if let Some((ratio, bytes)) = worst {
+            let words = if ratio > 1.0 {
+                format!("worst {ratio:.2}x slower at {}", format_size(bytes))
+            } else {
+                format!(
+                    "never slower (worst {ratio:.2}x the time at {})",
+                    format_size(bytes)
+                )
+            };
+            lines.push(format!(
+                "{prefix}all sizes: auto vs best of (nccl, p2p): {words}"
+            ));
+        }
+    }
+    lines
+}
+
+// ---------------------------------------------------------------------------------
+// Plot
+// ---------------------------------------------------------------------------------
+
+/// Width of the PNG written by [`plot`].
+pub const PLOT_WIDTH: u32 = 1600;
+/// Height of the PNG written by [`plot`].
+pub const PLOT_HEIGHT: u32 = 700;
+
+/// Colors by path, in [`PATH_ORDER`] order, then for other paths.
+const PATH_COLORS: [RGBColor; 7] = [
+    RGBColor(31, 119, 180),  // nccl: blue
+    RGBColor(214, 39, 40),   // p2p: red
+    RGBColor(44, 160, 44),   // auto: green
+    RGBColor(148, 103, 189), // torch-comm: purple
+    RGBColor(255, 127, 14),  // torch-dist: orange
+    RGBColor(127, 127, 127), // copy-engine: gray
+    RGBColor(30, 30, 30),    // launch-floor: near black
+];
+const EXTRA_COLORS: [RGBColor; 5] = [
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+    RGBColor(0, 0, 128),
+];
+
+/// One line of the plot: a (GPU count, path, mode) with its points.
+struct Series {
+    label: String,
+    color: RGBColor,
+    mode: Mode,
+    path: String,
+    /// (log2 bytes, time us, busbw GB/s), by size.
+    points: Vec<(f64, f64, f64)>,
+}
+
+fn build_series(rows: &[Row]) -> Vec<Series> {
+    let paths = paths_present(rows);
+    let counts = gpu_counts(rows);
+    let mut series = Vec::new();
+    for &gpus in &counts {
+        for (pi, path) in paths.iter().enumerate() {
+            for mode in Mode::ALL {
+                let mut pts: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+                for r in rows {
+                    let valid = r.bytes > 0 && r.time_us.is_finite() && r.time_us > 0.0;
+                    if valid && r.gpus == gpus && r.mode == mode && &r.path == path {
+                        pts.entry(r.bytes).or_insert((r.time_us, r.busbw_gbps()));
+                    }
+                }
+                if pts.is_empty() {
+                    continue;
+                }
+                let rank = path_key(path).0;
+                let color = if rank < PATH_COLORS.len() {
+                    PATH_COLORS[rank]
+                } else {
+                    EXTRA_COLORS[pi % EXTRA_COLORS.len()]
+                };
+                let label = if counts.len() > 1 {
+                    format!("{path} {mode} {gpus}g")
+                } else {
+                    format!("{path} {mode}")
+                };
+                series.push(Series {
+                    label,
+                    color,
+                    mode,
+                    path: path.clone(),
+                    points: pts
+                        .into_iter()
+                        .map(|(b, (t, bw))| ((b as f64).log2(), t, bw))
+                        .collect(),
+                });
+            }
+        }
+    }
+    series
+}
+
+/// A "nice" step (1, 2 or 5 times a power of ten) giving at most about `n` ticks.
+fn nice_step(span: f64, n: f64) -> f64 {
+    let raw = (span / n).max(f64::MIN_POSITIVE);
+    let mag = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag)
+}
+
+/// Short label of a number: `0.5`, `2`, `150`, `2.5`.
+fn short_num(v: f64) -> String {
+    let s = if v.abs() >= 100.0 || v == v.round() {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    };
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+type PlotErr = Box<dyn std::error::Error>;
+
+/// Writes a `PLOT_WIDTH` x `PLOT_HEIGHT` PNG at `path` (its name should end in
+/// `.png`): on the left the time per op (us, log scale) against the message size (log
+/// scale), on the right the bus bandwidth (GB/s) against the size, one line per (path,
+/// mode) (and GPU count, when several), eager solid with filled dots, graph dashed with
+/// hollow dots, and a legend. `launch-floor` appears in the time panel only. Text comes
+/// from a built-in pixel font, so no system font is needed (see the module docs).
+/// Points with a zero size or a time that is not a positive finite number are left out;
+/// empty input gives an empty plot marked "no data", not an error. An error means the
+/// file could not be written.
+pub fn plot(rows: &[Row], path: &Path, title: &str) -> Result<(), String> {
+    // Nothing in `plot_inner` should panic; this is a safety net, as plotters has
+    // `panic!`s on some paths (its fallback font among them).
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        plot_inner(rows, path, title)
+    })) {
+        Ok(result) => result.map_err(|e| format!("plot {}: {e}", path.display())),
+        Err(_) => Err(format!("plot {}: plotting panicked", path.display())),
+    }
+}
+
+fn plot_inner(rows: &[Row], path: &Path, title: &str) -> Result<(), PlotErr> {
+    let series = build_series(rows);
+    let root = BitMapBackend::new(path, (PLOT_WIDTH, PLOT_HEIGHT)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let w = i32::try_from(PLOT_WIDTH)?;
+    draw_text(
+        &root,
+        title,
+        (w / 2, 12),
+        2,
+        &BLACK,
+        Anchor::TopCenter,
+        false,
+    )?;
+    let (_, body) = root.split_vertically(40);
+    let (left, right) = body.split_horizontally(w / 2);
+
+    // x: log2 of the size.
+    let xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .collect();
+    let (x_lo, x_hi) = match (
+        xs.iter().copied().reduce(f64::min),
+        xs.iter().copied().reduce(f64::max),
+    ) {
+        (Some(lo), Some(hi)) => (lo, hi),
+        _ => (10.0, 20.0),
+    };
+    let (x_lo, x_hi) = (x_lo - 0.5, x_hi + 0.5);
+    let span = (x_hi - x_lo).max(1.0);
+    let step = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 16.0]
+        .into_iter()
+        .find(|s| span / s <= 11.0)
+        .unwrap_or(16.0);
+    let x_ticks: Vec<(f64, String)> = {
+        let mut t = (x_lo / step).ceil() * step;
+        let mut v = Vec::new();
+        while t <= x_hi {
+            if (0.0..64.0).contains(&t) {
+                // `t` is a whole number in [0, 64): the cast is exact.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let label = format_size(1u64 << (t as u32));
+                v.push((t, label));
+            }
+            t += step;
+        }
+        v
+    };
+
+    // Left panel: log10 of the time.
+    let ts: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .map(f64::log10)
+        .collect();
+    let (y_lo, y_hi) = match (
+        ts.iter().copied().reduce(f64::min),
+        ts.iter().copied().reduce(f64::max),
+    ) {
+        (Some(lo), Some(hi)) => (lo, hi),
+        _ => (0.0, 3.0),
+    };
+    let pad = ((y_hi - y_lo) * 0.05).max(0.1);
+    let (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
+    let decades = y_hi.ceil() - y_lo.floor();
+    let mantissas: &[f64] = if decades <= 2.0 {
+        &[1.0, 2.0, 3.0, 5.0]
+    } else if decades <= 4.0 {
+        &[1.0, 2.0, 5.0]
+    } else {
+        &[1.0]
+    };
+    let mut y_ticks = Vec::new();
+    let mut d = y_lo.floor();
+    while d <= y_hi {
+        for m in mantissas {
+            let v = m * 10f64.powf(d);
+            let l = v.log10();
+            if l >= y_lo && l <= y_hi {
+                y_ticks.push((l, short_num(v)));
+            }
+        }
+        d += 1.0;
+    }
+    let time_lines: Vec<(&Series, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|s| {
+            let pts = s
+                .points
+                .iter()
+                .filter(|p| p.1.is_finite() && p.1 > 0.0)
+                .map(|p| (p.0, p.1.log10()))
+                .collect();
+            (s, pts)
+        })
+        .collect();
+    draw_panel(
+        &root,
+        &left,
+        "time per op (us), log scale",
+        "time per op (us)",
+        (x_lo, x_hi, &x_ticks),
+        (y_lo, y_hi, &y_ticks),
+        &time_lines,
+        None,
+    )?;
+
+    // Right panel: busbw, linear.
+    let bw_lines: Vec<(&Series, Vec<(f64, f64)>)> = series
+        .iter()
+        .filter(|s| s.path != "launch-floor")
+        .map(|s| {
+            let pts = s
+                .points
+                .iter()
+                .filter(|p| p.2.is_finite() && p.2 >= 0.0)
+                .map(|p| (p.0, p.2))
+                .collect();
+            (s, pts)
+        })
+        .collect();
+    let bw_max = bw_lines
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold(0.0f64, f64::max);
+    let bw_hi = if bw_max > 0.0 { bw_max * 1.08 } else { 1.0 };
+    let bw_step = nice_step(bw_hi, 8.0);
+    let mut bw_ticks = Vec::new();
+    let mut t = 0.0;
+    while t <= bw_hi {
+        bw_ticks.push((t, short_num(t)));
+        t += bw_step;
+    }
+    draw_panel(
+        &root,
+        &right,
+        "bus bandwidth (GB/s)",
+        "busbw (GB/s)",
+        (x_lo, x_hi, &x_ticks),
+        (0.0, bw_hi, &bw_ticks),
+        &bw_lines,
+        Some(&series),
+    )?;
+    if series.is_empty() {
+        draw_text(
+            &root,
+            "no data",
+            (w / 4, i32::try_from(PLOT_HEIGHT)? / 2),
+            3,
+            &BLACK,
+            Anchor::Center,
+            false,
+        )?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+/// One axis: range and labelled ticks.
+type Axis<'t> = (f64, f64, &'t [(f64, String)]);
+
+/// Draws one panel: grid, frame, ticks labels, axis titles, lines and markers, and
+/// the legend of `legend` when given.
+#[allow(clippy::too_many_arguments)]
+fn draw_panel(
+    root: &Area<'_>,
+    area: &Area<'_>,
+    caption: &str,
+    y_desc: &str,
+    (x_lo, x_hi, x_ticks): Axis<'_>,
+    (y_lo, y_hi, y_ticks): Axis<'_>,
+    lines: &[(&Series, Vec<(f64, f64)>)],
+    legend: Option<&[Series]>,
+) -> Result<(), PlotErr> {
+    // No text goes through plotters: the label areas stay empty and are written with
+    // `draw_text` below.
+    let mut chart = ChartBuilder::on(area)
+        .margin_top(30)
+        .margin_right(25)
+        .margin_left(10)
+        .margin_bottom(10)
+        .x_label_area_size(50)
+        .y_label_area_size(95)
+        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)?;
+    let grid = RGBColor(225, 225, 225);
+    for (x, _) in x_ticks {
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![(*x, y_lo), (*x, y_hi)],
+            grid,
+        )))?;
+    }
+    for (y, _) in y_ticks {
+        chart.draw_series(std::iter::once(PathElement::new(
+            vec![(x_lo, *y), (x_hi, *y)],
+            grid,
+        )))?;
+    }
+    chart.draw_series(std::iter::once(Rectangle::new(
+        [(x_lo, y_lo), (x_hi, y_hi)],
+        BLACK.stroke_width(1),
+    )))?;
+
+    let (x_px, y_px) = chart.plotting_area().get_pixel_range();
+    for (x, label) in x_ticks {
+        let (px_x, _) = chart.backend_coord(&(*x, y_lo));
+        root.draw(&PathElement::new(
+            vec![(px_x, y_px.end), (px_x, y_px.end + 5)],
+            BLACK,
+        ))?;
+        draw_text(
+            root,
+            label,
+            (px_x, y_px.end + 9),
+            2,
+            &BLACK,
+            Anchor::TopCenter,
+            false,
+        )?;
+    }
+    for (y, label) in y_ticks {
+        let (_, px_y) = chart.backend_coord(&(x_lo, *y));
+        root.draw(&PathElement::new(
+            vec![(x_px.start - 5, px_y), (x_px.start, px_y)],
+            BLACK,
+        ))?;
+        draw_text(
+            root,
+            label,
+            (x_px.start - 9, px_y),
+            2,
+            &BLACK,
+            Anchor::RightCenter,
+            false,
+        )?;
+    }
+    let mid_x = (x_px.start + x_px.end) / 2;
+    let mid_y = (y_px.start + y_px.end) / 2;
+    draw_text(
+        root,
+        caption,
+        (mid_x, y_px.start - 8),
+        2,
+        &BLACK,
+        Anchor::BottomCenter,
+        false,
+    )?;
+    draw_text(
+        root,
+        "message size (bytes)",
+        (mid_x, y_px.end + 32),
+        2,
+        &BLACK,
+        Anchor::TopCenter,
+        false,
+    )?;
+    // The axis title sits left of the widest tick label.
+    let tick_w = y_ticks
+        .iter()
+        .map(|(_, l)| text_size(l, 2).0)
+        .max()
+        .unwrap_or(0);
+    draw_text(
+        root,
+        y_desc,
+        (x_px.start - 9 - tick_w - 8 - 8, mid_y),
+        2,
+        &BLACK,
+        Anchor::Center,
+        true,
+    )?;
+
+    for (s, pts) in lines {
+        if pts.is_empty() {
+            continue;
+        }
+        let style = s.color.stroke_width(2);
+        match s.mode {
+            Mode::Eager => {
+                chart.draw_series(LineSeries::new(pts.iter().copied(), style))?;
+                chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, s.color.filled())))?;
+            }
+            Mode::Graph => {
+                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 8, 5, style))?;
+                chart.draw_series(
+                    pts.iter()
+                        .map(|p| Circle::new(*p, 4, s.color.stroke_width(2))),
+                )?;
+            }
+        }
+    }
+
+    if let Some(all) = legend {
+        if !all.is_empty() {
+            let scale = 2;
+            let line_h = 22;
+            let text_w = all
+                .iter()
+                .map(|s| text_size(&s.label, scale).0)
+                .max()
+                .unwrap_or(0);
+            let (x0, y0) = (x_px.start + 12, y_px.start + 12);
+            let n = i32::try_from(all.len()).unwrap_or(i32::MAX / line_h - 1);
+            let (x1, y1) = (x0 + 60 + text_w + 12, y0 + n * line_h + 10);
+            root.draw(&Rectangle::new([(x0, y0), (x1, y1)], WHITE.filled()))?;
+            root.draw(&Rectangle::new([(x0, y0), (x1, y1)], BLACK.stroke_width(1)))?;
+            for (i, s) in all.iter().enumerate() {
+                let i = i32::try_from(i).unwrap_or(0);
+                let cy = y0 + 5 + i * line_h + line_h / 2;
+                let style = s.color.stroke_width(2);
+                let (a, b) = ((x0 + 8, cy), (x0 + 48, cy));
+                match s.mode {
+                    Mode::Eager => {
+                        root.draw(&PathElement::new(vec![a, b], style))?;
+                        root.draw(&Circle::new((x0 + 28, cy), 4, s.color.filled()))?;
+                    }
+                    Mode::Graph => {
+                        for seg in 0..3 {
+                            let sx = x0 + 8 + seg * 14;
+                            root.draw(&PathElement::new(vec![(sx, cy), (sx + 8, cy)], style))?;
+                        }
+                        root.draw(&Circle::new((x0 + 28, cy), 4, s.color.stroke_width(2)))?;
+                    }
+                }
+                draw_text(
+                    root,
+                    &s.label,
+                    (x0 + 60, cy),
+                    scale,
+                    &BLACK,
+                    Anchor::LeftCenter,
+                    false,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where the anchor point of a text sits on its box.
+#[derive(Clone, Copy, Debug)]
+pub enum Anchor {
+    /// Middle of the top edge.
+    TopCenter,
+    /// Middle of the bottom edge.
+    BottomCenter,
+    /// Middle of the right edge.
+    RightCenter,
+    /// Middle of the left edge.
+    LeftCenter,
+    /// Center of the box.
+    Center,
+}
+
+/// Width and height in pixels of `text` in the built-in font at `scale`.
+pub fn text_size(text: &str, scale: i32) -> (i32, i32) {
+    let n = i32::try_from(text.chars().count()).unwrap_or(i32::MAX / 6 / scale.max(1));
+    let scale = scale.max(1);
+    ((n * 6 - 1).max(0) * scale, 8 * scale)
+}
+
+/// Draws `text` with the built-in 5x8 pixel font, each font pixel a `scale` x
+/// `scale` square, anchored at `pos` (absolute pixels of `root`); `vertical` turns
+/// it 90 degrees counter-clockwise (reading upwards), the anchor then referring to the
+/// turned box. Characters outside printable ASCII are drawn as `?`.
+pub fn draw_text(
+    root: &Area<'_>,
+    text: &str,
+    pos: (i32, i32),
+    scale: i32,
+    color: &RGBColor,
+    anchor: Anchor,
+    vertical: bool,
+) -> Result<(), PlotErr> {
+    let scale = scale.max(1);
+    let (tw, th) = text_size(text, scale);
+    // Size of the box on the image.
+    let (bw, bh) = if vertical { (th, tw) } else { (tw, th) };
+    let (bx, by) = match anchor {
+        Anchor::TopCenter => (pos.0 - bw / 2, pos.1),
+        Anchor::BottomCenter => (pos.0 - bw / 2, pos.1 - bh),
+        Anchor::RightCenter => (pos.0 - bw, pos.1 - bh / 2),
+        Anchor::LeftCenter => (pos.0, pos.1 - bh / 2),
+        Anchor::Center => (pos.0 - bw / 2, pos.1 - bh / 2),
+    };
+    for (i, ch) in text.chars().enumerate() {
+        let code = u32::from(ch);
+        let glyph = if (32..127).contains(&code) {
+            // In 32..127, so the index is in 0..95.
+            FONT_5X8[usize::try_from(code - 32).unwrap_or(31)]
+        } else {
+            FONT_5X8[usize::from(b'?' - 32)]
+        };
+        let cx = i32::try_from(i).unwrap_or(0) * 6;
+        for (col, bits) in (0i32..).zip(glyph) {
+            for row in 0..8 {
+                if bits >> row & 1 == 0 {
+                    continue;
+                }
+                // Font pixel (cx + col, row) in text coordinates, scaled.
+                let (tx, ty) = ((cx + col) * scale, row * scale);
+                let (x, y) = if vertical {
+                    // Turned counter-clockwise: text x runs up the image.
+                    (bx + ty, by + bh - tx - scale)
+                } else {
+                    (bx + tx, by + ty)
+                };
+                for dy in 0..scale {
+                    for dx in 0..scale {
+                        root.draw_pixel((x + dx, y + dy), color)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A 5x8 pixel font for printable ASCII (32..=126): five columns per glyph, bit 0
+/// the top row, bit 7 the descender row. These are the classic public 5x7 LCD glyphs
+/// (with descenders for g, j, p, q, y).
+pub const FONT_5X8: [[u8; 5]; 95] = [
+    [0x00, 0x00, 0x00, 0x00, 0x00], // ' '
+    [0x00, 0x00, 0x5F, 0x00, 0x00], // !
+    [0x00, 0x07, 0x00, 0x07, 0x00], // "
+    [0x14, 0x7F, 0x14, 0x7F, 0x14], // #
+    [0x24, 0x2A, 0x7F, 0x2A, 0x12], // $
+    [0x23, 0x13, 0x08, 0x64, 0x62], // %
+    [0x36, 0x49, 0x55, 0x22, 0x50], // &
+    [0x00, 0x05, 0x03, 0x00, 0x00], // '
+    [0x00, 0x1C, 0x22, 0x41, 0x00], // (
+    [0x00, 0x41, 0x22, 0x1C, 0x00], // )
+    [0x14, 0x08, 0x3E, 0x08, 0x14], // *
+    [0x08, 0x08, 0x3E, 0x08, 0x08], // +
+    [0x00, 0x50, 0x30, 0x00, 0x00], // ,
+    [0x08, 0x08, 0x08, 0x08, 0x08], // -
+    [0x00, 0x60, 0x60, 0x00, 0x00], // .
+    [0x20, 0x10, 0x08, 0x04, 0x02], // /
+    [0x3E, 0x51, 0x49, 0x45, 0x3E], // 0
+    [0x00, 0x42, 0x7F, 0x40, 0x00], // 1
+    [0x42, 0x61, 0x51, 0x49, 0x46], // 2
+    [0x21, 0x41, 0x45, 0x4B, 0x31], // 3
+    [0x18, 0x14, 0x12, 0x7F, 0x10], // 4
+    [0x27, 0x45, 0x45, 0x45, 0x39], // 5
+    [0x3C, 0x4A, 0x49, 0x49, 0x30], // 6
+    [0x01, 0x71, 0x09, 0x05, 0x03], // 7
+    [0x36, 0x49, 0x49, 0x49, 0x36], // 8
+    [0x06, 0x49, 0x49, 0x29, 0x1E], // 9
+    [0x00, 0x36, 0x36, 0x00, 0x00], // :
+    [0x00, 0x56, 0x36, 0x00, 0x00], // ;
+    [0x08, 0x14, 0x22, 0x41, 0x00], // <
+    [0x14, 0x14, 0x14, 0x14, 0x14], // =
+    [0x00, 0x41, 0x22, 0x14, 0x08], // >
+    [0x02, 0x01, 0x51, 0x09, 0x06], // ?
+    [0x32, 0x49, 0x79, 0x41, 0x3E], // @
+    [0x7E, 0x11, 0x11, 0x11, 0x7E], // A
+    [0x7F, 0x49, 0x49, 0x49, 0x36], // B
+    [0x3E, 0x41, 0x41, 0x41, 0x22], // C
+    [0x7F, 0x41, 0x41, 0x22, 0x1C], // D
+    [0x7F, 0x49, 0x49, 0x49, 0x41], // E
+    [0x7F, 0x09, 0x09, 0x09, 0x01], // F
+    [0x3E, 0x41, 0x49, 0x49, 0x7A], // G
+    [0x7F, 0x08, 0x08, 0x08, 0x7F], // H
+    [0x00, 0x41, 0x7F, 0x41, 0x00], // I
+    [0x20, 0x40, 0x41, 0x3F, 0x01], // J
+    [0x7F, 0x08, 0x14, 0x22, 0x41], // K
+    [0x7F, 0x40, 0x40, 0x40, 0x40], // L
+    [0x7F, 0x02, 0x0C, 0x02, 0x7F], // M
+    [0x7F, 0x04, 0x08, 0x10, 0x7F], // N
+    [0x3E, 0x41, 0x41, 0x41, 0x3E], // O
+    [0x7F, 0x09, 0x09, 0x09, 0x06], // P
+    [0x3E, 0x41, 0x51, 0x21, 0x5E], // Q
+    [0x7F, 0x09, 0x19, 0x29, 0x46], // R
+    [0x46, 0x49, 0x49, 0x49, 0x31], // S
+    [0x01, 0x01, 0x7F, 0x01, 0x01], // T
+    [0x3F, 0x40, 0x40, 0x40, 0x3F], // U
+    [0x1F, 0x20, 0x40, 0x20, 0x1F], // V
+    [0x3F, 0x40, 0x38, 0x40, 0x3F], // W
+    [0x63, 0x14, 0x08, 0x14, 0x63], // X
+    [0x07, 0x08, 0x70, 0x08, 0x07], // Y
+    [0x61, 0x51, 0x49, 0x45, 0x43], // Z
+    [0x00, 0x7F, 0x41, 0x41, 0x00], // [
+    [0x02, 0x04, 0x08, 0x10, 0x20], // backslash
+    [0x00, 0x41, 0x41, 0x7F, 0x00], // ]
+    [0x04, 0x02, 0x01, 0x02, 0x04], // ^
+    [0x40, 0x40, 0x40, 0x40, 0x40], // _
+    [0x00, 0x01, 0x02, 0x04, 0x00], // `
+    [0x20, 0x54, 0x54, 0x54, 0x78], // a
+    [0x7F, 0x48, 0x44, 0x44, 0x38], // b
+    [0x38, 0x44, 0x44, 0x44, 0x20], // c
+    [0x38, 0x44, 0x44, 0x48, 0x7F], // d
+    [0x38, 0x54, 0x54, 0x54, 0x18], // e
+    [0x08, 0x7E, 0x09, 0x01, 0x02], // f
+    [0x18, 0xA4, 0xA4, 0xA4, 0x7C], // g
+    [0x7F, 0x08, 0x04, 0x04, 0x78], // h
+    [0x00, 0x44, 0x7D, 0x40, 0x00], // i
+    [0x40, 0x80, 0x84, 0x7D, 0x00], // j
+    [0x7F, 0x10, 0x28, 0x44, 0x00], // k
+    [0x00, 0x41, 0x7F, 0x40, 0x00], // l
+    [0x7C, 0x04, 0x18, 0x04, 0x78], // m
+    [0x7C, 0x08, 0x04, 0x04, 0x78], // n
+    [0x38, 0x44, 0x44, 0x44, 0x38], // o
+    [0xFC, 0x24, 0x24, 0x24, 0x18], // p
+    [0x18, 0x24, 0x24, 0x18, 0xFC], // q
+    [0x7C, 0x08, 0x04, 0x04, 0x08], // r
+    [0x48, 0x54, 0x54, 0x54, 0x20], // s
+    [0x04, 0x3F, 0x44, 0x40, 0x20], // t
+    [0x3C, 0x40, 0x40, 0x20, 0x7C], // u
+    [0x1C, 0x20, 0x40, 0x20, 0x1C], // v
+    [0x3C, 0x40, 0x30, 0x40, 0x3C], // w
+    [0x44, 0x28, 0x10, 0x28, 0x44], // x
+    [0x1C, 0xA0, 0xA0, 0xA0, 0x7C], // y
+    [0x44, 0x64, 0x54, 0x4C, 0x44], // z
+    [0x00, 0x08, 0x36, 0x41, 0x00], // {
+    [0x00, 0x00, 0x7F, 0x00, 0x00], // |
+    [0x00, 0x41, 0x36, 0x08, 0x00], // }
+    [0x08, 0x04, 0x08, 0x10, 0x08], // ~
+];

@@ -1,0 +1,562 @@
+//! CPU tests of the benchmark's pure logic (`benches/report/mod.rs`).
+
+// The module allows dead code itself (the bench and these tests use different parts).
+#[path = "../benches/report/mod.rs"]
+mod report;
+
+use report::{
+    crossover, format_size, format_table, last_win, parse_size, plot, ratio_summary, read_csv,
+    size_sweep, stats, write_csv, Mode, Row, CSV_HEADER,
+};
+
+fn row(path: &str, mode: Mode, bytes: u64, time_us: f64) -> Row {
+    Row {
+        gpus: 2,
+        mode,
+        path: path.to_string(),
+        route: if path == "auto" {
+            if bytes <= 65536 {
+                "p2p-packet".into()
+            } else {
+                "nccl".into()
+            }
+        } else {
+            "-".into()
+        },
+        bytes,
+        count: bytes / 4,
+        dtype: "f32".into(),
+        root: 0,
+        time_us,
+        min_us: time_us * 0.9,
+        max_us: time_us * 1.1,
+    }
+}
+
+/// Rows of `path` in `mode` with the given (bytes, time) points.
+fn series(path: &str, mode: Mode, points: &[(u64, f64)]) -> Vec<Row> {
+    points.iter().map(|&(b, t)| row(path, mode, b, t)).collect()
+}
+
+#[test]
+fn mode_names_and_parse() {
+    assert_eq!(Mode::Eager.name(), "eager");
+    assert_eq!(Mode::Graph.name(), "graph");
+    assert_eq!(Mode::parse("graph"), Some(Mode::Graph));
+    assert_eq!(Mode::parse(" Eager "), Some(Mode::Eager));
+    assert_eq!(Mode::parse("lazy"), None);
+    assert_eq!("graph".parse::<Mode>(), Ok(Mode::Graph));
+    assert!("".parse::<Mode>().is_err());
+    assert!(Mode::Eager < Mode::Graph);
+}
+
+#[test]
+fn parse_sizes() {
+    assert_eq!(parse_size("4096"), Some(4096));
+    assert_eq!(parse_size("1K"), Some(1024));
+    assert_eq!(parse_size("1k"), Some(1024));
+    assert_eq!(parse_size("64KiB"), Some(64 << 10));
+    assert_eq!(parse_size("64KB"), Some(64 << 10));
+    assert_eq!(parse_size("1M"), Some(1 << 20));
+    assert_eq!(parse_size("3MiB"), Some(3 << 20));
+    assert_eq!(parse_size("1G"), Some(1 << 30));
+    assert_eq!(parse_size(" 2g "), Some(2 << 30));
+    assert_eq!(parse_size("1T"), Some(1 << 40));
+    assert_eq!(parse_size("12B"), Some(12));
+    assert_eq!(parse_size("0"), Some(0));
+    for bad in [
+        "",
+        "K",
+        "1.5M",
+        "-1",
+        "1X",
+        "1KK",
+        "M1",
+        "99999999999999999999",
+        "16777216T",
+    ] {
+        assert_eq!(parse_size(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn format_sizes() {
+    assert_eq!(format_size(0), "0");
+    assert_eq!(format_size(1), "1");
+    assert_eq!(format_size(1000), "1000");
+    assert_eq!(format_size(1024), "1K");
+    assert_eq!(format_size(1536), "1536");
+    assert_eq!(format_size(3 << 10), "3K");
+    assert_eq!(format_size(64 << 10), "64K");
+    assert_eq!(format_size(1 << 20), "1M");
+    assert_eq!(format_size(1 << 30), "1G");
+    assert_eq!(format_size(1 << 40), "1T");
+    // Every formatted size parses back.
+    for s in size_sweep(1, 1 << 40, 2)
+        .into_iter()
+        .chain([1000, 1536, 5 << 20])
+    {
+        assert_eq!(parse_size(&format_size(s)), Some(s), "{s}");
+    }
+}
+
+#[test]
+fn sweeps() {
+    let s = size_sweep(1 << 10, 1 << 30, 2);
+    assert_eq!(s.len(), 21);
+    assert_eq!(s.first(), Some(&1024));
+    assert_eq!(s.last(), Some(&(1 << 30)));
+    assert_eq!(size_sweep(1024, 1024, 2), vec![1024]);
+    // max is not a power of the factor: stop below it.
+    assert_eq!(size_sweep(1, 100, 4), vec![1, 4, 16, 64]);
+    assert_eq!(size_sweep(8, 9, 2), vec![8]);
+    assert!(size_sweep(0, 1024, 2).is_empty());
+    assert!(size_sweep(2048, 1024, 2).is_empty());
+    assert!(size_sweep(1, 1024, 1).is_empty());
+    assert!(size_sweep(1, 1024, 0).is_empty());
+    // No overflow near u64::MAX.
+    let big = size_sweep(1 << 62, u64::MAX, 2);
+    assert_eq!(big, vec![1 << 62, 1 << 63]);
+}
+
+#[test]
+fn stats_odd_even_empty() {
+    assert!(stats(&[]).is_none());
+    assert!(stats(&[1.0, f64::NAN]).is_none());
+
+    let s = stats(&[5.0, 1.0, 3.0]).unwrap();
+    assert_eq!(s.median, 3.0);
+    assert_eq!(s.min, 1.0);
+    assert_eq!(s.max, 5.0);
+    assert_eq!(s.n, 3);
+
+    let s = stats(&[4.0, 1.0, 3.0, 2.0]).unwrap();
+    assert_eq!(s.median, 2.5);
+    assert_eq!(s.min, 1.0);
+    assert_eq!(s.max, 4.0);
+    assert_eq!(s.n, 4);
+
+    let s = stats(&[7.0]).unwrap();
+    assert_eq!(
+        (s.median, s.min, s.max, s.p10, s.p90),
+        (7.0, 7.0, 7.0, 7.0, 7.0)
+    );
+
+    // 0..=10: p10 = 1, p90 = 9 with linear interpolation.
+    let samples: Vec<f64> = (0..=10).rev().map(f64::from).collect();
+    let s = stats(&samples).unwrap();
+    assert!((s.p10 - 1.0).abs() < 1e-12, "{}", s.p10);
+    assert!((s.p90 - 9.0).abs() < 1e-12, "{}", s.p90);
+    assert_eq!(s.median, 5.0);
+}
+
+#[test]
+fn bandwidths() {
+    let r = row("nccl", Mode::Eager, 1 << 30, 1000.0);
+    // 1 GiB in 1 ms = 1073.741824 GB/s.
+    assert!((r.algbw_gbps() - 1073.741824).abs() < 1e-9);
+    assert_eq!(r.busbw_gbps(), r.algbw_gbps());
+    assert_eq!(row("nccl", Mode::Eager, 1024, 0.0).algbw_gbps(), 0.0);
+    assert_eq!(row("nccl", Mode::Eager, 1024, f64::NAN).algbw_gbps(), 0.0);
+}
+
+const K: u64 = 1024;
+
+#[test]
+fn crossover_simple() {
+    let mut rows = series(
+        "p2p",
+        Mode::Eager,
+        &[
+            (K, 5.0),
+            (4 * K, 6.0),
+            (16 * K, 9.0),
+            (64 * K, 20.0),
+            (256 * K, 40.0),
+        ],
+    );
+    rows.extend(series(
+        "nccl",
+        Mode::Eager,
+        &[
+            (K, 15.0),
+            (4 * K, 15.0),
+            (16 * K, 15.0),
+            (64 * K, 16.0),
+            (256 * K, 25.0),
+        ],
+    ));
+    assert_eq!(crossover(&rows, Mode::Eager, "p2p", "nccl"), Some(64 * K));
+    assert_eq!(last_win(&rows, Mode::Eager, "p2p", "nccl"), Some(16 * K));
+    // The other way round: nccl loses below 64K, then wins to the largest size, so it
+    // never stops winning.
+    assert_eq!(crossover(&rows, Mode::Eager, "nccl", "p2p"), None);
+    assert_eq!(last_win(&rows, Mode::Eager, "nccl", "p2p"), Some(256 * K));
+    // No graph rows.
+    assert_eq!(crossover(&rows, Mode::Graph, "p2p", "nccl"), None);
+    assert_eq!(last_win(&rows, Mode::Graph, "p2p", "nccl"), None);
+    // Unknown path.
+    assert_eq!(crossover(&rows, Mode::Eager, "p2p", "torch-dist"), None);
+    assert_eq!(crossover(&[], Mode::Eager, "p2p", "nccl"), None);
+}
+
+#[test]
+fn crossover_ignores_early_losses_and_needs_a_final_loss() {
+    // p2p loses at 4K (noise), wins again at 16K and 64K, loses at 256K, wins once more
+    // at 1M (noise), then loses at 4M and 16M: it stops winning for good at 4M.
+    let p2p = [
+        (K, 5.0),
+        (4 * K, 16.0),
+        (16 * K, 9.0),
+        (64 * K, 12.0),
+        (256 * K, 40.0),
+        (1024 * K, 50.0),
+        (4096 * K, 90.0),
+        (16384 * K, 300.0),
+    ];
+    let nccl = [
+        (K, 15.0),
+        (4 * K, 15.0),
+        (16 * K, 15.0),
+        (64 * K, 16.0),
+        (256 * K, 25.0),
+        (1024 * K, 55.0),
+        (4096 * K, 80.0),
+        (16384 * K, 200.0),
+    ];
+    let mut rows = series("p2p", Mode::Graph, &p2p);
+    rows.extend(series("nccl", Mode::Graph, &nccl));
+    assert_eq!(crossover(&rows, Mode::Graph, "p2p", "nccl"), Some(4096 * K));
+    assert_eq!(last_win(&rows, Mode::Graph, "p2p", "nccl"), Some(1024 * K));
+    assert_eq!(crossover(&rows, Mode::Eager, "p2p", "nccl"), None);
+
+    // A tie counts as "slow is at least as fast".
+    let mut tie = series("p2p", Mode::Eager, &[(K, 5.0), (2 * K, 10.0)]);
+    tie.extend(series("nccl", Mode::Eager, &[(K, 10.0), (2 * K, 10.0)]));
+    assert_eq!(crossover(&tie, Mode::Eager, "p2p", "nccl"), Some(2 * K));
+    assert_eq!(last_win(&tie, Mode::Eager, "p2p", "nccl"), Some(K));
+
+    // Winning at the largest common size: no crossover, the last win is that size.
+    // Sizes measured for one path only are ignored.
+    let mut win = series("p2p", Mode::Eager, &[(K, 5.0), (2 * K, 9.0), (4 * K, 1.0)]);
+    win.extend(series(
+        "nccl",
+        Mode::Eager,
+        &[(K, 10.0), (2 * K, 8.0), (8 * K, 1.0)],
+    ));
+    win.extend(series("nccl", Mode::Eager, &[(4 * K, 3.0)]));
+    assert_eq!(crossover(&win, Mode::Eager, "p2p", "nccl"), None);
+    assert_eq!(last_win(&win, Mode::Eager, "p2p", "nccl"), Some(4 * K));
+
+    // Never winning: crossover at the smallest common size, no last win.
+    assert_eq!(crossover(&win, Mode::Eager, "nccl", "p2p"), Some(4 * K));
+    let mut lose = series("p2p", Mode::Eager, &[(K, 20.0), (2 * K, 20.0)]);
+    lose.extend(series("nccl", Mode::Eager, &[(K, 10.0), (2 * K, 10.0)]));
+    assert_eq!(crossover(&lose, Mode::Eager, "p2p", "nccl"), Some(K));
+    assert_eq!(last_win(&lose, Mode::Eager, "p2p", "nccl"), None);
+}
+
+fn sample_rows() -> Vec<Row> {
+    let mut rows = series(
+        "nccl",
+        Mode::Eager,
+        &[(K, 25.1), (64 * K, 30.0), (1 << 20, 60.0)],
+    );
+    rows.extend(series(
+        "p2p",
+        Mode::Eager,
+        &[(K, 10.0), (64 * K, 12.0), (1 << 20, 80.0)],
+    ));
+    rows.extend(series(
+        "auto",
+        Mode::Eager,
+        &[(K, 10.05), (64 * K, 12.1), (1 << 20, 61.0)],
+    ));
+    rows.extend(series(
+        "launch-floor",
+        Mode::Eager,
+        &[(K, 9.5), (64 * K, 9.5), (1 << 20, 9.5)],
+    ));
+    // torch-comm misses the 64K point.
+    rows.extend(series(
+        "torch-comm",
+        Mode::Eager,
+        &[(K, 50.0), (1 << 20, 90.0)],
+    ));
+    rows.extend(series("nccl", Mode::Graph, &[(K, 12.0), (64 * K, 18.0)]));
+    rows.extend(series("p2p", Mode::Graph, &[(K, 4.0), (64 * K, 7.5)]));
+    rows
+}
+
+#[test]
+fn table() {
+    let rows = sample_rows();
+    let t = format_table(&rows, "nccl");
+    println!("{t}");
+    assert!(t.contains("mode: eager"));
+    assert!(t.contains("mode: graph"));
+    assert!(t.find("mode: eager") < t.find("mode: graph"));
+    // Speedups over nccl: 25.1 / 10 = 2.51x, 18 / 7.5 = 2.40x, 30 / 12.1 = 2.48x.
+    // (auto at 1K: 25.1 / 10.05 = 2.50x.)
+    assert!(t.contains("2.51x"), "{t}");
+    assert!(t.contains("2.40x"), "{t}");
+    assert!(t.contains("2.48x"), "{t}");
+    // nccl is the baseline: no "vs nccl" column under nccl, one under each other path.
+    let eager = t.split("mode: graph").next().unwrap();
+    assert_eq!(eager.matches("vs nccl").count(), 4, "{eager}");
+    // Path order: nccl, p2p, auto, torch-comm, launch-floor.
+    let group = eager.lines().nth(1).unwrap();
+    let pos = |p: &str| {
+        group
+            .find(&format!(" {p} "))
+            .unwrap_or_else(|| panic!("{p} in {group}"))
+    };
+    assert!(pos("nccl") < pos("p2p"));
+    assert!(pos("p2p") < pos("auto"));
+    assert!(pos("auto") < pos("torch-comm"));
+    assert!(pos("torch-comm") < pos("launch-floor"));
+    // auto has a route column showing what ran.
+    assert!(eager.contains("route"));
+    assert!(eager.contains("p2p-packet"));
+    // The 64K line of the eager section: torch-comm's time, bandwidths and speedup are
+    // missing ("-"), nccl's time is there.
+    let line = eager
+        .lines()
+        .find(|l| l.trim_start().starts_with("64K"))
+        .expect("64K line");
+    assert!(line.contains("30.00"), "{line}");
+    assert!(
+        line.split_whitespace().filter(|c| *c == "-").count() >= 4,
+        "{line}"
+    );
+    // Sizes are in ascending order.
+    let sizes: Vec<&str> = eager
+        .lines()
+        .filter(|l| l.starts_with("  "))
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(sizes, ["1K", "64K", "1M"]);
+    // Empty input: empty table, no panic; absent baseline: no speedup columns.
+    assert_eq!(format_table(&[], "nccl"), "");
+    let t = format_table(&rows, "torch-dist");
+    assert!(!t.contains("vs torch-dist"));
+    assert!(t.contains("baseline: (absent)"));
+}
+
+#[test]
+fn table_columns_align() {
+    let rows = sample_rows();
+    let t = format_table(&rows, "nccl");
+    let eager: Vec<&str> = t
+        .split("\n\n")
+        .next()
+        .unwrap()
+        .lines()
+        .skip(2) // title and group lines
+        .collect();
+    assert_eq!(eager.len(), 5, "{eager:?}");
+    // Column ends (the char index after each field) must match across header and data
+    // lines; compare the end of the first "time" column in every line.
+    let name_line = eager[0];
+    let time_end = name_line.find("time").unwrap() + "time".len();
+    for line in &eager[2..] {
+        let ch = line.as_bytes()[time_end - 1];
+        assert!(ch.is_ascii_digit() || ch == b'-', "misaligned: {line:?}");
+        assert_eq!(
+            line.as_bytes().get(time_end),
+            Some(&b' '),
+            "misaligned: {line:?}"
+        );
+    }
+}
+
+#[test]
+fn csv_round_trip() {
+    let mut rows = sample_rows();
+    // Values that need all 17 significant digits, and odd ones.
+    rows[0].time_us = 0.1 + 0.2;
+    rows[0].min_us = 1.0 / 3.0;
+    rows[0].max_us = 123456.78901234567;
+    rows[1].time_us = 5e-324;
+    rows[2].time_us = 1e300;
+    rows[3].route = "p2p-pull".into();
+    rows[3].dtype = "bf16".into();
+    rows[3].gpus = 8;
+    rows[3].root = 7;
+    let mut buf = Vec::new();
+    write_csv(&rows, &mut buf).unwrap();
+    let text = String::from_utf8(buf.clone()).unwrap();
+    assert_eq!(text.lines().next(), Some(CSV_HEADER));
+    assert_eq!(text.lines().count(), rows.len() + 1);
+    let back = read_csv(&buf[..]).unwrap();
+    assert_eq!(back, rows);
+    assert_eq!(back[0].time_us.to_bits(), (0.1f64 + 0.2).to_bits());
+    assert_eq!(back[0].min_us.to_bits(), (1.0f64 / 3.0).to_bits());
+
+    // Empty row list: header only, reads back empty.
+    let mut buf = Vec::new();
+    write_csv(&[], &mut buf).unwrap();
+    assert_eq!(read_csv(&buf[..]).unwrap(), Vec::<Row>::new());
+}
+
+#[test]
+fn csv_reads_python_style_and_reordered_columns() {
+    // Columns in another order, CRLF line ends, a comment, a blank line, Python float
+    // spellings; bandwidth columns are ignored (here deliberately wrong).
+    let text = "mode,gpus,path,route,bytes,count,dtype,root,time_us,min_us,max_us,algbw_gbps,busbw_gbps,extra\r\n\
+                # comment\r\n\
+                \r\n\
+                graph,2,torch-dist,-,1024,512,bf16,1,1e-05,5.5,12.0,999,999,x\r\n";
+    let rows = read_csv(text.as_bytes()).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    assert_eq!(r.mode, Mode::Graph);
+    assert_eq!((r.gpus, r.root, r.bytes, r.count), (2, 1, 1024, 512));
+    assert_eq!((r.path.as_str(), r.dtype.as_str()), ("torch-dist", "bf16"));
+    assert_eq!(r.time_us, 1e-5);
+    assert_eq!(r.max_us, 12.0);
+    assert!((r.algbw_gbps() - 1024.0 / 1e-5 / 1e3).abs() < 1e-6);
+}
+
+#[test]
+fn csv_reads_what_torch_broadcast_py_writes() {
+    // benches/torch_broadcast.py writes csv.writer rows with repr() floats.
+    let text =
+        "gpus,mode,path,route,bytes,count,dtype,root,time_us,min_us,max_us,algbw_gbps,busbw_gbps\n\
+                2,eager,torch-dist,-,1024,256,f32,0,32.37,31.5,40.0,0.03163,0.03163\n\
+                2,graph,torch-dist,-,1024,256,f32,0,0.30000000000000004,1e-05,3.0,0.5,0.5\n";
+    let rows = read_csv(text.as_bytes()).unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1].time_us.to_bits(), (0.1f64 + 0.2).to_bits());
+    assert_eq!(rows[1].min_us, 1e-5);
+    assert_eq!(rows[0].route, "-");
+    assert_eq!(rows[0].path, "torch-dist");
+}
+
+#[test]
+fn csv_errors_name_the_line() {
+    let good =
+        "gpus,mode,path,route,bytes,count,dtype,root,time_us,min_us,max_us,algbw_gbps,busbw_gbps\n\
+                2,eager,nccl,nccl,1024,256,f32,0,10,9,11,0.1,0.1\n";
+    assert_eq!(read_csv(good.as_bytes()).unwrap().len(), 1);
+
+    let bad_number = format!("{good}2,eager,nccl,nccl,1O24,256,f32,0,10,9,11,0.1,0.1\n");
+    let e = read_csv(bad_number.as_bytes()).unwrap_err();
+    assert!(e.contains("line 3"), "{e}");
+    assert!(e.contains("bytes"), "{e}");
+
+    let bad_mode = format!("{good}\n2,lazy,nccl,nccl,1024,256,f32,0,10,9,11,0.1,0.1\n");
+    let e = read_csv(bad_mode.as_bytes()).unwrap_err();
+    assert!(e.contains("line 4"), "{e}");
+    assert!(e.contains("mode"), "{e}");
+
+    let short = format!("{good}2,eager,nccl\n");
+    let e = read_csv(short.as_bytes()).unwrap_err();
+    assert!(e.contains("line 3"), "{e}");
+
+    let no_col = "gpus,mode,path\n2,eager,nccl\n";
+    let e = read_csv(no_col.as_bytes()).unwrap_err();
+    assert!(e.contains("line 1") && e.contains("route"), "{e}");
+
+    assert!(read_csv(&b""[..]).is_err());
+
+    // A comma in a text field cannot be written.
+    let mut r = row("nccl", Mode::Eager, 1024, 1.0);
+    r.route = "a,b".into();
+    assert!(write_csv(&[r], Vec::new()).is_err());
+}
+
+#[test]
+fn ratios() {
+    let rows = sample_rows();
+    let lines = ratio_summary(&rows, Mode::Eager, 64 * K);
+    for l in &lines {
+        println!("{l}");
+    }
+    let find = |needle: &str| {
+        lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} in {lines:?}"))
+            .clone()
+    };
+    // p2p vs nccl at 1K and 64K: 25.1/10 = 2.51, 30/12 = 2.5.
+    let l = find("p2p vs nccl");
+    assert!(l.contains("2.50x-2.51x faster"), "{l}");
+    assert!(l.contains("(2 sizes)"), "{l}");
+    // auto vs nccl: 30/12.1 = 2.48, 25.1/10.05 = 2.50.
+    let l = find("auto vs nccl");
+    assert!(l.contains("2.48x-2.50x faster"), "{l}");
+    // torch-comm only at 1K among small sizes: 50/10 = 5x.
+    let l = find("p2p vs torch-comm");
+    assert!(l.contains("5.00x faster"), "{l}");
+    assert!(l.contains("(1 sizes)"), "{l}");
+    // The launch floor is faster: 10/9.5 = 1.05x, 12/9.5 = 1.26x slower.
+    let l = find("p2p vs launch-floor");
+    assert!(l.contains("1.05x-1.26x slower"), "{l}");
+    // auto vs best of: 1.005 at 1K, 1.008 at 64K, worst at 1M: 61/60.
+    let l = find("auto vs best of (nccl, p2p)");
+    assert!(l.contains("worst 1.02x slower at 1M"), "{l}");
+    // No torch-dist rows: no line.
+    assert!(!lines.iter().any(|l| l.contains("torch-dist")));
+
+    // Graph: only p2p and nccl, and no auto.
+    let lines = ratio_summary(&rows, Mode::Graph, 64 * K);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("p2p vs nccl: 2.40x-3.00x faster (median 2.70x)"),
+        "{lines:?}"
+    );
+
+    // Mixed: faster at one size, slower at another.
+    let mut mixed = series("p2p", Mode::Eager, &[(K, 5.0), (2 * K, 20.0)]);
+    mixed.extend(series("nccl", Mode::Eager, &[(K, 10.0), (2 * K, 10.0)]));
+    let lines = ratio_summary(&mixed, Mode::Eager, 1 << 20);
+    assert!(
+        lines[0].contains("from 2.00x slower to 2.00x faster"),
+        "{lines:?}"
+    );
+
+    assert!(ratio_summary(&[], Mode::Eager, 1 << 20).is_empty());
+}
+
+#[test]
+fn plot_writes_png() {
+    let mut rows = sample_rows();
+    // A second GPU count and an unknown path must not break anything.
+    let mut more = series("custom", Mode::Eager, &[(K, 30.0), (1 << 30, 5000.0)]);
+    more[0].gpus = 4;
+    rows.extend(more);
+    rows.extend(series(
+        "torch-dist",
+        Mode::Graph,
+        &[(K, 30.0), (64 * K, 35.0), (1 << 20, 70.0)],
+    ));
+    // Odd values are skipped, not fatal.
+    rows.push(row("nccl", Mode::Graph, 1 << 20, f64::NAN));
+    rows.push(row("p2p", Mode::Graph, 0, 0.0));
+
+    let dir = std::env::temp_dir();
+    let pid = std::process::id();
+    for (name, rows) in [
+        ("full", rows.as_slice()),
+        ("empty", &[][..]),
+        ("one", &rows[..1]),
+    ] {
+        let path = dir.join(format!("gpucast-bench-report-{pid}-{name}.png"));
+        let _ = std::fs::remove_file(&path);
+        plot(rows, &path, "broadcast, 2 GPUs, f32, root 0 (test)").unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(bytes.len() > 1000, "{name}: {} bytes", bytes.len());
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{name}");
+        if std::env::var_os("KEEP_PLOT").is_none() {
+            std::fs::remove_file(&path).unwrap();
+        } else {
+            println!("kept {}", path.display());
+        }
+    }
+
+    // An unwritable path is an error, not a panic.
+    let bad = dir.join(format!("gpucast-no-such-dir-{pid}/x/plot.png"));
+    assert!(plot(&rows, &bad, "t").is_err());
+}
