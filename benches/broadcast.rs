@@ -46,12 +46,13 @@ struct Args {
     /// Number of GPUs (2 up to all visible; default all, at most 8).
     #[arg(short = 'g', long)]
     gpus: Option<usize>,
-    /// Paths to measure: nccl, p2p, auto, copy-engine, launch-floor, and the P2P kernel with its
-    /// protocol forced: p2p-packet (only up to the packet limit), p2p-pull.
+    /// Paths to measure: nccl, p2p, auto, copy-engine, launch-floor; p2p-1thread (the P2P kernel
+    /// launched from one thread, GPU after GPU); and the P2P kernel with its protocol forced:
+    /// p2p-packet (only up to the packet limit), p2p-pull.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "nccl,p2p,auto,copy-engine,launch-floor"
+        default_value = "nccl,p2p,p2p-1thread,auto,copy-engine,launch-floor"
     )]
     paths: Vec<String>,
     /// Modes: eager, graph.
@@ -424,6 +425,7 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
             packet_threshold: Some(gpucast::plan::PACKET_MAX_BYTES),
             ..Default::default()
         },
+        "p2p-1thread" => BroadcastOptions::path(Path::P2p),
         "p2p-pull" => BroadcastOptions {
             path: Some(Path::P2p),
             packet_threshold: Some(0),
@@ -466,7 +468,16 @@ fn run_op(
                 .iter_mut()
                 .map(|o| o.slice_mut(off..off + bytes))
                 .collect();
-            clique.broadcast_with(root, &input, &mut outs, &opts)?;
+            // p2p-1thread: the same kernel, launched from this thread one GPU after the other.
+            let sequential = p == "p2p-1thread";
+            if sequential {
+                clique.set_parallel_launch(false);
+            }
+            let r = clique.broadcast_with(root, &input, &mut outs, &opts);
+            if sequential {
+                clique.set_parallel_launch(true);
+            }
+            r?;
             Ok(())
         }
     }

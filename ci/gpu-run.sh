@@ -42,6 +42,7 @@ if want examples; then
 fi
 if want weights; then
   run example-weights .gpu/bin/example-broadcast_weights --compare
+  run example-weights-100M .gpu/bin/example-broadcast_weights --compare --size 100M
 fi
 if want bench-quick; then
   run bench-quick .gpu/bin/bench-broadcast --bench -e 64M --repeats 7 --target-ms 10 --out "$out/bench-quick" --torch no \

@@ -341,6 +341,22 @@ impl Clique {
         self.p2p.as_ref().map(|_| ()).map_err(|s| s.as_str())
     }
 
+    /// Launch the P2P kernel on every GPU at once, from one worker thread per GPU after the
+    /// first (`true`, the default on several GPUs unless `GPUCAST_PARALLEL_LAUNCH=0`), or from
+    /// the calling thread one GPU after the other (`false`). Launches cost several microseconds
+    /// each, so overlapping them shortens eager broadcasts of small tensors; idle workers spin
+    /// for 200 us after each broadcast, then sleep.
+    pub fn set_parallel_launch(&self, on: bool) {
+        if let Ok(p2p) = &self.p2p {
+            p2p.set_parallel_launch(on);
+        }
+    }
+
+    /// Whether P2P launches go through the per-GPU threads (see [`Clique::set_parallel_launch`]).
+    pub fn parallel_launch(&self) -> bool {
+        self.p2p.as_ref().is_ok_and(P2p::parallel_launch)
+    }
+
     /// The route a broadcast of `bytes` bytes would take with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         let mut t = self.thresholds;

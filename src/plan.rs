@@ -90,11 +90,13 @@ pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
 impl Thresholds {
     /// Defaults for a clique of `n` GPUs linked by NVLink.
     ///
-    /// Two GPUs: measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2):
-    /// the P2P kernel beats NCCL up to the crossover recorded there. Four and eight GPUs have not
-    /// been measured: every peer then reads the root over the root's own links, which share its
-    /// outbound bandwidth, while NCCL's ring does not, so the limits are set lower (after
-    /// Modular's switch to a two-stage broadcast at 6 MiB for 4 GPUs and 2 MiB for 8).
+    /// Two GPUs: measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2,
+    /// 2026-11-30): the P2P kernel was faster than NCCL at every size from 1 KiB to 1 GiB, eager
+    /// and in graphs (1 GiB: 372 vs 362 GB/s), so there is no crossover and `Auto` always takes
+    /// P2P. Four and eight GPUs have not been measured: every peer then reads the root over the
+    /// root's own links, which share its outbound bandwidth, while NCCL's ring does not, so the
+    /// limits are set lower (after Modular's switch to a two-stage broadcast at 6 MiB for 4 GPUs
+    /// and 2 MiB for 8).
     pub fn for_gpus(n: usize) -> Thresholds {
         let p2p_max_bytes = match n {
             0..=2 => DEFAULT_P2P_MAX_2GPU,
@@ -108,8 +110,8 @@ impl Thresholds {
     }
 }
 
-/// Default `Auto` limit for 2 GPUs (see [`Thresholds::for_gpus`]).
-pub const DEFAULT_P2P_MAX_2GPU: usize = 64 << 20;
+/// Default `Auto` limit for 2 GPUs (see [`Thresholds::for_gpus`]): no limit.
+pub const DEFAULT_P2P_MAX_2GPU: usize = usize::MAX;
 /// Default packet/pull switch point: the packet protocol's capacity. On 2 H200 the packet
 /// protocol was faster than pull at every size it can carry (eager, 2026-11-30: 7.2 vs 9.6 us at
 /// 256 KiB), since pull pays two flag round trips and a remote-read latency.

@@ -226,11 +226,18 @@ fn thousand_back_to_back_alternating_roots() {
         .map(|_| poisoned_outputs(&clique, n, &mut rng))
         .collect();
     clique.synchronize().unwrap();
+    assert!(
+        clique.parallel_launch(),
+        "two GPUs launch from worker threads by default"
+    );
     for i in 0..ops {
+        // The second half launches from this thread alone: both launch modes interleave.
+        clique.set_parallel_launch(i < ops / 2);
         clique
             .broadcast(i % 2, &inputs[i], &mut outputs[i])
             .unwrap();
     }
+    clique.set_parallel_launch(true);
     clique.synchronize().unwrap();
     for i in 0..ops {
         for rank in 0..2 {

@@ -3,8 +3,10 @@
 //! Protocol and memory-ordering notes are in `kernel.cu`; the layout and geometry in `plan`.
 
 pub(crate) mod compile;
+mod launcher;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUstream};
@@ -94,7 +96,15 @@ pub(crate) struct P2p {
     errors: ErrorSlots,
     signals: [u64; MAX_GPUS],
     timeout_ns: u64,
+    /// Worker threads that launch on ranks 1.. while the caller launches on rank 0.
+    launcher: Option<launcher::Launcher>,
+    /// Whether `launch` uses the workers.
+    parallel: AtomicBool,
 }
+
+/// Environment variable: `0` launches the P2P kernel on every GPU from the calling thread, one
+/// after the other, instead of from one thread per GPU.
+pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
 
 // SAFETY: the raw pointers are a pinned host allocation and device addresses owned by this value;
 // the driver calls on them are thread-safe, and the clique serialises launches.
@@ -125,6 +135,8 @@ impl P2p {
             errors: ErrorSlots { host },
             signals: [0; MAX_GPUS],
             timeout_ns,
+            launcher: None,
+            parallel: AtomicBool::new(false),
         };
         p2p.errors.clear();
         for (rank, ctx) in ctxs.iter().enumerate() {
@@ -170,6 +182,19 @@ impl P2p {
                 signal,
                 error_dev,
             });
+        }
+        if n > 1 {
+            let raw: Vec<_> = ctxs.iter().map(|c| c.cu_ctx()).collect();
+            match launcher::Launcher::new(&raw) {
+                Ok(l) => {
+                    p2p.launcher = Some(l);
+                    let off = std::env::var(PARALLEL_LAUNCH_ENV).is_ok_and(|v| v.trim() == "0");
+                    p2p.parallel.store(!off, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "no launch threads: launching from the caller's thread")
+                }
+            }
         }
         p2p.zero_signals_sync()?;
         Ok(p2p)
@@ -239,11 +264,13 @@ impl P2p {
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
+        let n = self.ranks.len();
+        let mut jobs = [None; MAX_GPUS];
         for (rank, r) in self.ranks.iter().enumerate() {
             params.rank = u32::try_from(rank).expect("<= 8");
             params.dst = dsts[rank];
             params.error_slot = r.error_dev;
-            let f: CUfunction = if route == Route::P2pPacket {
+            let func: CUfunction = if route == Route::P2pPacket {
                 r.packet.cu_function()
             } else {
                 let a = plan::co_alignment(params.src, params.dst, params.bytes);
@@ -251,6 +278,31 @@ impl P2p {
                 params.head = a.head;
                 r.pull.cu_function()
             };
+            jobs[rank] = Some(launcher::Job {
+                func,
+                blocks: geometry.blocks,
+                threads: geometry.threads,
+                stream: streams[rank],
+                params,
+            });
+        }
+        let jobs: Vec<launcher::Job> = jobs[..n]
+            .iter()
+            .map(|j| j.expect("one job per rank"))
+            .collect();
+        if let (Some(l), true) = (&self.launcher, self.parallel.load(Ordering::Relaxed)) {
+            // SAFETY: every job is a launch of this clique's kernels on its rank's stream with
+            // parameters valid per this function's contract.
+            return unsafe { l.launch_all(&jobs, self.ranks[0].ctx.cu_ctx()) }.map_err(
+                |(rank, code)| Error::Cuda {
+                    during: format!("launching the P2P kernel on rank {rank}"),
+                    source: result::DriverError(code),
+                },
+            );
+        }
+        for (rank, (r, job)) in self.ranks.iter().zip(&jobs).enumerate() {
+            let mut params = job.params;
+            let f = job.func;
             // SAFETY: the context is live (owned by the clique).
             unsafe { result::ctx::set_current(r.ctx.cu_ctx()) }
                 .map_err(Error::cuda("binding a context"))?;
@@ -272,6 +324,17 @@ impl P2p {
             )))?;
         }
         Ok(())
+    }
+
+    /// Turns the per-GPU launch threads on or off (no effect on a one-GPU clique).
+    pub(crate) fn set_parallel_launch(&self, on: bool) {
+        self.parallel
+            .store(on && self.launcher.is_some(), Ordering::Relaxed);
+    }
+
+    /// Whether launches currently go through the per-GPU threads.
+    pub(crate) fn parallel_launch(&self) -> bool {
+        self.parallel.load(Ordering::Relaxed)
     }
 
     /// Launches one fused pull over `copies[rank]` (each a list of (src, dst, bytes), the same
