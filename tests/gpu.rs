@@ -20,6 +20,22 @@ use rand::{Rng, RngCore};
 
 const PATHS: [Path; 3] = [Path::Nccl, Path::P2p, Path::Auto];
 
+/// Runs `$f::<T>(args)` for each of the ten element types.
+macro_rules! for_each_type {
+    ($f:ident($($arg:expr),*)) => {
+        $f::<f32>($($arg),*);
+        $f::<f64>($($arg),*);
+        $f::<f16>($($arg),*);
+        $f::<bf16>($($arg),*);
+        $f::<i8>($($arg),*);
+        $f::<u8>($($arg),*);
+        $f::<i32>($($arg),*);
+        $f::<u32>($($arg),*);
+        $f::<i64>($($arg),*);
+        $f::<u64>($($arg),*);
+    };
+}
+
 fn check_broadcast<T: Element>(
     clique: &Clique,
     root: usize,
@@ -57,16 +73,7 @@ fn every_root_length_path<T: Element>(clique: &Clique, rng: &mut impl RngCore) {
 fn every_type_root_length_and_path() {
     let clique = two_gpus();
     let mut rng = rng();
-    every_root_length_path::<f32>(&clique, &mut rng);
-    every_root_length_path::<f64>(&clique, &mut rng);
-    every_root_length_path::<f16>(&clique, &mut rng);
-    every_root_length_path::<bf16>(&clique, &mut rng);
-    every_root_length_path::<i8>(&clique, &mut rng);
-    every_root_length_path::<u8>(&clique, &mut rng);
-    every_root_length_path::<i32>(&clique, &mut rng);
-    every_root_length_path::<u32>(&clique, &mut rng);
-    every_root_length_path::<i64>(&clique, &mut rng);
-    every_root_length_path::<u64>(&clique, &mut rng);
+    for_each_type!(every_root_length_path(&clique, &mut rng));
 }
 
 /// 256 MiB per type, every root and path. Outputs are poisoned on the device with a random byte.
@@ -106,16 +113,7 @@ fn large<T: Element>(clique: &Clique, rng: &mut impl RngCore) {
 fn every_type_256_mib() {
     let clique = two_gpus();
     let mut rng = rng();
-    large::<f32>(&clique, &mut rng);
-    large::<f64>(&clique, &mut rng);
-    large::<f16>(&clique, &mut rng);
-    large::<bf16>(&clique, &mut rng);
-    large::<i8>(&clique, &mut rng);
-    large::<u8>(&clique, &mut rng);
-    large::<i32>(&clique, &mut rng);
-    large::<u32>(&clique, &mut rng);
-    large::<i64>(&clique, &mut rng);
-    large::<u64>(&clique, &mut rng);
+    for_each_type!(large(&clique, &mut rng));
 }
 
 /// Views at every small offset: the P2P kernels must handle any alignment of source and

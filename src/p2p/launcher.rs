@@ -11,7 +11,6 @@
 //! then park until the next job.
 
 use std::cell::UnsafeCell;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
@@ -141,23 +140,13 @@ impl Launcher {
     }
 }
 
+/// Launches `job` in the current context.
+///
 /// # Safety
 /// `job` is a valid launch in the current context.
-unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError> {
-    let mut params = job.params;
-    let mut arg = (&mut params) as *mut Params as *mut c_void;
-    // SAFETY: guaranteed by the caller; the kernel takes one `Params` by value, which the driver
-    // copies before returning.
-    unsafe {
-        cudarc::driver::result::launch_kernel(
-            job.func,
-            (job.blocks, 1, 1),
-            (job.threads, 1, 1),
-            0,
-            job.stream,
-            std::slice::from_mut(&mut arg),
-        )
-    }
+pub(super) unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError> {
+    // SAFETY: guaranteed by the caller.
+    unsafe { super::launch_one(job.func, job.blocks, job.threads, job.stream, job.params) }
 }
 
 fn worker(slot: Arc<Slot>, ctx: CUcontext) {

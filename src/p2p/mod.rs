@@ -301,23 +301,10 @@ impl P2p {
             );
         }
         for (rank, (r, job)) in self.ranks.iter().zip(&jobs).enumerate() {
-            let mut params = job.params;
-            let f = job.func;
-            // SAFETY: the context is live (owned by the clique).
-            unsafe { result::ctx::set_current(r.ctx.cu_ctx()) }
-                .map_err(Error::cuda("binding a context"))?;
-            let mut arg = (&mut params) as *mut Params as *mut c_void;
-            // SAFETY: `f` comes from a live module of this context and takes one `Params` by
-            // value; pointers inside are valid per this function's contract.
+            // SAFETY: the context is live (owned by the clique) and the job is a valid launch
+            // in it per this function's contract.
             unsafe {
-                result::launch_kernel(
-                    f,
-                    (geometry.blocks, 1, 1),
-                    (geometry.threads, 1, 1),
-                    0,
-                    streams[rank],
-                    std::slice::from_mut(&mut arg),
-                )
+                result::ctx::set_current(r.ctx.cu_ctx()).and_then(|()| launcher::launch(job))
             }
             .map_err(Error::cuda(format!(
                 "launching the P2P kernel on rank {rank}"
@@ -381,21 +368,18 @@ impl P2p {
                     head: a.head,
                 };
             }
-            // SAFETY: the context is live (owned by the clique).
-            unsafe { result::ctx::set_current(r.ctx.cu_ctx()) }
-                .map_err(Error::cuda("binding a context"))?;
-            let mut arg = (&mut params) as *mut ListParams as *mut c_void;
-            // SAFETY: the fused kernel of this context takes one `ListParams` by value; the
-            // listed pointers are valid per this function's contract.
+            // SAFETY: the context is live; its fused kernel takes one `ListParams` by value and
+            // the listed pointers are valid per this function's contract.
             unsafe {
-                result::launch_kernel(
-                    r.pull_list.cu_function(),
-                    (geometry.blocks, 1, 1),
-                    (geometry.threads, 1, 1),
-                    0,
-                    streams[rank],
-                    std::slice::from_mut(&mut arg),
-                )
+                result::ctx::set_current(r.ctx.cu_ctx()).and_then(|()| {
+                    launch_one(
+                        r.pull_list.cu_function(),
+                        geometry.blocks,
+                        geometry.threads,
+                        streams[rank],
+                        params,
+                    )
+                })
             }
             .map_err(Error::cuda(format!(
                 "launching the fused P2P kernel on rank {rank}"
@@ -421,6 +405,32 @@ impl P2p {
         self.zero_signals_sync()?;
         self.errors.clear();
         Ok(())
+    }
+}
+
+/// Launches `func` (which takes one `P` by value) in the current context.
+///
+/// # Safety
+/// `func` belongs to the current context, `stream` too, and the kernel's only parameter has the
+/// layout of `P`, whose pointers are valid for the launch.
+unsafe fn launch_one<P: DeviceRepr>(
+    func: CUfunction,
+    blocks: u32,
+    threads: u32,
+    stream: CUstream,
+    mut params: P,
+) -> std::result::Result<(), result::DriverError> {
+    let mut arg = (&mut params) as *mut P as *mut c_void;
+    // SAFETY: guaranteed by the caller; the driver copies the parameter before returning.
+    unsafe {
+        result::launch_kernel(
+            func,
+            (blocks, 1, 1),
+            (threads, 1, 1),
+            0,
+            stream,
+            std::slice::from_mut(&mut arg),
+        )
     }
 }
 
