@@ -6,6 +6,11 @@
 use gpucast::Clique;
 
 fn main() -> anyhow::Result<()> {
+    // RUST_LOG=gpucast=debug shows the clique's creation and one span per broadcast (its path).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .init();
     let clique = Clique::all()?;
     println!("{}", clique.topology());
 

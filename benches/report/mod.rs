@@ -18,7 +18,10 @@
 //! [`draw_text`] from a built-in 5x8 pixel font ([`FONT_5X8`], classic public
 //! 5x7-with-descenders glyphs written out as numbers in this file). The PNG, labels
 //! included, therefore looks the same on every machine, fonts or not.
-#![allow(dead_code)]
+#![allow(
+    dead_code,
+    reason = "the benchmark and tests/bench_report.rs each use a different subset"
+)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -225,8 +228,11 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     let pos = q * (sorted.len() - 1) as f64;
     let lo = pos.floor();
     let frac = pos - lo;
-    // `pos` lies in [0, len - 1], so the float-to-index casts cannot truncate.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "`pos` lies in [0, len - 1], so the float-to-index cast cannot truncate"
+    )]
     let lo = lo as usize;
     let hi = (lo + 1).min(sorted.len() - 1);
     if frac == 0.0 {
@@ -939,8 +945,11 @@ fn plot_inner(rows: &[Row], path: &Path, title: &str) -> Result<(), PlotErr> {
         let mut v = Vec::new();
         while t <= x_hi {
             if (0.0..64.0).contains(&t) {
-                // `t` is a whole number in [0, 64): the cast is exact.
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    reason = "`t` is a whole number in [0, 64): the cast is exact"
+                )]
                 let label = format_size(1u64 << (t as u32));
                 v.push((t, label));
             }
@@ -1064,7 +1073,10 @@ type Axis<'t> = (f64, f64, &'t [(f64, String)]);
 
 /// Draws one panel: grid, frame, ticks labels, axis titles, lines and markers, and
 /// the legend of `legend` when given.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one private call site; the arguments are the panel's parts"
+)]
 fn draw_panel(
     root: &Area<'_>,
     area: &Area<'_>,

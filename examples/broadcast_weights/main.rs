@@ -212,11 +212,30 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
+    // RUST_LOG=gpucast=debug shows the clique's creation and one span per broadcast (its path).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .init();
     let args = Args::parse();
     let path = Path::parse(&args.path).with_context(|| format!("unknown --path {}", args.path))?;
     let opts = BroadcastOptions::path(path);
 
-    // 1. The weights, on the host.
+    // 1. The GPUs first: a machine without them fails before any work.
+    let clique = match &args.devices {
+        Some(d) => Clique::new(d)?,
+        None => Clique::all()?,
+    };
+    ensure!(
+        args.root < clique.len(),
+        "--root {} but only {} GPUs",
+        args.root,
+        clique.len()
+    );
+    let n = clique.len();
+    println!("{}", clique.topology());
+
+    // 2. The weights, on the host.
     let tensors: Vec<HostTensor> = match &args.file {
         Some(file) => {
             let size = std::fs::metadata(file)
@@ -251,20 +270,6 @@ fn main() -> Result<()> {
     }
     let (count, total) = model::summarize(&tensors);
     println!("{count} tensors, {}", human_bytes(total));
-
-    // 2. The GPUs.
-    let clique = match &args.devices {
-        Some(d) => Clique::new(d)?,
-        None => Clique::all()?,
-    };
-    ensure!(
-        args.root < clique.len(),
-        "--root {} but only {} GPUs",
-        args.root,
-        clique.len()
-    );
-    let n = clique.len();
-    println!("{}", clique.topology());
 
     // 3. Upload to the root; allocate every rank's copy.
     let pb = bar(total, "uploading");
