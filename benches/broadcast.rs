@@ -145,14 +145,13 @@ fn main() -> Result<()> {
     let pool = POOL_MIN.max(2 * max_size);
     let mut host_input = vec![0u8; pool];
     xorshift_fill(&mut host_input, 0x9e37_79b9_7f4a_7c15);
-    let pools = Pools {
+    let mut pools = Pools {
         input: clique.stream(args.root).clone_htod(&host_input)?,
         outputs: (0..ngpus)
             .map(|r| clique.stream(r).alloc_zeros::<u8>(pool))
             .collect::<std::result::Result<_, _>>()?,
         host_input,
     };
-    let mut pools = pools;
     let floor = EmptyKernel::new(&clique)?;
 
     warm_up(&clique, &mut pools, args.root, &floor)?;
@@ -483,10 +482,6 @@ fn run_op(
     }
 }
 
-fn pool_len(pools: &Pools) -> usize {
-    pools.input.len()
-}
-
 /// About two seconds of mixed work before anything is timed: idle GPUs run at low clocks and
 /// the first sizes of a sweep would otherwise be measured on a cold machine.
 fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel) -> Result<()> {
@@ -561,7 +556,7 @@ fn measure(
     args: &Args,
     floor: &EmptyKernel,
 ) -> Result<Option<Row>> {
-    let sets = sets_for(bytes, pool_len(pools));
+    let sets = sets_for(bytes, pools.input.len());
     // Iterations so that a repeat holds about target_ms of work (estimate: 10 us + 300 GB/s).
     let est_us = 10.0 + bytes as f64 / 300e3;
     let iters = ((args.target_ms * 1e3 / est_us) as usize).clamp(4, 2000);
