@@ -407,7 +407,7 @@ impl EmptyKernel {
                     (1, 1, 1),
                     (32, 1, 1),
                     0,
-                    clique.raw_streams()[r],
+                    clique.stream(r).cu_stream(),
                     &mut [],
                 )
             }?;
@@ -421,7 +421,7 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
         "p2p-packet" => BroadcastOptions {
             path: Some(Path::P2p),
-            packet_threshold: Some(gpucast::plan::PACKET_MAX_BYTES),
+            packet_threshold: Some(gpucast::PACKET_MAX_BYTES),
             ..Default::default()
         },
         "p2p-1thread" => BroadcastOptions::path(Path::P2p),
@@ -470,14 +470,45 @@ fn run_op(
             // p2p-1thread: the same kernel, launched from this thread one GPU after the other.
             let sequential = p == "p2p-1thread";
             if sequential {
-                clique.set_parallel_launch(false);
+                clique.set_parallel_launch(false)?;
             }
             let r = clique.broadcast_with(root, &input, &mut outs, &opts);
             if sequential {
-                clique.set_parallel_launch(true);
+                clique.set_parallel_launch(true)?;
             }
             r?;
             Ok(())
+        }
+    }
+}
+
+/// One op of `path` on rotating set `set`, queued into a capture.
+fn graph_op(
+    c: &mut gpucast::UncheckedCapture<'_>,
+    pools: &mut Pools,
+    path: &str,
+    root: usize,
+    bytes: usize,
+    set: usize,
+    floor: &EmptyKernel,
+) -> gpucast::Result<()> {
+    let off = set * bytes;
+    match path {
+        "launch-floor" => floor
+            .launch(c.clique())
+            .map_err(|e| gpucast::Error::InvalidList(e.to_string())),
+        "copy-engine" => Err(gpucast::Error::InvalidList(
+            "cuMemcpyPeerAsync cannot be captured".into(),
+        )),
+        p => {
+            let opts = options_for(p).map_err(|e| gpucast::Error::InvalidList(e.to_string()))?;
+            let input = pools.input.slice(off..off + bytes);
+            let mut outs: Vec<_> = pools
+                .outputs
+                .iter_mut()
+                .map(|o| o.slice_mut(off..off + bytes))
+                .collect();
+            c.broadcast_with(root, &input, &mut outs, &opts)
         }
     }
 }
@@ -564,7 +595,7 @@ fn measure(
         Ok(opts) => clique.route(bytes, &opts)?.name().to_string(),
         Err(_) => "-".to_string(),
     };
-    if path == "p2p-packet" && bytes > gpucast::plan::PACKET_MAX_BYTES {
+    if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
         return Ok(None);
     }
     let mut samples = Vec::with_capacity(args.repeats);
@@ -587,13 +618,17 @@ fn measure(
         Mode::Graph => {
             let iters = iters.min(500);
             clique.synchronize()?;
-            let graph = match clique.capture(|c| {
-                for i in 0..iters {
-                    run_op(c, pools, path, root, bytes, i % sets, floor)
-                        .map_err(|e| gpucast::Error::InvalidList(e.to_string()))?;
-                }
-                Ok(())
-            }) {
+            // SAFETY: the pools outlive the graph (dropped before them, below), and the only
+            // other work on them runs on the clique's streams, in order with the replays.
+            let captured = unsafe {
+                clique.capture_unchecked(|c| {
+                    for i in 0..iters {
+                        graph_op(c, pools, path, root, bytes, i % sets, floor)?;
+                    }
+                    Ok(())
+                })
+            };
+            let mut graph = match captured {
                 Ok(g) => g,
                 Err(e) => {
                     println!("# graph capture of {path} failed: {e}; skipped");

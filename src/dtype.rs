@@ -1,6 +1,6 @@
 //! Element types that can be broadcast, and their NCCL names.
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::sys::ncclDataType_t;
 use half::{bf16, f16};
 
@@ -122,7 +122,9 @@ mod sealed {
 /// A Rust type that can be broadcast: one of the ten types of [`DType`].
 ///
 /// Sealed: the set matches what NCCL can move, so it cannot be extended outside this crate.
-pub trait Element: DeviceRepr + Copy + Send + Sync + sealed::Sealed + 'static {
+pub trait Element:
+    DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + sealed::Sealed + 'static
+{
     /// The matching [`DType`].
     const DTYPE: DType;
 }

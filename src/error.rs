@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Argument errors ([`Error::RootOutOfRange`], [`Error::OutputCount`], [`Error::WrongDevice`],
 /// [`Error::LengthMismatch`], ...) are returned before any GPU work is enqueued.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A shared library could not be loaded (or lacks a symbol we need).
@@ -87,6 +87,27 @@ pub enum Error {
         /// This buffer's length.
         got: usize,
     },
+    /// A buffer belongs to a CUDA context other than the clique's context on its device (a
+    /// kernel of one context cannot address another context's memory).
+    #[error("{what} belongs to another CUDA context of device {ordinal} (clique rank {rank}); allocate it on a stream of the device's primary context, e.g. `clique.stream({rank})` or a stream of `CudaContext::new({ordinal})`")]
+    ForeignContext {
+        /// Which buffer.
+        what: String,
+        /// Its clique rank.
+        rank: usize,
+        /// The device ordinal.
+        ordinal: usize,
+    },
+    /// A size in bytes does not fit in the address space (elements times element size).
+    #[error("{what}: {elements} elements of {element_size} bytes overflow a byte count")]
+    TooLarge {
+        /// Which buffer or list.
+        what: String,
+        /// Number of elements.
+        elements: usize,
+        /// Bytes per element.
+        element_size: usize,
+    },
     /// Two tensor lists of a fused broadcast have different lengths, or a list is malformed.
     #[error("invalid tensor list: {0}")]
     InvalidList(String),
@@ -132,6 +153,27 @@ pub enum Error {
         /// NCCL's error string and last error message.
         message: String,
     },
+    /// The clique's NCCL communicators were aborted after a failure (`ncclCommAbort`), so that no
+    /// rank waits forever for a peer; the NCCL path stays unusable for this clique. Broadcasts
+    /// in flight when it happened have undefined outputs.
+    #[error("the NCCL communicators were aborted ({reason}); the NCCL path of this clique cannot be used again: create a new clique")]
+    CommunicatorsAborted {
+        /// What made gpucast abort them.
+        reason: String,
+    },
+    /// A launch thread did not take its launch in time. No job is left posted; ranks launched
+    /// before the stall time out on their own, and the P2P state is reset before the next call.
+    #[error("the launch thread of clique rank {rank} did not take its launch within {waited_ms} ms; the broadcast was cancelled and its outputs are undefined")]
+    LaunchStalled {
+        /// Rank whose launch thread stalled.
+        rank: usize,
+        /// How long the caller waited.
+        waited_ms: u64,
+    },
+    /// A clique method was called from inside that clique's own capture closure, on the
+    /// capturing thread (it would wait for the capture to end, which waits for it).
+    #[error("a clique call was made inside its own capture closure: queue broadcasts through the closure's `Capture` argument instead")]
+    CaptureInProgress,
     /// Compiling the P2P kernel with NVRTC failed.
     #[error("NVRTC could not compile the P2P kernel for {arch}: {message}")]
     Compile {

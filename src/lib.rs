@@ -65,24 +65,28 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod clique;
+mod config;
 mod dtype;
+mod engine;
 mod error;
-mod fused;
 mod nccl;
 mod p2p;
-pub mod plan;
+mod plan;
 mod tensor;
 mod topology;
 
 pub use clique::{
-    device_count, BroadcastOptions, Clique, CliqueBuilder, CliqueGraph, DEFAULT_TIMEOUT,
-    TIMEOUT_ENV,
+    device_count, Capture, Clique, CliqueBuilder, CliqueGraph, OutputLists, RawBroadcast,
+    UncheckedCapture,
+};
+pub use config::{
+    model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds, DEFAULT_THRESHOLDS,
+    DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, PACKET_MAX_BYTES,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use fused::{FusedReport, OutputLists};
-pub use nccl::{nccl_version, NCCL_LIBRARY_ENV};
-pub use plan::{Path, Route, Thresholds, MAX_GPUS};
+pub use nccl::nccl_version;
+pub use plan::FusedReport;
 pub use tensor::{DeviceTensor, DeviceTensorMut};
 pub use topology::{Link, Topology};
 

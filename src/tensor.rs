@@ -1,5 +1,7 @@
 //! Type-erased device buffers, for broadcasts of many tensors of mixed element types.
 
+use std::sync::Arc;
+
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
 };
@@ -10,10 +12,10 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// A device buffer of any [`Element`] type, readable by a broadcast: implemented for cudarc's
-/// `CudaSlice<T>`, `CudaView<T>` and `CudaViewMut<T>`. Used as `&dyn DeviceTensor` in
-/// [`crate::Clique::broadcast_many`].
-pub trait DeviceTensor: sealed::Sealed {
+/// A device buffer of any [`Element`] type that a broadcast can read: cudarc's `CudaSlice<T>`,
+/// `CudaView<T>` and `CudaViewMut<T>`. Used as `&dyn DeviceTensor` in
+/// [`crate::Clique::broadcast_many`] and in graph captures.
+pub trait DeviceTensor: sealed::Sealed + Send + Sync {
     /// Element type.
     fn dtype(&self) -> DType;
     /// Number of elements.
@@ -24,12 +26,18 @@ pub trait DeviceTensor: sealed::Sealed {
     }
     /// Size in bytes.
     fn num_bytes(&self) -> usize {
-        self.len() * self.dtype().size()
+        self.len().saturating_mul(self.dtype().size())
     }
     /// CUDA ordinal of the device holding the buffer.
-    fn ordinal(&self) -> usize;
-    /// Device address for reading on `stream` (cudarc's event guard: drop it after the
-    /// reading work is enqueued).
+    fn ordinal(&self) -> usize {
+        self.stream().context().ordinal()
+    }
+    /// The stream the buffer was allocated on (where it is freed, and what gpucast orders its
+    /// work with).
+    #[doc(hidden)]
+    fn stream(&self) -> &Arc<CudaStream>;
+    /// cudarc's read access: `stream` waits for the buffer's pending writes, and the returned
+    /// guard records the read when dropped.
     #[doc(hidden)]
     fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>);
 }
@@ -37,7 +45,7 @@ pub trait DeviceTensor: sealed::Sealed {
 /// A device buffer of any [`Element`] type that a broadcast can write: `CudaSlice<T>` and
 /// `CudaViewMut<T>`.
 pub trait DeviceTensorMut: DeviceTensor {
-    /// Device address for writing on `stream` (see [`DeviceTensor::read_ptr`]).
+    /// cudarc's write access (see [`DeviceTensor::read_ptr`]).
     #[doc(hidden)]
     fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>);
 }
@@ -52,8 +60,8 @@ macro_rules! readable {
             fn len(&self) -> usize {
                 DeviceSlice::len(self)
             }
-            fn ordinal(&self) -> usize {
-                DeviceSlice::stream(self).context().ordinal()
+            fn stream(&self) -> &Arc<CudaStream> {
+                DeviceSlice::stream(self)
             }
             fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
                 self.device_ptr(stream)

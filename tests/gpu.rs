@@ -225,17 +225,17 @@ fn thousand_back_to_back_alternating_roots() {
         .collect();
     clique.synchronize().unwrap();
     assert!(
-        clique.parallel_launch(),
+        clique.parallel_launch().unwrap(),
         "two GPUs launch from worker threads by default"
     );
     for i in 0..ops {
         // The second half launches from this thread alone: both launch modes interleave.
-        clique.set_parallel_launch(i < ops / 2);
+        clique.set_parallel_launch(i < ops / 2).unwrap();
         clique
             .broadcast(i % 2, &inputs[i], &mut outputs[i])
             .unwrap();
     }
-    clique.set_parallel_launch(true);
+    clique.set_parallel_launch(true).unwrap();
     clique.synchronize().unwrap();
     for i in 0..ops {
         for rank in 0..2 {
@@ -347,6 +347,8 @@ fn hundred_thousand_mixed_small_broadcasts() {
 
 /// A captured sequence (both roots, packet, pull and NCCL) replayed several times; the inputs
 /// change between replays, so a replay that reused stale data or stale counters would fail.
+/// The buffers are rewritten between replays, which the unchecked capture allows (its contract:
+/// they live on and are written on the clique's streams).
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn graph_capture_replays_correctly() {
@@ -368,19 +370,19 @@ fn graph_capture_replays_correctly() {
         .map(|&(_, n, _)| poisoned_outputs(&clique, n, &mut rng))
         .collect();
     clique.synchronize().unwrap();
-    let graph = clique
-        .capture(|c| {
-            for (i, &(root, _, path)) in cases.iter().enumerate() {
-                c.broadcast_with(
-                    root,
-                    &inputs[i],
-                    &mut outputs[i],
-                    &BroadcastOptions::path(path),
-                )?;
+    // SAFETY: the buffers outlive the graph (dropped after it, below) and are only written on
+    // the clique's streams, in order with the replays.
+    let mut graph = unsafe {
+        clique.capture_unchecked(|c| {
+            for ((input, outs), &(root, _, path)) in
+                inputs.iter().zip(outputs.iter_mut()).zip(&cases)
+            {
+                c.broadcast_with(root, input, outs, &BroadcastOptions::path(path))?;
             }
             Ok(())
         })
-        .unwrap();
+    }
+    .unwrap();
     for replay in 0..5 {
         let datas: Vec<Vec<u8>> = cases
             .iter()
@@ -406,26 +408,80 @@ fn graph_capture_replays_correctly() {
             }
         }
     }
+    drop(graph);
     // Eager calls after the graph still line up with the device counters.
     check_broadcast::<u8>(&clique, 1, 3000, Path::P2p, &mut rng);
     check_broadcast::<u8>(&clique, 0, 200_000, Path::P2p, &mut rng);
 }
 
-unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
-    std::thread::sleep(Duration::from_millis(arg as u64));
-}
-
-/// Holds `rank`'s stream on the host for `ms`, so that rank arrives late.
-fn stall(clique: &Clique, rank: usize, ms: u64) {
-    // SAFETY: the callback only sleeps (no CUDA calls) and its argument is a plain integer.
-    unsafe {
-        result::stream::launch_host_function(
-            clique.stream(rank).cu_stream(),
-            sleep_host,
-            ms as *mut _,
-        )
+/// The safe capture: the graph borrows its buffers; replays interleave with eager calls, and
+/// the outputs are right once the graph is dropped.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn safe_graph_with_mixed_paths_and_fused_lists() {
+    use gpucast::{DeviceTensor, DeviceTensorMut};
+    let clique = two_gpus();
+    let mut rng = rng();
+    let sizes = [3usize, 5000, 300_000];
+    let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
+    let inputs: Vec<CudaSlice<u8>> = datas
+        .iter()
+        .map(|d| clique.stream(1).clone_htod(d).unwrap())
+        .collect();
+    let mut single = poisoned_outputs::<u8>(&clique, sizes[2], &mut rng);
+    let mut lists: Vec<Vec<CudaSlice<u8>>> = (0..2)
+        .map(|r| {
+            sizes
+                .iter()
+                .map(|&n| {
+                    clique
+                        .stream(r)
+                        .clone_htod(&random_vec::<u8>(n, &mut rng))
+                        .unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    let mut graph = clique
+        .capture(|c| {
+            c.broadcast_with(
+                1,
+                &inputs[2],
+                &mut single,
+                &BroadcastOptions::path(Path::Nccl),
+            )?;
+            let ins: Vec<&dyn DeviceTensor> =
+                inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
+            let outs: Vec<Vec<&mut dyn DeviceTensorMut>> = lists
+                .iter_mut()
+                .map(|row| {
+                    row.iter_mut()
+                        .map(|t| t as &mut dyn DeviceTensorMut)
+                        .collect()
+                })
+                .collect();
+            let report = c.broadcast_many(1, &ins, outs, &BroadcastOptions::path(Path::P2p))?;
+            assert_eq!((report.p2p_tensors, report.p2p_launches), (3, 1));
+            Ok(())
+        })
+        .unwrap();
+    for _ in 0..3 {
+        graph.launch().unwrap();
+        check_broadcast::<u32>(&clique, 0, 4096, Path::P2p, &mut rng);
     }
-    .unwrap();
+    drop(graph);
+    clique.synchronize().unwrap();
+    for rank in 0..2 {
+        assert_bytes_eq(clique.stream(rank), &single[rank], &datas[2], "single");
+        for (t, d) in datas.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(rank),
+                &lists[rank][t],
+                d,
+                &format!("list {t}"),
+            );
+        }
+    }
 }
 
 /// A peer that never shows up within the timeout gives `Error::Timeout` (not a hang), and the

@@ -251,7 +251,7 @@ fn main() -> Result<()> {
                 .with_context(|| format!("unknown --dtype {}", args.dtype))?;
             let spec = match &args.size {
                 Some(s) => ModelSpec::scaled_to(
-                    gpucast::plan::parse_bytes(s).context("bad --size")? as u64,
+                    gpucast::parse_bytes(s).context("bad --size")? as u64,
                     dtype,
                 ),
                 None if dtype == DType::BF16 => ModelSpec::default_1b(),

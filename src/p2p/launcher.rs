@@ -3,27 +3,37 @@
 //! A kernel launch costs 3.5-4 us of host time in the VMs we measured on, so launching the P2P
 //! kernel on N GPUs from one thread costs N launches back to back, which is most of an eager
 //! broadcast of a small tensor. Each worker keeps its GPU's context current and launches the
-//! jobs the calling thread hands it, while the calling thread launches on the first GPU, so the
-//! launches overlap. A call returns only when every launch has been enqueued, so the stream
-//! order callers see is the same as with sequential launches.
+//! job the calling thread hands it, while the calling thread launches on the first GPU, so the
+//! launches overlap. A call returns only when every launch has been enqueued (or cancelled), so
+//! the stream order callers see is the same as with sequential launches.
+//!
+//! Hand-off protocol, per worker slot: the caller writes the job while the slot is `EMPTY`,
+//! then publishes `POSTED`; the worker claims it with a `POSTED -> TAKEN` compare-exchange,
+//! launches, and publishes `DONE`; the caller reads the result and sets `EMPTY` again. A caller
+//! that waits too long cancels with a `POSTED -> EMPTY` compare-exchange: if that wins, the
+//! worker never sees the job, so nothing is launched after the call returns; if it loses, the
+//! worker is inside its launch call and the caller waits for it to return.
 //!
 //! Workers spin for a short while after each job (back-to-back broadcasts find them awake),
 //! then park until the next job.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUcontext, CUfunction, CUstream};
 
-use super::Params;
+use super::abi::Params;
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
-/// How long the caller waits for a worker to take and launch a job before reporting an error.
-const HANDOFF_LIMIT: Duration = Duration::from_secs(10);
+
+const EMPTY: u32 = 0;
+const POSTED: u32 = 1;
+const TAKEN: u32 = 2;
+const DONE: u32 = 3;
 
 /// One launch of a `Params` kernel.
 #[derive(Clone, Copy)]
@@ -35,24 +45,89 @@ pub(crate) struct Job {
     pub params: Params,
 }
 
+// SAFETY: a `Job` holds driver handles (a function and a stream) and plain parameters; driver
+// handles may be used from any thread.
+unsafe impl Send for Job {}
+
 struct Slot {
-    /// Written by the caller while the worker is idle (`done == posted`), read by the worker
-    /// after it sees `posted` advance.
+    /// Written by the caller only while `state` is EMPTY; read by the worker only after it won
+    /// the POSTED -> TAKEN exchange.
     job: UnsafeCell<Option<Job>>,
-    posted: AtomicU64,
-    done: AtomicU64,
-    /// CUresult of the last job (0 = success).
+    state: AtomicU32,
+    /// CUresult of the last job (0 = success), published by the DONE store.
     result: AtomicU32,
     stop: AtomicBool,
 }
 
-// SAFETY: `job` is handed over through `posted` (Release by the caller, Acquire by the worker)
-// and back through `done`; the caller writes it only when the worker has finished the previous
-// job, so the two never access it at the same time. The raw CUDA handles in a `Job` are
-// thread-safe driver objects.
+// SAFETY: `job` is only touched by the side that owns the slot per `state` (caller: EMPTY;
+// worker: TAKEN), and ownership moves through Release/Acquire operations on `state`, so the two
+// threads never access it at the same time. `Job` itself is `Send`.
 unsafe impl Sync for Slot {}
-// SAFETY: as above.
-unsafe impl Send for Slot {}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            job: UnsafeCell::new(None),
+            state: AtomicU32::new(EMPTY),
+            result: AtomicU32::new(0),
+            stop: AtomicBool::new(false),
+        }
+    }
+
+    /// Caller: hands `job` to the worker. The slot must be EMPTY.
+    fn post(&self, job: Job) {
+        assert_eq!(self.state.load(Ordering::Acquire), EMPTY, "slot busy");
+        // SAFETY: the slot is EMPTY, so the worker does not touch `job`.
+        unsafe { *self.job.get() = Some(job) };
+        self.state.store(POSTED, Ordering::Release);
+    }
+
+    /// Worker: takes the posted job, if any (the slot is then the worker's until `finish`).
+    fn claim(&self) -> Option<Job> {
+        if self.state.load(Ordering::Acquire) == POSTED
+            && self
+                .state
+                .compare_exchange(POSTED, TAKEN, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            // SAFETY: winning the exchange hands the slot to this thread until DONE.
+            unsafe { (*self.job.get()).take() }
+        } else {
+            None
+        }
+    }
+
+    /// Worker: publishes the result of the claimed job.
+    fn finish(&self, code: u32) {
+        self.result.store(code, Ordering::Relaxed);
+        self.state.store(DONE, Ordering::Release);
+    }
+
+    /// Caller: waits for the worker's result, or cancels the job if the worker has not taken it
+    /// `limit` after `since`. `Some(code)` when it ran, `None` when cancelled. Leaves the slot
+    /// EMPTY either way.
+    fn collect(&self, since: Instant, limit: Duration) -> Option<u32> {
+        loop {
+            if self.state.load(Ordering::Acquire) == DONE {
+                let code = self.result.load(Ordering::Relaxed);
+                self.state.store(EMPTY, Ordering::Relaxed);
+                return Some(code);
+            }
+            if since.elapsed() > limit
+                && self
+                    .state
+                    .compare_exchange(POSTED, EMPTY, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                // SAFETY: the exchange made the slot EMPTY before the worker claimed it, so the
+                // worker will never read `job`.
+                unsafe { *self.job.get() = None };
+                return None;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
 
 struct Worker {
     slot: Arc<Slot>,
@@ -60,28 +135,37 @@ struct Worker {
     handle: Option<JoinHandle<()>>,
 }
 
+/// Why `launch_all` failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LaunchFailure {
+    /// A launch returned this error on this rank.
+    Driver { rank: usize, code: sys::CUresult },
+    /// A worker did not take its job in time; the job was cancelled (never launched). Other
+    /// ranks may have launched.
+    Stalled { rank: usize },
+}
+
 /// Launch workers for ranks 1..n.
 pub(crate) struct Launcher {
     workers: Vec<Worker>,
 }
+
+/// A context handle that may move to a worker thread.
+struct SendCtx(CUcontext);
+// SAFETY: a CUcontext is a driver handle that any thread may make current.
+unsafe impl Send for SendCtx {}
 
 impl Launcher {
     /// Starts one worker per context after the first.
     pub(crate) fn new(ctxs: &[CUcontext]) -> std::io::Result<Launcher> {
         let mut workers = Vec::new();
         for (rank, &ctx) in ctxs.iter().enumerate().skip(1) {
-            let slot = Arc::new(Slot {
-                job: UnsafeCell::new(None),
-                posted: AtomicU64::new(0),
-                done: AtomicU64::new(0),
-                result: AtomicU32::new(0),
-                stop: AtomicBool::new(false),
-            });
+            let slot = Arc::new(Slot::new());
             let s = slot.clone();
-            let ctx_addr = ctx as usize;
+            let ctx = SendCtx(ctx);
             let handle = std::thread::Builder::new()
                 .name(format!("gpucast-launch-{rank}"))
-                .spawn(move || worker(s, ctx_addr as CUcontext))?;
+                .spawn(move || worker(&s, ctx))?;
             workers.push(Worker {
                 slot,
                 thread: handle.thread().clone(),
@@ -91,27 +175,24 @@ impl Launcher {
         Ok(Launcher { workers })
     }
 
-    /// Launches `jobs[0]` on this thread and `jobs[r]` on worker r, and returns once all are
-    /// enqueued: the first failure as (rank, CUresult), if any.
+    /// Launches `jobs[0]` on this thread (in context `ctx0`) and `jobs[r]` on worker r, and
+    /// returns once every job is launched or cancelled. A worker that has not taken its job
+    /// within `limit` has it cancelled.
     ///
     /// # Safety
     /// Each job must be a valid launch (live function of its rank's context, live stream of the
     /// same context, parameters the kernel accepts). `jobs.len()` is the number of workers + 1.
+    /// Calls must not overlap (the engine's lock serialises them).
     pub(crate) unsafe fn launch_all(
         &self,
         jobs: &[Job],
         ctx0: CUcontext,
-    ) -> Result<(), (usize, sys::CUresult)> {
-        debug_assert_eq!(jobs.len(), self.workers.len() + 1);
-        let mut tickets = [0u64; crate::plan::MAX_GPUS];
-        for (i, (w, job)) in self.workers.iter().zip(&jobs[1..]).enumerate() {
-            let t = w.slot.posted.load(Ordering::Relaxed) + 1;
-            // SAFETY: the worker is idle: every earlier ticket was waited for below before the
-            // previous call returned, so nothing else touches `job` now.
-            unsafe { *w.slot.job.get() = Some(*job) };
-            w.slot.posted.store(t, Ordering::Release);
+        limit: Duration,
+    ) -> Result<(), LaunchFailure> {
+        assert_eq!(jobs.len(), self.workers.len() + 1, "one job per rank");
+        for (w, job) in self.workers.iter().zip(&jobs[1..]) {
+            w.slot.post(*job);
             w.thread.unpark();
-            tickets[i] = t;
         }
         // SAFETY: per this function's contract.
         let first = unsafe {
@@ -119,21 +200,20 @@ impl Launcher {
                 .result()
                 .and_then(|()| launch(&jobs[0]))
         };
-        let mut failure = first.err().map(|e| (0, e.0));
+        let mut failure = first
+            .err()
+            .map(|e| LaunchFailure::Driver { rank: 0, code: e.0 });
         let started = Instant::now();
         for (i, w) in self.workers.iter().enumerate() {
-            while w.slot.done.load(Ordering::Acquire) != tickets[i] {
-                if started.elapsed() > HANDOFF_LIMIT {
-                    return Err((i + 1, sys::CUresult::CUDA_ERROR_LAUNCH_TIMEOUT));
+            let rank = i + 1;
+            match w.slot.collect(started, limit) {
+                None => failure = failure.or(Some(LaunchFailure::Stalled { rank })),
+                Some(0) => {}
+                Some(code) => {
+                    // SAFETY: `code` was stored from a `CUresult` by the worker.
+                    let code = unsafe { std::mem::transmute::<u32, sys::CUresult>(code) };
+                    failure = failure.or(Some(LaunchFailure::Driver { rank, code }));
                 }
-                std::hint::spin_loop();
-            }
-            let code = w.slot.result.load(Ordering::Relaxed);
-            if code != 0 && failure.is_none() {
-                // SAFETY: `code` was stored from a `CUresult` by the worker.
-                failure = Some((i + 1, unsafe {
-                    std::mem::transmute::<u32, sys::CUresult>(code)
-                }));
             }
         }
         failure.map_or(Ok(()), Err)
@@ -149,26 +229,18 @@ pub(super) unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError
     unsafe { super::launch_one(job.func, job.blocks, job.threads, job.stream, job.params) }
 }
 
-fn worker(slot: Arc<Slot>, ctx: CUcontext) {
-    // SAFETY: the context outlives the launcher (the clique drops the launcher first).
-    let bound = unsafe { sys::cuCtxSetCurrent(ctx) }.result();
-    let mut seen = 0u64;
+fn worker(slot: &Slot, ctx: SendCtx) {
+    // SAFETY: the context outlives the launcher (the engine drops the launcher first).
+    let bound = unsafe { sys::cuCtxSetCurrent(ctx.0) }.result();
     let mut idle_since = Instant::now();
     loop {
-        let posted = slot.posted.load(Ordering::Acquire);
-        if posted != seen {
-            seen = posted;
-            // SAFETY: the caller published the job before `posted` (Release/Acquire) and does
-            // not touch it again until `done` reaches `posted`.
-            let job = unsafe { (*slot.job.get()).take() };
-            let code = match (&bound, job) {
-                (Err(e), _) => e.0 as u32,
+        if let Some(job) = slot.claim() {
+            let code = match &bound {
+                Err(e) => e.0 as u32,
                 // SAFETY: the caller of `launch_all` guarantees a valid launch.
-                (Ok(()), Some(job)) => unsafe { launch(&job) }.map_or_else(|e| e.0 as u32, |()| 0),
-                (Ok(()), None) => 0,
+                Ok(()) => unsafe { launch(&job) }.map_or_else(|e| e.0 as u32, |()| 0),
             };
-            slot.result.store(code, Ordering::Relaxed);
-            slot.done.store(seen, Ordering::Release);
+            slot.finish(code);
             idle_since = Instant::now();
             continue;
         }
@@ -196,5 +268,99 @@ impl Drop for Launcher {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> Job {
+        Job {
+            func: std::ptr::null_mut(),
+            blocks: 1,
+            threads: 1,
+            stream: std::ptr::null_mut(),
+            params: Params {
+                src: 0,
+                dst: 0,
+                bytes: 0,
+                signal: [0; crate::config::MAX_GPUS],
+                error_slot: 0,
+                timeout_ns: 0,
+                rank: 0,
+                nranks: 0,
+                root: 0,
+                unit: 0,
+                head: 0,
+                chunk: 0,
+                pad0: 0,
+                pad1: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn a_job_nobody_takes_is_cancelled_and_never_runs() {
+        let slot = Slot::new();
+        slot.post(job());
+        let t0 = Instant::now();
+        assert_eq!(slot.collect(t0, Duration::from_millis(20)), None);
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        // A worker waking up late finds nothing to launch, and the slot is free again.
+        assert!(slot.claim().is_none());
+        slot.post(job());
+        assert!(slot.claim().is_some());
+    }
+
+    #[test]
+    fn a_taken_job_is_waited_for_past_the_limit() {
+        let slot = Arc::new(Slot::new());
+        slot.post(job());
+        let worker = {
+            let slot = slot.clone();
+            std::thread::spawn(move || {
+                let j = slot.claim().expect("posted");
+                // A launch call that outlasts the caller's limit.
+                std::thread::sleep(Duration::from_millis(60));
+                slot.finish(j.blocks + 6);
+            })
+        };
+        while slot.state.load(Ordering::Acquire) != TAKEN {
+            std::hint::spin_loop();
+        }
+        assert_eq!(
+            slot.collect(Instant::now(), Duration::from_millis(5)),
+            Some(7)
+        );
+        worker.join().unwrap();
+        assert_eq!(slot.state.load(Ordering::Acquire), EMPTY);
+    }
+
+    #[test]
+    fn results_come_back_in_order_over_many_hand_offs() {
+        let slot = Arc::new(Slot::new());
+        let stop = Arc::new(AtomicBool::new(false));
+        let worker = {
+            let (slot, stop) = (slot.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Acquire) {
+                    if let Some(j) = slot.claim() {
+                        slot.finish(j.blocks);
+                    }
+                }
+            })
+        };
+        for i in 1..2000u32 {
+            let mut j = job();
+            j.blocks = i;
+            slot.post(j);
+            assert_eq!(
+                slot.collect(Instant::now(), Duration::from_secs(10)),
+                Some(i)
+            );
+        }
+        stop.store(true, Ordering::Release);
+        worker.join().unwrap();
     }
 }

@@ -1,78 +1,25 @@
 //! The P2P path: per-GPU signal areas, the compiled kernels, launches and error recovery.
 //!
-//! Protocol and memory-ordering notes are in `kernel.cu`; the layout and geometry in `plan`.
+//! Protocol and memory-ordering notes are in `kernel.cu`; the shared layout and geometry in
+//! `abi`.
 
+pub(crate) mod abi;
 pub(crate) mod compile;
 mod launcher;
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUstream};
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 
+use crate::config::{Route, MAX_GPUS};
 use crate::error::{Error, Result};
-use crate::plan::{self, layout, Geometry, Route, MAX_GPUS};
-
-/// Kernel parameters; must match `struct Params` in kernel.cu field for field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Params {
-    pub src: u64,
-    pub dst: u64,
-    pub bytes: u64,
-    pub signal: [u64; MAX_GPUS],
-    pub error_slot: u64,
-    pub timeout_ns: u64,
-    pub rank: u32,
-    pub nranks: u32,
-    pub root: u32,
-    pub unit: u32,
-    pub head: u32,
-    pub chunk: u32,
-    pub pad: [u32; 2],
-}
-
-// SAFETY: `Params` is `repr(C)`, `Copy`, holds only integers, and matches the kernel's layout
-// (13 u64 then 8 u32: 136 bytes, 8-aligned).
-unsafe impl DeviceRepr for Params {}
-
-const _: () = assert!(std::mem::size_of::<Params>() == 136);
-
-/// One copy of a fused launch; matches `struct ListEntry` in kernel.cu.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ListEntry {
-    pub src: u64,
-    pub dst: u64,
-    pub bytes: u64,
-    pub unit: u32,
-    pub head: u32,
-}
-
-/// Parameters of the fused pull kernel; matches `struct ListParams` in kernel.cu.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ListParams {
-    pub signal: [u64; MAX_GPUS],
-    pub error_slot: u64,
-    pub timeout_ns: u64,
-    pub rank: u32,
-    pub nranks: u32,
-    pub root: u32,
-    pub count: u32,
-    pub entries: [ListEntry; plan::LIST_MAX],
-}
-
-// SAFETY: `repr(C)`, `Copy`, integers only, laid out as the kernel's `ListParams`.
-unsafe impl DeviceRepr for ListParams {}
-
-// The kernel parameter space is 4 KiB.
-const _: () = assert!(std::mem::size_of::<ListParams>() <= 4096);
+use abi::{layout, ListEntry, ListParams, Params};
 
 /// One GPU's share of the P2P path.
-struct RankState {
+struct RankKernels {
     ctx: Arc<CudaContext>,
     _module: Arc<CudaModule>,
     packet: CudaFunction,
@@ -85,58 +32,70 @@ struct RankState {
     error_dev: u64,
 }
 
-/// Host-mapped error slots, one u64 per rank.
-struct ErrorSlots {
-    host: *mut u64,
+/// Host-mapped error slots, one u64 per rank, that kernels write when a wait times out.
+struct HostSlots(*mut u64);
+
+// SAFETY: the pointer is a pinned, portable host allocation of MAX_GPUS u64 owned by `P2p`; it
+// is only accessed with volatile reads and writes of whole words (the device writes it too).
+unsafe impl Send for HostSlots {}
+// SAFETY: as for `Send`: shared access is volatile word reads, and writes happen under the
+// engine's lock.
+unsafe impl Sync for HostSlots {}
+
+impl HostSlots {
+    fn read(&self, rank: usize) -> u64 {
+        assert!(rank < MAX_GPUS);
+        // SAFETY: `self.0` points to MAX_GPUS live u64 and rank < MAX_GPUS.
+        unsafe { std::ptr::read_volatile(self.0.add(rank)) }
+    }
+
+    fn clear(&self) {
+        for rank in 0..MAX_GPUS {
+            // SAFETY: as in `read`.
+            unsafe { std::ptr::write_volatile(self.0.add(rank), 0) };
+        }
+    }
 }
 
-/// The P2P path of one clique.
+/// The P2P path of one engine: kernels, signal areas and launch threads.
 pub(crate) struct P2p {
-    ranks: Vec<RankState>,
-    errors: ErrorSlots,
+    ranks: Vec<RankKernels>,
+    errors: HostSlots,
     signals: [u64; MAX_GPUS],
     timeout_ns: u64,
     /// Worker threads that launch on ranks 1.. while the caller launches on rank 0.
     launcher: Option<launcher::Launcher>,
     /// Whether `launch` uses the workers.
-    parallel: AtomicBool,
+    parallel: bool,
+    /// How long the caller waits for a worker to take its launch.
+    handoff_limit: Duration,
 }
-
-/// Environment variable: `0` launches the P2P kernel on every GPU from the calling thread, one
-/// after the other, instead of from one thread per GPU.
-pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
-
-// SAFETY: the raw pointers are a pinned host allocation and device addresses owned by this value;
-// the driver calls on them are thread-safe, and the clique serialises launches.
-unsafe impl Send for P2p {}
-// SAFETY: as for Send; shared access only reads the host slots (volatile) or launches under the
-// clique's lock.
-unsafe impl Sync for P2p {}
 
 impl P2p {
     /// Compiles (or reuses) the kernels, loads them on every GPU, allocates and zeroes the
     /// signal areas and the error slots. Peer access must already be enabled between all pairs.
-    pub(crate) fn new(ctxs: &[Arc<CudaContext>], timeout_ns: u64) -> Result<P2p> {
+    pub(crate) fn new(ctxs: &[Arc<CudaContext>], timeout: Duration, parallel: bool) -> Result<P2p> {
         let n = ctxs.len();
+        ctxs[0]
+            .bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
         // SAFETY: a fresh pinned, portable, device-mapped host allocation of MAX_GPUS u64.
         let host = unsafe {
-            ctxs[0]
-                .bind_to_thread()
-                .map_err(Error::cuda("binding a context"))?;
             result::malloc_host(
                 MAX_GPUS * 8,
                 sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP,
             )
-            .map_err(Error::cuda("allocating the host-mapped error slots"))?
-        } as *mut u64;
+        }
+        .map_err(Error::cuda("allocating the host-mapped error slots"))?;
         // Built up in place so that an error part-way frees what was allocated (Drop).
         let mut p2p = P2p {
             ranks: Vec::with_capacity(n),
-            errors: ErrorSlots { host },
+            errors: HostSlots(host.cast::<u64>()),
             signals: [0; MAX_GPUS],
-            timeout_ns,
+            timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             launcher: None,
-            parallel: AtomicBool::new(false),
+            parallel: false,
+            handoff_limit: timeout,
         };
         p2p.errors.clear();
         for (rank, ctx) in ctxs.iter().enumerate() {
@@ -149,23 +108,28 @@ impl P2p {
                     .map_err(Error::cuda(format!(
                         "loading the P2P kernels on rank {rank}"
                     )))?;
-            let packet = module
-                .load_function(compile::PACKET_KERNEL)
-                .map_err(Error::cuda("finding the packet kernel"))?;
-            let pull = module
-                .load_function(compile::PULL_KERNEL)
-                .map_err(Error::cuda("finding the pull kernel"))?;
-            let pull_list = module
-                .load_function(compile::PULL_LIST_KERNEL)
-                .map_err(Error::cuda("finding the fused pull kernel"))?;
+            let load = |name| {
+                module
+                    .load_function(name)
+                    .map_err(Error::cuda(format!("finding {name} on rank {rank}")))
+            };
+            let (packet, pull, pull_list) = (
+                load(compile::PACKET_KERNEL)?,
+                load(compile::PULL_KERNEL)?,
+                load(compile::PULL_LIST_KERNEL)?,
+            );
             let mut error_dev: CUdeviceptr = 0;
             ctx.bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
             // SAFETY: `host` is a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64 and
             // rank < MAX_GPUS; `error_dev` is an out pointer.
             unsafe {
-                sys::cuMemHostGetDevicePointer_v2(&mut error_dev, host.add(rank) as *mut c_void, 0)
-                    .result()
+                sys::cuMemHostGetDevicePointer_v2(
+                    &mut error_dev,
+                    p2p.errors.0.add(rank).cast::<c_void>(),
+                    0,
+                )
+                .result()
             }
             .map_err(Error::cuda("mapping the error slot"))?;
             // SAFETY: plain device allocation in the current (rank's) context; freed in Drop.
@@ -173,7 +137,7 @@ impl P2p {
                 Error::cuda(format!("allocating the signal area on rank {rank}")),
             )?;
             p2p.signals[rank] = signal;
-            p2p.ranks.push(RankState {
+            p2p.ranks.push(RankKernels {
                 ctx: ctx.clone(),
                 _module: module,
                 packet,
@@ -186,21 +150,18 @@ impl P2p {
         if n > 1 {
             let raw: Vec<_> = ctxs.iter().map(|c| c.cu_ctx()).collect();
             match launcher::Launcher::new(&raw) {
-                Ok(l) => {
-                    p2p.launcher = Some(l);
-                    let off = std::env::var(PARALLEL_LAUNCH_ENV).is_ok_and(|v| v.trim() == "0");
-                    p2p.parallel.store(!off, Ordering::Relaxed);
-                }
+                Ok(l) => p2p.launcher = Some(l),
                 Err(e) => {
                     tracing::warn!(error = %e, "no launch threads: launching from the caller's thread")
                 }
             }
         }
+        p2p.set_parallel_launch(parallel);
         p2p.zero_signals_sync()?;
         Ok(p2p)
     }
 
-    /// Zeroes every signal area and waits for it (used at creation and after a timeout).
+    /// Zeroes every signal area and waits for it (at creation and after a timeout).
     fn zero_signals_sync(&self) -> Result<()> {
         for r in &self.ranks {
             r.ctx
@@ -218,19 +179,8 @@ impl P2p {
         Ok(())
     }
 
-    /// The per-rank kernel parameters of one broadcast (everything but `dst`).
-    pub(crate) fn params(
-        &self,
-        route: Route,
-        root: usize,
-        src: u64,
-        bytes: usize,
-    ) -> (Geometry, Params) {
-        let geometry = match route {
-            Route::P2pPacket => plan::packet_geometry(bytes),
-            _ => plan::pull_geometry(bytes),
-        };
-        let params = Params {
+    fn base_params(&self, root: usize, src: u64, bytes: usize, chunk: u32) -> Params {
+        Params {
             src,
             dst: 0,
             bytes: bytes as u64,
@@ -242,30 +192,37 @@ impl P2p {
             root: u32::try_from(root).expect("<= 8"),
             unit: 1,
             head: 0,
-            chunk: geometry.chunk,
-            pad: [0; 2],
-        };
-        (geometry, params)
+            chunk,
+            pad0: 0,
+            pad1: 0,
+        }
     }
 
-    /// Launches the kernel of `route` on every rank: rank i copies into `dsts[i]`.
+    /// Launches the kernel of `route` (packet or pull) on every rank: the root copies `bytes`
+    /// bytes from `src`, and rank i writes them to `dsts[i]`.
     ///
     /// # Safety
-    /// `params.src` must be `bytes` readable bytes on the root's device (readable by every peer
-    /// for the pull route), `dsts[i]` as many writable bytes on rank i's device, and `streams[i]`
-    /// a live stream of rank i's context. All of it must stay valid until the streams pass this
-    /// point. Every rank must be launched (this function does) in the same order as every other
-    /// P2P launch of this clique.
+    /// `src` holds `bytes` readable bytes on the root's device (readable by every peer for the
+    /// pull route), `dsts[i]` as many writable bytes on rank i's device, and `streams[i]` is a
+    /// live stream of rank i's context. All of it stays valid until the streams pass this point.
+    /// Every P2P launch of this engine goes through `&mut self`, so all ranks see them in one
+    /// order.
     pub(crate) unsafe fn launch(
-        &self,
+        &mut self,
         route: Route,
-        geometry: Geometry,
-        mut params: Params,
+        root: usize,
+        src: u64,
+        bytes: usize,
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
-        let n = self.ranks.len();
-        let mut jobs = [None; MAX_GPUS];
+        let geometry = if route == Route::P2pPacket {
+            abi::packet_geometry(bytes)
+        } else {
+            abi::pull_geometry(bytes)
+        };
+        let mut params = self.base_params(root, src, bytes, geometry.chunk);
+        let mut jobs = Vec::with_capacity(self.ranks.len());
         for (rank, r) in self.ranks.iter().enumerate() {
             params.rank = u32::try_from(rank).expect("<= 8");
             params.dst = dsts[rank];
@@ -273,12 +230,12 @@ impl P2p {
             let func: CUfunction = if route == Route::P2pPacket {
                 r.packet.cu_function()
             } else {
-                let a = plan::co_alignment(params.src, params.dst, params.bytes);
+                let a = abi::co_alignment(params.src, params.dst, params.bytes);
                 params.unit = a.unit;
                 params.head = a.head;
                 r.pull.cu_function()
             };
-            jobs[rank] = Some(launcher::Job {
+            jobs.push(launcher::Job {
                 func,
                 blocks: geometry.blocks,
                 threads: geometry.threads,
@@ -286,22 +243,24 @@ impl P2p {
                 params,
             });
         }
-        let jobs: Vec<launcher::Job> = jobs[..n]
-            .iter()
-            .map(|j| j.expect("one job per rank"))
-            .collect();
-        if let (Some(l), true) = (&self.launcher, self.parallel.load(Ordering::Relaxed)) {
-            // SAFETY: every job is a launch of this clique's kernels on its rank's stream with
-            // parameters valid per this function's contract.
-            return unsafe { l.launch_all(&jobs, self.ranks[0].ctx.cu_ctx()) }.map_err(
-                |(rank, code)| Error::Cuda {
+        if let (Some(l), true) = (&self.launcher, self.parallel) {
+            // SAFETY: every job is a launch of this engine's kernels on its rank's stream with
+            // parameters valid per this function's contract; `&mut self` serialises calls.
+            let outcome =
+                unsafe { l.launch_all(&jobs, self.ranks[0].ctx.cu_ctx(), self.handoff_limit) };
+            return outcome.map_err(|f| match f {
+                launcher::LaunchFailure::Driver { rank, code } => Error::Cuda {
                     during: format!("launching the P2P kernel on rank {rank}"),
                     source: result::DriverError(code),
                 },
-            );
+                launcher::LaunchFailure::Stalled { rank } => Error::LaunchStalled {
+                    rank,
+                    waited_ms: u64::try_from(self.handoff_limit.as_millis()).unwrap_or(u64::MAX),
+                },
+            });
         }
         for (rank, (r, job)) in self.ranks.iter().zip(&jobs).enumerate() {
-            // SAFETY: the context is live (owned by the clique) and the job is a valid launch
+            // SAFETY: the context is live (owned by the engine) and the job is a valid launch
             // in it per this function's contract.
             unsafe {
                 result::ctx::set_current(r.ctx.cu_ctx()).and_then(|()| launcher::launch(job))
@@ -313,15 +272,14 @@ impl P2p {
         Ok(())
     }
 
-    /// Turns the per-GPU launch threads on or off (no effect on a one-GPU clique).
-    pub(crate) fn set_parallel_launch(&self, on: bool) {
-        self.parallel
-            .store(on && self.launcher.is_some(), Ordering::Relaxed);
+    /// Turns the per-GPU launch threads on or off (no effect without them).
+    pub(crate) fn set_parallel_launch(&mut self, on: bool) {
+        self.parallel = on && self.launcher.is_some();
     }
 
     /// Whether launches currently go through the per-GPU threads.
     pub(crate) fn parallel_launch(&self) -> bool {
-        self.parallel.load(Ordering::Relaxed)
+        self.parallel
     }
 
     /// Launches one fused pull over `copies[rank]` (each a list of (src, dst, bytes), the same
@@ -330,21 +288,21 @@ impl P2p {
     /// # Safety
     /// As for [`P2p::launch`], for every listed copy.
     pub(crate) unsafe fn launch_list(
-        &self,
+        &mut self,
         root: usize,
         copies: &[Vec<(u64, u64, usize)>],
         streams: &[CUstream],
     ) -> Result<()> {
         let count = copies[0].len();
         assert!(
-            count <= plan::LIST_MAX,
-            "planned batches hold at most LIST_MAX entries"
+            count <= abi::LIST_MAX,
+            "planned lists hold at most LIST_MAX"
         );
         let total: usize = copies[0].iter().map(|c| c.2).sum();
         if total == 0 {
             return Ok(());
         }
-        let geometry = plan::pull_geometry(total);
+        let geometry = abi::pull_geometry(total);
         let mut params = ListParams {
             signal: self.signals,
             error_slot: 0,
@@ -353,13 +311,13 @@ impl P2p {
             nranks: u32::try_from(self.ranks.len()).expect("<= 8"),
             root: u32::try_from(root).expect("<= 8"),
             count: u32::try_from(count).expect("<= LIST_MAX"),
-            entries: [ListEntry::default(); plan::LIST_MAX],
+            entries: [ListEntry::default(); abi::LIST_MAX],
         };
         for (rank, r) in self.ranks.iter().enumerate() {
             params.rank = u32::try_from(rank).expect("<= 8");
             params.error_slot = r.error_dev;
             for (e, &(src, dst, bytes)) in params.entries.iter_mut().zip(&copies[rank]) {
-                let a = plan::co_alignment(src, dst, bytes as u64);
+                let a = abi::co_alignment(src, dst, bytes as u64);
                 *e = ListEntry {
                     src,
                     dst,
@@ -390,17 +348,14 @@ impl P2p {
 
     /// The first timeout any rank's kernel reported, if any (does not wait for the GPUs).
     pub(crate) fn take_error(&self) -> Option<Error> {
-        for rank in 0..self.ranks.len() {
+        (0..self.ranks.len()).find_map(|rank| {
             let record = self.errors.read(rank);
-            if record != 0 {
-                return Some(decode_timeout(rank, record, self.timeout_ns));
-            }
-        }
-        None
+            (record != 0).then(|| decode_timeout(rank, record, self.timeout_ns))
+        })
     }
 
-    /// After a timeout: the caller has drained every stream; zero the signals and error slots so
-    /// the next broadcast starts from op 1 everywhere.
+    /// After a timeout or a cancelled launch: the caller has drained every stream; zero the
+    /// signals and error slots so the next broadcast starts from op 1 everywhere.
     pub(crate) fn recover(&self) -> Result<()> {
         self.zero_signals_sync()?;
         self.errors.clear();
@@ -420,7 +375,7 @@ unsafe fn launch_one<P: DeviceRepr>(
     stream: CUstream,
     mut params: P,
 ) -> std::result::Result<(), result::DriverError> {
-    let mut arg = (&mut params) as *mut P as *mut c_void;
+    let mut arg = std::ptr::addr_of_mut!(params).cast::<c_void>();
     // SAFETY: guaranteed by the caller; the driver copies the parameter before returning.
     unsafe {
         result::launch_kernel(
@@ -446,40 +401,28 @@ pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error
     Error::Timeout {
         rank,
         phase,
-        block: ((record >> 32) & 0xffff) as u32,
-        op: (record & 0xffff_ffff) as u32,
+        block: u32::try_from((record >> 32) & 0xffff).expect("16 bits"),
+        op: u32::try_from(record & 0xffff_ffff).expect("32 bits"),
         timeout_ms: timeout_ns / 1_000_000,
     }
 }
 
-impl ErrorSlots {
-    fn read(&self, rank: usize) -> u64 {
-        // SAFETY: `host` points to MAX_GPUS u64 of live pinned memory; the device writes it, so
-        // the read is volatile.
-        unsafe { std::ptr::read_volatile(self.host.add(rank)) }
-    }
-
-    fn clear(&self) {
-        for rank in 0..MAX_GPUS {
-            // SAFETY: as in `read`.
-            unsafe { std::ptr::write_volatile(self.host.add(rank), 0) };
-        }
-    }
-}
-
 impl Drop for P2p {
+    /// Frees the signal areas and error slots. The engine drops the P2P state only when no
+    /// kernel can still use them (streams drained), or leaks it.
     fn drop(&mut self) {
+        // Stop the launch threads first: they hold the contexts current.
+        self.launcher = None;
         for r in &self.ranks {
             if r.ctx.bind_to_thread().is_ok() {
-                // SAFETY: allocated by `malloc_sync` in this context; no kernel uses it any more
-                // (the clique synchronised its streams before dropping the P2P state).
+                // SAFETY: allocated by `malloc_sync` in this context; no kernel uses it any more.
                 if let Err(e) = unsafe { result::free_sync(r.signal) } {
                     tracing::warn!(error = %e, "could not free a signal area");
                 }
             }
         }
         // SAFETY: allocated by `malloc_host`; no kernel uses it any more.
-        if let Err(e) = unsafe { result::free_host(self.errors.host as *mut c_void) } {
+        if let Err(e) = unsafe { result::free_host(self.errors.0.cast::<c_void>()) } {
             tracing::warn!(error = %e, "could not free the error slots");
         }
     }
@@ -505,13 +448,5 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
-    }
-
-    #[test]
-    fn params_layout_matches_the_kernel() {
-        assert_eq!(std::mem::offset_of!(Params, signal), 24);
-        assert_eq!(std::mem::offset_of!(Params, error_slot), 88);
-        assert_eq!(std::mem::offset_of!(Params, rank), 104);
-        assert_eq!(std::mem::offset_of!(Params, chunk), 124);
     }
 }

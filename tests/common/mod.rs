@@ -84,3 +84,20 @@ pub fn assert_bytes_eq<T: Element>(
 pub fn two_gpus() -> Clique {
     Clique::new(&[0, 1]).expect("a clique of GPUs 0 and 1")
 }
+
+unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
+    std::thread::sleep(std::time::Duration::from_millis(arg as u64));
+}
+
+/// Holds `rank`'s stream on the host for `ms`, so that its next work starts late by that much.
+pub fn stall(clique: &Clique, rank: usize, ms: u64) {
+    // SAFETY: the callback only sleeps (no CUDA calls) and its argument is a plain integer.
+    unsafe {
+        gpucast::cudarc::driver::result::stream::launch_host_function(
+            clique.stream(rank).cu_stream(),
+            sleep_host,
+            ms as *mut _,
+        )
+    }
+    .unwrap();
+}

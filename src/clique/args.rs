@@ -1,0 +1,403 @@
+//! Argument checks, pure: device lists and broadcast arguments are validated here before any
+//! GPU work, from plain descriptions of the buffers. Tested without a GPU.
+
+use crate::config::MAX_GPUS;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Checks a device list without touching the driver: 1 to 8 distinct ordinals.
+pub(crate) fn check_device_list(ordinals: &[usize]) -> Result<()> {
+    if ordinals.is_empty() {
+        return Err(Error::NoDevice("the device list is empty".into()));
+    }
+    if ordinals.len() > MAX_GPUS {
+        return Err(Error::TooManyDevices {
+            requested: ordinals.len(),
+            max: MAX_GPUS,
+        });
+    }
+    for (i, &o) in ordinals.iter().enumerate() {
+        if ordinals[..i].contains(&o) {
+            return Err(Error::DuplicateDevice { ordinal: o });
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every ordinal exists on a machine with `available` devices.
+pub(crate) fn check_in_range(ordinals: &[usize], available: usize) -> Result<()> {
+    match ordinals.iter().find(|&&o| o >= available) {
+        Some(&ordinal) => Err(Error::DeviceOutOfRange { ordinal, available }),
+        None => Ok(()),
+    }
+}
+
+/// Where a rank lives: its device ordinal and its context (as an opaque id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub ordinal: usize,
+    pub ctx: usize,
+}
+
+/// A buffer as validation sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BufferInfo {
+    pub place: Place,
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// The element count and byte size of a validated broadcast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shape {
+    pub count: usize,
+    pub bytes: usize,
+    pub dtype: DType,
+}
+
+/// Checks one broadcast against ranks at `places`. `input` is `None` in place (the root's
+/// entry of `outputs` is then the source). `tensor` names the tensor in errors of fused calls.
+pub(crate) fn check_broadcast(
+    places: &[Place],
+    root: usize,
+    input: Option<BufferInfo>,
+    outputs: &[BufferInfo],
+    tensor: Option<usize>,
+) -> Result<Shape> {
+    let n = places.len();
+    if root >= n {
+        return Err(Error::RootOutOfRange { root, size: n });
+    }
+    let label = |what: &str| match tensor {
+        Some(t) => format!("tensor {t} {what}"),
+        None => what.to_string(),
+    };
+    if outputs.len() != n {
+        return Err(Error::OutputCount {
+            what: if input.is_some() {
+                "outputs"
+            } else {
+                "buffers"
+            },
+            expected: n,
+            got: outputs.len(),
+        });
+    }
+    let reference = input.unwrap_or(outputs[root]);
+    if let Some(inp) = input {
+        check_place(&label("input"), root, places[root], inp.place)?;
+    }
+    for (rank, out) in outputs.iter().enumerate() {
+        let what = || {
+            label(&if input.is_some() {
+                format!("output {rank}")
+            } else {
+                format!("buffer {rank}")
+            })
+        };
+        check_place(&what(), rank, places[rank], out.place)?;
+        if out.dtype != reference.dtype {
+            return Err(Error::InvalidList(format!(
+                "{} holds {}, the source holds {}",
+                what(),
+                out.dtype,
+                reference.dtype
+            )));
+        }
+        if out.len != reference.len {
+            return Err(Error::LengthMismatch {
+                what: what(),
+                expected: reference.len,
+                got: out.len,
+            });
+        }
+    }
+    let bytes = reference
+        .len
+        .checked_mul(reference.dtype.size())
+        .filter(|&b| isize::try_from(b).is_ok())
+        .ok_or_else(|| Error::TooLarge {
+            what: label(if input.is_some() { "input" } else { "source" }),
+            elements: reference.len,
+            element_size: reference.dtype.size(),
+        })?;
+    Ok(Shape {
+        count: reference.len,
+        bytes,
+        dtype: reference.dtype,
+    })
+}
+
+fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result<()> {
+    if found.ordinal != expected.ordinal {
+        return Err(Error::WrongDevice {
+            what: what.to_string(),
+            rank,
+            expected: expected.ordinal,
+            found: found.ordinal,
+        });
+    }
+    if found.ctx != expected.ctx {
+        return Err(Error::ForeignContext {
+            what: what.to_string(),
+            rank,
+            ordinal: expected.ordinal,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a fused call: `inputs` (or, in place, `outputs[root]`) gives the tensors; every rank
+/// has one output per tensor. Returns each tensor's shape.
+/// Errors name the tensor (`tensor 2 output 1`) unless the call is a single broadcast.
+pub(crate) fn check_many(
+    places: &[Place],
+    root: usize,
+    inputs: Option<&[BufferInfo]>,
+    outputs: &[Vec<BufferInfo>],
+    single: bool,
+) -> Result<Vec<Shape>> {
+    let n = places.len();
+    if root >= n {
+        return Err(Error::RootOutOfRange { root, size: n });
+    }
+    if outputs.len() != n {
+        return Err(Error::OutputCount {
+            what: "output lists",
+            expected: n,
+            got: outputs.len(),
+        });
+    }
+    let count = inputs.map_or(outputs[root].len(), <[_]>::len);
+    for (rank, list) in outputs.iter().enumerate() {
+        if list.len() != count {
+            return Err(Error::InvalidList(format!(
+                "rank {rank} has {} tensors, the {} has {count}",
+                list.len(),
+                if inputs.is_some() {
+                    "input list"
+                } else {
+                    "root"
+                }
+            )));
+        }
+    }
+    let mut column = Vec::with_capacity(n);
+    (0..count)
+        .map(|t| {
+            column.clear();
+            column.extend(outputs.iter().map(|list| list[t]));
+            let tensor = (!single).then_some(t);
+            check_broadcast(places, root, inputs.map(|i| i[t]), &column, tensor)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_lists_are_checked_without_a_driver() {
+        assert!(check_device_list(&[0, 1]).is_ok());
+        assert!(matches!(check_device_list(&[]), Err(Error::NoDevice(_))));
+        assert!(matches!(
+            check_device_list(&[0, 1, 0]),
+            Err(Error::DuplicateDevice { ordinal: 0 })
+        ));
+        let nine: Vec<usize> = (0..9).collect();
+        assert!(matches!(
+            check_device_list(&nine),
+            Err(Error::TooManyDevices {
+                requested: 9,
+                max: 8
+            })
+        ));
+        assert!(check_in_range(&[0, 1], 2).is_ok());
+        assert!(matches!(
+            check_in_range(&[0, 2], 2),
+            Err(Error::DeviceOutOfRange {
+                ordinal: 2,
+                available: 2
+            })
+        ));
+    }
+
+    const A: Place = Place {
+        ordinal: 3,
+        ctx: 30,
+    };
+    const B: Place = Place {
+        ordinal: 5,
+        ctx: 50,
+    };
+
+    fn buf(place: Place, len: usize) -> BufferInfo {
+        BufferInfo {
+            place,
+            len,
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn broadcast_arguments() {
+        let places = [A, B];
+        let outs = [buf(A, 10), buf(B, 10)];
+        let shape = check_broadcast(&places, 1, Some(buf(B, 10)), &outs, None).unwrap();
+        assert_eq!((shape.count, shape.bytes), (10, 40));
+        assert_eq!(
+            check_broadcast(&places, 0, None, &outs, None)
+                .unwrap()
+                .count,
+            10
+        );
+        assert!(matches!(
+            check_broadcast(&places, 2, Some(buf(A, 10)), &outs, None),
+            Err(Error::RootOutOfRange { root: 2, size: 2 })
+        ));
+        assert!(matches!(
+            check_broadcast(&places, 0, Some(buf(A, 10)), &outs[..1], None),
+            Err(Error::OutputCount {
+                expected: 2,
+                got: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_broadcast(&places, 0, Some(buf(B, 10)), &outs, None),
+            Err(Error::WrongDevice { ref what, expected: 3, found: 5, .. }) if what == "input"
+        ));
+        assert!(matches!(
+            check_broadcast(
+                &places,
+                0,
+                Some(buf(A, 10)),
+                &[buf(A, 10), buf(A, 10)],
+                None
+            ),
+            Err(Error::WrongDevice { rank: 1, .. })
+        ));
+        assert!(matches!(
+            check_broadcast(&places, 0, Some(buf(A, 10)), &[buf(A, 10), buf(B, 9)], None),
+            Err(Error::LengthMismatch {
+                expected: 10,
+                got: 9,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_broadcast(&places, 1, None, &[buf(A, 9), buf(B, 10)], None),
+            Err(Error::LengthMismatch { ref what, .. }) if what == "buffer 0"
+        ));
+        let zero = check_broadcast(&places, 0, Some(buf(A, 0)), &[buf(A, 0), buf(B, 0)], None);
+        assert_eq!(zero.unwrap().bytes, 0);
+    }
+
+    #[test]
+    fn a_buffer_of_another_context_is_named() {
+        let other = Place {
+            ordinal: 5,
+            ctx: 51,
+        };
+        let e = check_broadcast(
+            &[A, B],
+            0,
+            Some(buf(A, 4)),
+            &[buf(A, 4), buf(other, 4)],
+            None,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, Error::ForeignContext { ref what, rank: 1, ordinal: 5 } if what == "output 1"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("clique.stream(1)"), "{e}");
+    }
+
+    #[test]
+    fn byte_counts_cannot_overflow() {
+        let huge = BufferInfo {
+            place: A,
+            len: usize::MAX / 4,
+            dtype: DType::F64,
+        };
+        let e = check_broadcast(&[A], 0, Some(huge), &[huge], None).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TooLarge {
+                    element_size: 8,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Past isize::MAX bytes is no valid allocation either.
+        let half = BufferInfo {
+            place: A,
+            len: usize::MAX / 2,
+            dtype: DType::U8,
+        };
+        assert!(matches!(
+            check_broadcast(&[A], 0, Some(half), &[half], None),
+            Ok(Shape { .. })
+        ));
+        let over = BufferInfo {
+            len: usize::MAX / 2 + 1,
+            ..half
+        };
+        assert!(matches!(
+            check_broadcast(&[A], 0, Some(over), &[over], None),
+            Err(Error::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn element_types_must_agree() {
+        let half = BufferInfo {
+            place: B,
+            len: 10,
+            dtype: DType::F16,
+        };
+        let e =
+            check_broadcast(&[A, B], 0, Some(buf(A, 10)), &[buf(A, 10), half], None).unwrap_err();
+        assert!(matches!(e, Error::InvalidList(ref m) if m.contains("f16") && m.contains("f32")));
+    }
+
+    #[test]
+    fn fused_lists() {
+        let places = [A, B];
+        let ins = [buf(A, 4), buf(A, 0), buf(A, 7)];
+        let outs = vec![ins.to_vec(), vec![buf(B, 4), buf(B, 0), buf(B, 7)]];
+        let shapes = check_many(&places, 0, Some(&ins), &outs, false).unwrap();
+        assert_eq!(
+            shapes.iter().map(|s| s.bytes).collect::<Vec<_>>(),
+            vec![16, 0, 28]
+        );
+        assert_eq!(check_many(&places, 0, None, &outs, false).unwrap().len(), 3);
+        let short = vec![ins.to_vec(), vec![buf(B, 4)]];
+        assert!(matches!(
+            check_many(&places, 0, Some(&ins), &short, false),
+            Err(Error::InvalidList(ref m)) if m.contains("rank 1 has 1 tensors")
+        ));
+        let bad = vec![ins.to_vec(), vec![buf(B, 4), buf(B, 0), buf(B, 6)]];
+        assert!(matches!(
+            check_many(&places, 0, Some(&ins), &bad, false),
+            Err(Error::LengthMismatch { ref what, .. }) if what == "tensor 2 output 1"
+        ));
+        let one = vec![vec![buf(A, 4)], vec![buf(B, 5)]];
+        assert!(matches!(
+            check_many(&places, 0, Some(&ins[..1]), &one, true),
+            Err(Error::LengthMismatch { ref what, .. }) if what == "output 1"
+        ));
+        assert!(matches!(
+            check_many(&places, 0, Some(&ins), &outs[..1], false),
+            Err(Error::OutputCount { .. })
+        ));
+        assert!(matches!(
+            check_many(&places, 2, Some(&ins), &outs, false),
+            Err(Error::RootOutOfRange { .. })
+        ));
+    }
+}

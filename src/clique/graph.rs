@@ -1,0 +1,406 @@
+//! CUDA graph capture and replay of broadcasts.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::access::{self, Foreign};
+use super::{args, Clique};
+use crate::config::{BroadcastOptions, MAX_GPUS};
+use crate::engine::{EngineGuard, GraphExec, Item};
+use crate::error::Result;
+use crate::plan::FusedReport;
+use crate::tensor::{DeviceTensor, DeviceTensorMut};
+
+/// The part of a capture that both capture forms share: the locked engine in capture mode.
+struct Session<'c> {
+    clique: &'c Clique,
+    engine: EngineGuard<'c>,
+    active: bool,
+}
+
+impl<'c> Session<'c> {
+    fn begin(clique: &'c Clique) -> Result<Session<'c>> {
+        let mut engine = clique.engine.lock()?;
+        engine.begin_capture()?;
+        engine.set_capturing(true);
+        Ok(Session {
+            clique,
+            engine,
+            active: true,
+        })
+    }
+
+    /// Ends the capture: one instantiated graph per rank.
+    fn finish(&mut self) -> Result<Vec<GraphExec>> {
+        self.active = false;
+        self.engine.set_capturing(false);
+        self.engine.end_capture()
+    }
+
+    /// Validates and queues one call into the graphs being recorded.
+    fn enqueue<'x, 'y>(
+        &mut self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: &mut [Vec<&'x mut (dyn DeviceTensorMut + 'y)>],
+        options: &BroadcastOptions,
+        single: bool,
+    ) -> Result<FusedReport> {
+        let clique = self.clique;
+        let in_infos: Option<Vec<_>> =
+            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
+        let out_infos: Vec<Vec<_>> = outputs
+            .iter()
+            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
+            .collect();
+        let shapes = args::check_many(
+            &clique.places,
+            root,
+            in_infos.as_deref(),
+            &out_infos,
+            single,
+        )?;
+        let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
+        let steps = clique.plan(&bytes, options)?;
+        let report = FusedReport::of(&steps, &bytes);
+        // Addresses are read through the side stream and the guards forgotten: inside a capture
+        // cudarc's waits must not land on the capturing streams. Launches order the buffers.
+        let mut items: Vec<Item> = shapes
+            .iter()
+            .map(|s| Item {
+                src: 0,
+                dsts: [0; MAX_GPUS],
+                count: s.count,
+                dtype: s.dtype,
+            })
+            .collect();
+        for (rank, list) in outputs.iter_mut().enumerate() {
+            let side = clique.engine.side_stream(rank);
+            for (t, out) in list.iter_mut().enumerate() {
+                let (ptr, guard) = out.write_ptr(side);
+                std::mem::forget(guard);
+                items[t].dsts[rank] = ptr;
+            }
+        }
+        for (t, item) in items.iter_mut().enumerate() {
+            item.src = match inputs {
+                Some(i) => {
+                    let (ptr, guard) = i[t].read_ptr(clique.engine.side_stream(root));
+                    std::mem::forget(guard);
+                    ptr
+                }
+                None => item.dsts[root],
+            };
+        }
+        // SAFETY: validated against the clique; the capture's contract (borrowed for the
+        // graph's life, or the unchecked form's caller) keeps the buffers alive for replays.
+        unsafe { self.engine.run(root, &items, &steps) }?;
+        Ok(report)
+    }
+}
+
+impl Drop for Session<'_> {
+    /// A capture left by an error or a panic inside the closure is ended and discarded, so the
+    /// streams leave capture mode.
+    fn drop(&mut self) {
+        if self.active {
+            self.engine.set_capturing(false);
+            self.engine.abandon_capture(self.clique.len());
+        }
+    }
+}
+
+/// A capture in progress: the argument of the closure given to [`Clique::capture`]. Its
+/// methods queue broadcasts into the graphs being recorded (nothing runs until
+/// [`CliqueGraph::launch`]); the buffers they take stay borrowed for the graph's lifetime.
+///
+/// The capture holds the clique's lock: no other thread's broadcast lands in the graph, and a
+/// call on the clique itself from inside the closure returns [`crate::Error::CaptureInProgress`].
+pub struct Capture<'c, 'buf> {
+    session: Session<'c>,
+    reads: Vec<(usize, &'buf dyn DeviceTensor)>,
+    writes: Vec<(usize, &'buf mut dyn DeviceTensorMut)>,
+}
+
+impl<'c, 'buf> Capture<'c, 'buf> {
+    /// The clique being captured (for its streams, sizes and routes).
+    pub fn clique(&self) -> &'c Clique {
+        self.session.clique
+    }
+
+    /// Captures [`Clique::broadcast`] of `input` into `outputs` (one per rank).
+    pub fn broadcast<I: DeviceTensor, O: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        input: &'buf I,
+        outputs: &'buf mut [O],
+    ) -> Result<()> {
+        self.broadcast_with(root, input, outputs, &BroadcastOptions::default())
+    }
+
+    /// [`Capture::broadcast`] with per-call options.
+    pub fn broadcast_with<I: DeviceTensor, O: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        input: &'buf I,
+        outputs: &'buf mut [O],
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let outs = outputs
+            .iter_mut()
+            .map(|o| vec![o as &'buf mut dyn DeviceTensorMut])
+            .collect();
+        self.keep(
+            root,
+            Some(vec![input as &'buf dyn DeviceTensor]),
+            outs,
+            options,
+            true,
+        )
+        .map(|_| ())
+    }
+
+    /// Captures [`Clique::broadcast_in_place`]: `buffers[root]` is the source.
+    pub fn broadcast_in_place<B: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        buffers: &'buf mut [B],
+    ) -> Result<()> {
+        self.broadcast_in_place_with(root, buffers, &BroadcastOptions::default())
+    }
+
+    /// [`Capture::broadcast_in_place`] with per-call options.
+    pub fn broadcast_in_place_with<B: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        buffers: &'buf mut [B],
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let bufs = buffers
+            .iter_mut()
+            .map(|b| vec![b as &'buf mut dyn DeviceTensorMut])
+            .collect();
+        self.keep(root, None, bufs, options, true).map(|_| ())
+    }
+
+    /// Captures [`Clique::broadcast_many_with`]: `outputs[rank][tensor]`.
+    pub fn broadcast_many(
+        &mut self,
+        root: usize,
+        inputs: &[&'buf dyn DeviceTensor],
+        outputs: Vec<Vec<&'buf mut dyn DeviceTensorMut>>,
+        options: &BroadcastOptions,
+    ) -> Result<FusedReport> {
+        self.keep(root, Some(inputs.to_vec()), outputs, options, false)
+    }
+
+    /// Queues the call, then keeps its buffers for the graph's launches.
+    fn keep(
+        &mut self,
+        root: usize,
+        inputs: Option<Vec<&'buf dyn DeviceTensor>>,
+        mut outputs: Vec<Vec<&'buf mut dyn DeviceTensorMut>>,
+        options: &BroadcastOptions,
+        single: bool,
+    ) -> Result<FusedReport> {
+        let report =
+            self.session
+                .enqueue(root, inputs.as_deref(), &mut outputs, options, single)?;
+        self.reads
+            .extend(inputs.into_iter().flatten().map(|t| (root, t)));
+        for (rank, list) in outputs.into_iter().enumerate() {
+            self.writes.extend(list.into_iter().map(|b| (rank, b)));
+        }
+        Ok(report)
+    }
+}
+
+/// The argument of [`Clique::capture_unchecked`]'s closure: like [`Capture`], but it keeps no
+/// borrow of the buffers (the caller's contract keeps them alive).
+pub struct UncheckedCapture<'c> {
+    session: Session<'c>,
+}
+
+impl<'c> UncheckedCapture<'c> {
+    /// The clique being captured.
+    pub fn clique(&self) -> &'c Clique {
+        self.session.clique
+    }
+
+    /// Captures [`Clique::broadcast_with`] of `input` into `outputs` (one per rank).
+    pub fn broadcast_with<I: DeviceTensor, O: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        input: &I,
+        outputs: &mut [O],
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let mut outs: Vec<Vec<&mut dyn DeviceTensorMut>> = outputs
+            .iter_mut()
+            .map(|o| vec![o as &mut dyn DeviceTensorMut])
+            .collect();
+        let ins = [input as &dyn DeviceTensor];
+        self.session
+            .enqueue(root, Some(&ins), &mut outs, options, true)
+            .map(|_| ())
+    }
+
+    /// Captures [`Clique::broadcast_in_place_with`]: `buffers[root]` is the source.
+    pub fn broadcast_in_place_with<B: DeviceTensorMut>(
+        &mut self,
+        root: usize,
+        buffers: &mut [B],
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let mut bufs: Vec<Vec<&mut dyn DeviceTensorMut>> = buffers
+            .iter_mut()
+            .map(|b| vec![b as &mut dyn DeviceTensorMut])
+            .collect();
+        self.session
+            .enqueue(root, None, &mut bufs, options, true)
+            .map(|_| ())
+    }
+
+    /// Captures [`Clique::broadcast_many_with`].
+    pub fn broadcast_many(
+        &mut self,
+        root: usize,
+        inputs: &[&dyn DeviceTensor],
+        outputs: &mut crate::clique::OutputLists<'_, '_>,
+        options: &BroadcastOptions,
+    ) -> Result<FusedReport> {
+        self.session
+            .enqueue(root, Some(inputs), outputs, options, false)
+    }
+}
+
+/// A captured sequence of broadcasts: one CUDA graph per GPU of a clique. It borrows the
+/// buffers it captured (`'buf`), so they cannot be dropped, moved or touched while it lives:
+///
+/// ```compile_fail
+/// # fn main() -> Result<(), gpucast::Error> {
+/// let clique = gpucast::Clique::new(&[0, 1])?;
+/// let mut graph = {
+///     let input = clique.stream(0).clone_htod(&[1.0f32; 16]).unwrap();
+///     let mut outputs = clique.alloc_outputs::<f32>(16)?;
+///     clique.capture(|c| c.broadcast(0, &input, &mut outputs))?
+/// }; // `input` and `outputs` are dropped here while `graph` still uses them: rejected
+/// graph.launch()?;
+/// # Ok(()) }
+/// ```
+pub struct CliqueGraph<'c, 'buf> {
+    clique: &'c Clique,
+    execs: Vec<GraphExec>,
+    reads: Vec<(usize, &'buf dyn DeviceTensor)>,
+    writes: Vec<(usize, &'buf mut dyn DeviceTensorMut)>,
+}
+
+impl Clique {
+    /// Captures the broadcasts that `f` queues through its [`Capture`] into one CUDA graph per
+    /// GPU, to be replayed with [`CliqueGraph::launch`]. The P2P kernel keeps its counters on
+    /// the device, so every replay runs the protocol afresh, and eager calls may be mixed with
+    /// replays.
+    ///
+    /// ```no_run
+    /// let clique = gpucast::Clique::new(&[0, 1])?;
+    /// let input = clique.stream(0).clone_htod(&[1u8; 4096]).unwrap();
+    /// let mut outputs = clique.alloc_outputs::<u8>(4096)?;
+    /// let mut graph = clique.capture(|c| c.broadcast(0, &input, &mut outputs))?;
+    /// for _ in 0..10 {
+    ///     graph.launch()?;
+    /// }
+    /// drop(graph); // releases `input` and `outputs`
+    /// clique.synchronize()?;
+    /// # Ok::<(), gpucast::Error>(())
+    /// ```
+    pub fn capture<'c, 'buf, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'buf>>
+    where
+        F: FnOnce(&mut Capture<'c, 'buf>) -> Result<()>,
+    {
+        let mut cap = Capture {
+            session: Session::begin(self)?,
+            reads: Vec::new(),
+            writes: Vec::new(),
+        };
+        let body = f(&mut cap);
+        let execs = cap.session.finish();
+        body?;
+        Ok(CliqueGraph {
+            clique: self,
+            execs: execs?,
+            reads: std::mem::take(&mut cap.reads),
+            writes: std::mem::take(&mut cap.writes),
+        })
+    }
+
+    /// [`Clique::capture`] without tying the graph to the captured buffers, for buffers that
+    /// the caller keeps alive and rewrites between replays (static graph inputs and outputs).
+    /// Launches do no per-buffer ordering.
+    ///
+    /// # Safety
+    /// Every buffer passed to the capture must stay allocated, and must not be freed (even by
+    /// a stream-ordered free on another stream) while any replay of the graph may still run;
+    /// work that produces its inputs or reads its outputs must be ordered with the clique's
+    /// streams (run it on them, or use [`Clique::wait_for`] / [`Clique::record`]).
+    pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'static>>
+    where
+        F: FnOnce(&mut UncheckedCapture<'c>) -> Result<()>,
+    {
+        let mut cap = UncheckedCapture {
+            session: Session::begin(self)?,
+        };
+        let body = f(&mut cap);
+        let execs = cap.session.finish();
+        body?;
+        Ok(CliqueGraph {
+            clique: self,
+            execs: execs?,
+            reads: Vec::new(),
+            writes: Vec::new(),
+        })
+    }
+}
+
+impl CliqueGraph<'_, '_> {
+    /// Replays the captured broadcasts on every GPU (asynchronously, on the clique's streams),
+    /// ordered after the captured buffers' earlier work and before their later work, as an
+    /// eager call is.
+    pub fn launch(&mut self) -> Result<()> {
+        let clique = self.clique;
+        let mut engine = clique.engine.lock()?;
+        let read_streams: Vec<Arc<CudaStream>> =
+            self.reads.iter().map(|(_, t)| t.stream().clone()).collect();
+        let write_streams: Vec<Arc<CudaStream>> = self
+            .writes
+            .iter()
+            .map(|(_, t)| t.stream().clone())
+            .collect();
+        let mut foreign = Foreign::default();
+        for ((rank, _), s) in self.reads.iter().zip(&read_streams) {
+            foreign.note(*rank, s, clique.stream(*rank));
+        }
+        for ((rank, _), s) in self.writes.iter().zip(&write_streams) {
+            foreign.note(*rank, s, clique.stream(*rank));
+        }
+        let _reads: Vec<_> = self
+            .reads
+            .iter()
+            .zip(&read_streams)
+            .map(|((_, t), s)| t.read_ptr(s).1)
+            .collect();
+        let _writes: Vec<_> = self
+            .writes
+            .iter_mut()
+            .zip(&write_streams)
+            .map(|((_, t), s)| t.write_ptr(s).1)
+            .collect();
+        let execs = &self.execs;
+        foreign.around(&mut engine, |e| e.launch_graphs(execs))
+    }
+
+    /// Uploads each graph to its device ahead of the first launch.
+    pub fn upload(&self) -> Result<()> {
+        self.clique.engine.lock()?.upload_graphs(&self.execs)
+    }
+}

@@ -1,0 +1,600 @@
+//! The public face: a [`Clique`] of GPUs of this process and the broadcasts that run on it.
+//!
+//! - `setup`: driver checks, contexts and streams, peer access, topology;
+//! - `args`: argument checks (pure);
+//! - `access`: buffers to addresses, and their ordering with the streams they live on;
+//! - `fused`: many tensors in one call; `graph`: CUDA graph capture and replay.
+
+mod access;
+pub(crate) mod args;
+mod fused;
+mod graph;
+mod setup;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use crate::config::{BroadcastOptions, Path, Requested, Route, Thresholds, MAX_GPUS};
+use crate::dtype::{DType, Element};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::plan::{self, Step};
+use crate::topology::Topology;
+use access::Foreign;
+use args::Place;
+
+pub use fused::OutputLists;
+pub use graph::{Capture, CliqueGraph, UncheckedCapture};
+pub use setup::device_count;
+
+/// Builds a [`Clique`]: which GPUs (or which streams), the default path, thresholds, the
+/// timeout and the launch threads.
+///
+/// Settings not given here come from the environment (`GPUCAST_*`, see the README's table),
+/// then from built-in defaults. Invalid settings are errors, before any GPU work.
+#[derive(Debug, Default)]
+pub struct CliqueBuilder {
+    devices: Option<Vec<usize>>,
+    streams: Option<Vec<Arc<CudaStream>>>,
+    requested: Requested,
+}
+
+impl CliqueBuilder {
+    /// Use these CUDA device ordinals; rank `i` of the clique is `ordinals[i]`. Default: every
+    /// visible GPU (at most 8).
+    pub fn devices(mut self, ordinals: &[usize]) -> Self {
+        self.devices = Some(ordinals.to_vec());
+        self
+    }
+
+    /// Run on the caller's streams, one per rank in rank order (for example the stream a
+    /// framework's device hands out): rank `i` is `streams[i]`'s device, and every broadcast of
+    /// rank `i` is queued on `streams[i]`, so it is ordered with the caller's own work on that
+    /// stream without any event. Each stream must belong to its device's primary context
+    /// (`CudaContext::new`), on distinct devices. Overrides [`CliqueBuilder::devices`].
+    pub fn streams(mut self, streams: Vec<Arc<CudaStream>>) -> Self {
+        self.streams = Some(streams);
+        self
+    }
+
+    /// Default path of every broadcast (default [`Path::Auto`]).
+    pub fn path(mut self, path: Path) -> Self {
+        self.requested.path = Some(path);
+        self
+    }
+
+    /// `Auto` takes the P2P kernel for messages of at most this many bytes.
+    pub fn p2p_threshold(mut self, bytes: usize) -> Self {
+        self.requested.p2p_threshold = Some(bytes);
+        self
+    }
+
+    /// The P2P kernel uses its packet protocol up to this many bytes, the pull protocol above.
+    pub fn packet_threshold(mut self, bytes: usize) -> Self {
+        self.requested.packet_threshold = Some(bytes);
+        self
+    }
+
+    /// Longest any wait of a broadcast may take (a P2P kernel waiting for a peer) before it is
+    /// reported as [`Error::Timeout`]. Must be longer than zero.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.requested.timeout = Some(timeout);
+        self
+    }
+
+    /// Launch the P2P kernel from one thread per GPU (default `true`; see
+    /// [`Clique::set_parallel_launch`]).
+    pub fn parallel_launch(mut self, on: bool) -> Self {
+        self.requested.parallel_launch = Some(on);
+        self
+    }
+
+    /// Creates the clique.
+    pub fn build(self) -> Result<Clique> {
+        let devices = match (self.streams, self.devices) {
+            (Some(s), _) => setup::Devices::Streams(s),
+            (None, Some(d)) => setup::Devices::Ordinals(d),
+            (None, None) => setup::Devices::All,
+        };
+        let built = setup::create(devices, &self.requested)?;
+        let places = (0..built.engine.len())
+            .map(|r| access::place_of(built.engine.stream(r)))
+            .collect();
+        let clique = Clique {
+            ordinals: built.topology.ordinals().to_vec(),
+            engine: built.engine,
+            topology: built.topology,
+            places,
+            p2p: built.p2p,
+        };
+        tracing::info!(
+            devices = ?clique.ordinals,
+            nccl = ?crate::nccl::nccl_version().ok(),
+            nccl_library = ?crate::nccl::NcclLib::get().map(|l| l.path.as_str()).ok(),
+            p2p = clique.p2p.is_ok(),
+            thresholds = ?clique.thresholds(),
+            "clique created\n{}", clique.topology
+        );
+        Ok(clique)
+    }
+}
+
+/// A set of GPUs of this process that broadcast to each other.
+///
+/// Rank `i` of the clique is the i-th device given at creation. Each rank has the device's
+/// primary context, a stream on which every broadcast of that rank is queued, an NCCL
+/// communicator, and a small signal area for the P2P kernel.
+///
+/// # Ordering
+/// Broadcasts are asynchronous: each call queues its work on every rank's
+/// [`Clique::stream`] and returns. What a caller may rely on when a call returns:
+///
+/// - every buffer passed in may be dropped, reused or overwritten at once, on any stream:
+///   work queued on a buffer's own stream before the call is seen by the broadcast, and the
+///   buffer's free and later work on its stream (or on any stream through cudarc's per-buffer
+///   events) come after it;
+/// - buffers allocated on `clique.stream(rank)` cost nothing extra; a buffer on another stream
+///   of the same device costs two event records and two waits per call;
+/// - to read an output on another stream without cudarc, order it with [`Clique::record`]
+///   (or make the clique wait for your stream with [`Clique::wait_for`]), or call
+///   [`Clique::synchronize`].
+///
+/// While no other stream of a clique context exists (nothing called `new_stream` on it),
+/// cudarc records no per-buffer events for that context: use `clique.stream(rank)` for your own
+/// work on the clique's devices, or create streams with `new_stream`, which turns cudarc's
+/// tracking on. Work on the context's legacy default stream is not ordered with the clique's
+/// streams (they are non-blocking).
+///
+/// # Threads
+/// A clique is `Send` and `Sync`. Every call goes through one lock (the engine), so calls
+/// from several threads are serialised in some order, the same on every GPU; a capture holds
+/// the lock until it ends, so no other thread's broadcast lands in a graph.
+///
+/// # Failures
+/// Every P2P wait is bounded by the clique's timeout: a rank that does not arrive gives
+/// [`Error::Timeout`] and the signal areas are reset. An NCCL call that fails in the middle of a
+/// group aborts the communicators ([`Error::CommunicatorsAborted`] from then on). Dropping a
+/// clique never hangs.
+pub struct Clique {
+    engine: Engine,
+    topology: Topology,
+    ordinals: Vec<usize>,
+    places: Vec<Place>,
+    p2p: std::result::Result<(), Error>,
+}
+
+impl Clique {
+    /// A clique of the given devices (1 to 8 distinct CUDA ordinals), with default settings.
+    ///
+    /// ```no_run
+    /// let clique = gpucast::Clique::new(&[0, 1])?;
+    /// println!("{}", clique.topology());
+    /// # Ok::<(), gpucast::Error>(())
+    /// ```
+    pub fn new(ordinals: &[usize]) -> Result<Clique> {
+        Clique::builder().devices(ordinals).build()
+    }
+
+    /// A clique of every visible GPU (at most the first 8), with default settings.
+    pub fn all() -> Result<Clique> {
+        Clique::builder().build()
+    }
+
+    /// A builder for other settings.
+    pub fn builder() -> CliqueBuilder {
+        CliqueBuilder::default()
+    }
+
+    /// Number of GPUs.
+    pub fn len(&self) -> usize {
+        self.ordinals.len()
+    }
+
+    /// Always false: a clique has at least one GPU.
+    pub fn is_empty(&self) -> bool {
+        self.ordinals.is_empty()
+    }
+
+    /// CUDA ordinal of each rank.
+    pub fn ordinals(&self) -> &[usize] {
+        &self.ordinals
+    }
+
+    /// The CUDA context of rank `rank` (the device's primary context).
+    ///
+    /// # Panics
+    /// If `rank >= self.len()`.
+    pub fn context(&self, rank: usize) -> &Arc<CudaContext> {
+        &self.engine.rank(rank).ctx
+    }
+
+    /// The stream on which rank `rank`'s part of every broadcast runs. Allocate buffers and run
+    /// producers and consumers on it for the simplest (and cheapest) ordering.
+    ///
+    /// # Panics
+    /// If `rank >= self.len()`.
+    pub fn stream(&self, rank: usize) -> &Arc<CudaStream> {
+        self.engine.stream(rank)
+    }
+
+    /// Which pairs have peer access and over what link.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    /// The thresholds `Auto` uses.
+    pub fn thresholds(&self) -> Thresholds {
+        self.engine.settings().thresholds
+    }
+
+    /// The default path of this clique's broadcasts.
+    pub fn path(&self) -> Path {
+        self.engine.settings().path
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.engine.settings().timeout
+    }
+
+    /// `Ok` if the P2P kernel can run on this clique, otherwise the error a forced P2P call
+    /// returns ([`Error::P2pUnavailable`], or [`Error::LibraryMissing`] without NVRTC).
+    pub fn p2p_available(&self) -> Result<()> {
+        self.p2p.clone()
+    }
+
+    /// Launch the P2P kernel on every GPU at once, from one worker thread per GPU after the
+    /// first (`true`, the default on several GPUs), or from the calling thread one GPU after the
+    /// other (`false`). Launches cost several microseconds each, so overlapping them shortens
+    /// eager broadcasts of small tensors; idle workers spin for 200 us after each broadcast,
+    /// then sleep.
+    pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
+        self.engine.lock()?.set_parallel_launch(on);
+        Ok(())
+    }
+
+    /// Whether P2P launches go through the per-GPU threads (see [`Clique::set_parallel_launch`]).
+    pub fn parallel_launch(&self) -> Result<bool> {
+        Ok(self.engine.lock()?.parallel_launch())
+    }
+
+    /// The route a broadcast of `bytes` bytes would take with `options`.
+    pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        crate::config::choose(
+            options.path.unwrap_or(self.path()),
+            bytes,
+            self.p2p.as_ref().map(|_| ()),
+            &self.engine.settings().thresholds_for(options),
+        )
+    }
+
+    /// The launch plan of tensors of `bytes[i]` bytes with `options`.
+    fn plan(&self, bytes: &[usize], options: &BroadcastOptions) -> Result<Vec<Step>> {
+        plan::plan(
+            bytes,
+            options.path.unwrap_or(self.path()),
+            self.p2p.as_ref().map(|_| ()),
+            &self.engine.settings().thresholds_for(options),
+            self.len(),
+        )
+    }
+
+    /// Broadcasts `input` (on the root's GPU) into `outputs[i]` on every rank `i`, the root's
+    /// own output included.
+    ///
+    /// `root` is a clique rank (an index into [`Clique::ordinals`]), not a device ordinal.
+    /// `outputs` holds one buffer per rank, in rank order, each as long as `input`. Arguments
+    /// are checked before anything is queued; a zero-length broadcast does nothing.
+    ///
+    /// The copy runs asynchronously on the clique's streams; every buffer may be dropped or
+    /// reused as soon as this returns (see the type's "Ordering" section). The path is the
+    /// clique's default ([`Path::Auto`] unless the builder set another).
+    pub fn broadcast<T, I, O>(&self, root: usize, input: &I, outputs: &mut [O]) -> Result<()>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        self.broadcast_with(root, input, outputs, &BroadcastOptions::default())
+    }
+
+    /// [`Clique::broadcast`] with per-call options (path, thresholds).
+    pub fn broadcast_with<T, I, O>(
+        &self,
+        root: usize,
+        input: &I,
+        outputs: &mut [O],
+        options: &BroadcastOptions,
+    ) -> Result<()>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
+        let input_info = access::info_of::<T, I>(input);
+        let shape = args::check_broadcast(&self.places, root, Some(input_info), &infos, None)?;
+        let steps = self.plan(&[shape.bytes], options)?;
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let mut engine = self.engine.lock()?;
+        let in_stream = input.stream().clone();
+        let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
+        let mut foreign = Foreign::default();
+        foreign.note(root, &in_stream, self.stream(root));
+        for (rank, s) in out_streams.iter().enumerate() {
+            foreign.note(rank, s, self.stream(rank));
+        }
+        let (src, _read) = input.device_ptr(&in_stream);
+        let mut dsts = [0u64; MAX_GPUS];
+        let mut writes = Vec::with_capacity(outputs.len());
+        for (rank, (out, s)) in outputs.iter_mut().zip(&out_streams).enumerate() {
+            let (ptr, w) = out.device_ptr_mut(s);
+            dsts[rank] = ptr;
+            writes.push(w);
+        }
+        let item = access::item(src, &dsts[..self.len()], shape.count, shape.dtype);
+        // SAFETY: validation proved every buffer is on its rank's device and context and
+        // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
+        // guards (dropped after the work is queued) keep them alive for the queued work.
+        foreign.around(&mut engine, |e| unsafe { e.run(root, &[item], &steps) })
+    }
+
+    /// In-place broadcast: `buffers[root]` is the source and every other rank's buffer
+    /// receives it. One buffer per rank, in rank order, all of one length.
+    pub fn broadcast_in_place<T, B>(&self, root: usize, buffers: &mut [B]) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T>,
+    {
+        self.broadcast_in_place_with(root, buffers, &BroadcastOptions::default())
+    }
+
+    /// [`Clique::broadcast_in_place`] with per-call options.
+    pub fn broadcast_in_place_with<T, B>(
+        &self,
+        root: usize,
+        buffers: &mut [B],
+        options: &BroadcastOptions,
+    ) -> Result<()>
+    where
+        T: Element,
+        B: DevicePtrMut<T>,
+    {
+        let infos: Vec<_> = buffers.iter().map(access::info_of::<T, B>).collect();
+        let shape = args::check_broadcast(&self.places, root, None, &infos, None)?;
+        let steps = self.plan(&[shape.bytes], options)?;
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let mut engine = self.engine.lock()?;
+        let streams = access::streams_of(buffers.iter().map(|b| b.stream()));
+        let mut foreign = Foreign::default();
+        for (rank, s) in streams.iter().enumerate() {
+            foreign.note(rank, s, self.stream(rank));
+        }
+        let mut dsts = [0u64; MAX_GPUS];
+        let mut writes = Vec::with_capacity(buffers.len());
+        for (rank, (buf, s)) in buffers.iter_mut().zip(&streams).enumerate() {
+            let (ptr, w) = buf.device_ptr_mut(s);
+            dsts[rank] = ptr;
+            writes.push(w);
+        }
+        let item = access::item(dsts[root], &dsts[..self.len()], shape.count, shape.dtype);
+        // SAFETY: as in `broadcast_with`; the root's buffer is both source and destination,
+        // which every path handles (NCCL in place; the kernels skip the root's self-copy).
+        foreign.around(&mut engine, |e| unsafe { e.run(root, &[item], &steps) })
+    }
+
+    /// Broadcasts raw device addresses: for code that keeps its own `CUdeviceptr`s and streams
+    /// (DLPack, tch-rs, burn/cubecl). `b.src` holds `b.count` elements of `b.dtype` on the
+    /// root's device; `b.dsts[rank]` receives them on every rank (the root's entry may equal
+    /// `src`: in place). The broadcast is ordered after the work queued so far on each rank's
+    /// `b.streams[rank]`, and each of those streams is ordered after the broadcast, so work and
+    /// stream-ordered frees queued there afterwards see the result.
+    ///
+    /// # Safety
+    /// - `src` and every `dsts[rank]` point to at least `count * dtype.size()` bytes of device
+    ///   memory of their rank's device, allocated in its primary context (`cudaMalloc`,
+    ///   `cuMemAlloc`, or the device's default memory pool); for the P2P path peers read the
+    ///   root's memory, which needs exactly such an allocation. Destinations do not overlap
+    ///   each other or `src` (except the root's own, which may equal `src`).
+    /// - `streams[rank]` is a live stream of rank `rank`'s device's primary context.
+    /// - The memory stays allocated until every `streams[rank]` has passed this point (a
+    ///   stream-ordered free queued on it afterwards is fine), and nothing else writes the
+    ///   destinations or the source meanwhile unless ordered through those streams.
+    pub unsafe fn broadcast_raw(
+        &self,
+        b: &RawBroadcast<'_>,
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let n = self.len();
+        if b.root >= n {
+            return Err(Error::RootOutOfRange {
+                root: b.root,
+                size: n,
+            });
+        }
+        for (what, got) in [("destinations", b.dsts.len()), ("streams", b.streams.len())] {
+            if got != n {
+                return Err(Error::OutputCount {
+                    what,
+                    expected: n,
+                    got,
+                });
+            }
+        }
+        let bytes = b
+            .count
+            .checked_mul(b.dtype.size())
+            .filter(|&x| isize::try_from(x).is_ok())
+            .ok_or_else(|| Error::TooLarge {
+                what: "raw broadcast".into(),
+                elements: b.count,
+                element_size: b.dtype.size(),
+            })?;
+        for (rank, &s) in b.streams.iter().enumerate() {
+            let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: the caller guarantees a live stream; `ctx` is an out pointer.
+            unsafe { cudarc::driver::sys::cuStreamGetCtx(s, &mut ctx) }
+                .result()
+                .map_err(Error::cuda(format!("reading the context of stream {rank}")))?;
+            if ctx as usize != self.places[rank].ctx {
+                return Err(Error::ForeignContext {
+                    what: format!("stream {rank}"),
+                    rank,
+                    ordinal: self.places[rank].ordinal,
+                });
+            }
+        }
+        let steps = self.plan(&[bytes], options)?;
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let mut engine = self.engine.lock()?;
+        let mut foreign = Foreign::default();
+        for (rank, &s) in b.streams.iter().enumerate() {
+            foreign.note_raw(rank, s, self.stream(rank));
+        }
+        let item = access::item(b.src, b.dsts, b.count, b.dtype);
+        // SAFETY: per this function's contract.
+        foreign.around(&mut engine, |e| unsafe { e.run(b.root, &[item], &steps) })
+    }
+
+    /// One zeroed output buffer of `len` elements per rank, each on its rank's stream: what
+    /// [`Clique::broadcast`] needs for an input of `len` elements.
+    pub fn alloc_outputs<T: Element>(&self, len: usize) -> Result<Vec<CudaSlice<T>>> {
+        (0..self.len())
+            .map(|rank| {
+                self.stream(rank)
+                    .alloc_zeros::<T>(len)
+                    .map_err(Error::cuda(format!("allocating an output on rank {rank}")))
+            })
+            .collect()
+    }
+
+    /// Blocks until every broadcast queued so far has finished on every GPU, then reports any
+    /// asynchronous failure: a P2P timeout (after which the signal areas are reset) or an NCCL
+    /// error.
+    pub fn synchronize(&self) -> Result<()> {
+        self.engine.lock()?.synchronize()
+    }
+
+    /// Makes each clique stream wait for the work queued so far on `streams[rank]` (one per
+    /// rank, on that rank's device): broadcasts queued afterwards see what it produced.
+    pub fn wait_for(&self, streams: &[&CudaStream]) -> Result<()> {
+        self.check_streams(streams)?;
+        let mut engine = self.engine.lock()?;
+        for (rank, s) in streams.iter().enumerate() {
+            if s.cu_stream() != self.stream(rank).cu_stream() {
+                engine.stream_waits_for(rank, s.cu_stream())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records one event per rank after the work queued so far on the clique's streams. Make
+    /// your stream wait on `events[rank]` (`stream.wait(&events[rank])`) before it reads that
+    /// rank's output.
+    pub fn record(&self) -> Result<Vec<CudaEvent>> {
+        let _engine = self.engine.lock()?;
+        (0..self.len())
+            .map(|rank| {
+                self.stream(rank)
+                    .record_event(None)
+                    .map_err(Error::cuda(format!("recording an event on rank {rank}")))
+            })
+            .collect()
+    }
+
+    fn check_streams(&self, streams: &[&CudaStream]) -> Result<()> {
+        if streams.len() != self.len() {
+            return Err(Error::OutputCount {
+                what: "streams",
+                expected: self.len(),
+                got: streams.len(),
+            });
+        }
+        for (rank, s) in streams.iter().enumerate() {
+            let found = access::place_of(s);
+            if found.ordinal != self.places[rank].ordinal {
+                return Err(Error::WrongDevice {
+                    what: format!("stream {rank}"),
+                    rank,
+                    expected: self.places[rank].ordinal,
+                    found: found.ordinal,
+                });
+            }
+            if found.ctx != self.places[rank].ctx {
+                return Err(Error::ForeignContext {
+                    what: format!("stream {rank}"),
+                    rank,
+                    ordinal: found.ordinal,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` bytes from the root's `src` into every other rank's `dsts[rank]` with the
+    /// copy engines (`cuMemcpyPeerAsync` on each receiving rank's stream), without ordering the
+    /// ranks against each other: a reference for the benchmark.
+    ///
+    /// # Safety
+    /// Raw device addresses: `src` must hold `bytes` bytes on the root's device and each
+    /// `dsts[rank]` as many on that rank's device, valid until the streams pass this point; the
+    /// caller orders the root's stream with the copies.
+    #[doc(hidden)]
+    pub unsafe fn copy_engine_raw(
+        &self,
+        root: usize,
+        src: u64,
+        dsts: &[u64],
+        bytes: usize,
+    ) -> Result<()> {
+        let _engine = self.engine.lock()?;
+        for (rank, &dst) in dsts.iter().enumerate().take(self.len()) {
+            if rank == root {
+                continue;
+            }
+            self.context(rank)
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: per this function's contract; both contexts are live.
+            unsafe {
+                cudarc::driver::result::memcpy_peer_async(
+                    self.context(rank).cu_ctx(),
+                    dst,
+                    self.context(root).cu_ctx(),
+                    src,
+                    bytes,
+                    self.stream(rank).cu_stream(),
+                )
+            }
+            .map_err(Error::cuda(format!("copying to rank {rank}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// A broadcast of raw device addresses, for [`Clique::broadcast_raw`].
+#[derive(Debug, Clone, Copy)]
+pub struct RawBroadcast<'a> {
+    /// The root rank.
+    pub root: usize,
+    /// The source, on the root's device.
+    pub src: CUdeviceptr,
+    /// One destination per rank, in rank order.
+    pub dsts: &'a [CUdeviceptr],
+    /// Number of elements.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// The caller's stream of each rank: the broadcast is ordered after the work queued on it
+    /// so far, and it after the broadcast.
+    pub streams: &'a [CUstream],
+}

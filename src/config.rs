@@ -1,0 +1,657 @@
+//! What a caller can choose: the path, the size thresholds, per-call options, and every
+//! `GPUCAST_*` environment variable. Pure: nothing here calls CUDA, so all of it is tested
+//! without a GPU.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Most GPUs in one clique (and most ranks of one job that share a node through P2P).
+pub const MAX_GPUS: usize = 8;
+
+/// Largest message the P2P kernel's packet protocol can carry (its inbox capacity).
+pub const PACKET_MAX_BYTES: usize = crate::p2p::abi::PACKET_MAX_BYTES;
+
+/// Default bound on every wait of a broadcast (a P2P kernel waiting for a peer).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The path a broadcast takes, as a caller asks for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Path {
+    /// Pick per call from the size and the topology (the default).
+    #[default]
+    Auto,
+    /// Always `ncclBroadcast`.
+    Nccl,
+    /// Always gpucast's P2P kernel; an error where it cannot run.
+    P2p,
+}
+
+impl Path {
+    /// Parses `auto`, `nccl` or `p2p` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Path> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Path::Auto),
+            "nccl" => Some(Path::Nccl),
+            "p2p" => Some(Path::P2p),
+            _ => None,
+        }
+    }
+
+    /// Lowercase name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Auto => "auto",
+            Path::Nccl => "nccl",
+            Path::P2p => "p2p",
+        }
+    }
+}
+
+/// What actually runs for one broadcast: the resolved form of a [`Path`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// Nothing to move (zero length).
+    Empty,
+    /// `ncclBroadcast` in one group.
+    Nccl,
+    /// P2P, push protocol: the root writes {data, flag} packets into each peer's inbox; peers
+    /// poll their own memory. No start or end barrier. For small messages.
+    P2pPacket,
+    /// P2P, pull protocol: peers read the root's buffer after its arrival flag, and tell the
+    /// root when they are done. For medium and large messages.
+    P2pPull,
+}
+
+impl Route {
+    /// Short name used in logs and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Empty => "empty",
+            Route::Nccl => "nccl",
+            Route::P2pPacket => "p2p-packet",
+            Route::P2pPull => "p2p-pull",
+        }
+    }
+
+    /// Whether this route runs the P2P kernel.
+    pub fn is_p2p(self) -> bool {
+        matches!(self, Route::P2pPacket | Route::P2pPull)
+    }
+}
+
+/// Byte sizes at which `Auto`'s choice changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Thresholds {
+    /// `Auto` uses P2P for messages of at most this many bytes, NCCL above.
+    pub p2p_max_bytes: usize,
+    /// The P2P path uses the packet protocol up to this many bytes and the pull protocol above
+    /// (capped at [`PACKET_MAX_BYTES`]).
+    pub packet_max_bytes: usize,
+}
+
+/// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch).
+///
+/// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2): the
+///   P2P kernel was at least as fast as NCCL at every size from 1 KiB to 1 GiB, eager and in
+///   graphs, so there is no limit; the packet protocol beat pull at every size it can carry.
+/// - 3 to 8 GPUs, from the cost model of [`model_crossover`] (every peer pulls from the root, so
+///   the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
+///   first 4-GPU run confirmed (P2P at 124 GB/s = 372/3 at 1 GiB; NCCL ahead from 4 MiB). The
+///   packet protocol's root writes twice the payload to each of N-1 peers, so its switch point
+///   drops with N.
+pub const DEFAULT_THRESHOLDS: [(usize, usize, usize); 7] = [
+    (2, usize::MAX, PACKET_MAX_BYTES),
+    (3, 4 << 20, 64 << 10),
+    (4, 2 << 20, 64 << 10),
+    (5, 2 << 20, 32 << 10),
+    (6, 1 << 20, 32 << 10),
+    (7, 1 << 20, 32 << 10),
+    (8, 1 << 20, 32 << 10),
+];
+
+/// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
+/// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
+pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
+/// Bandwidth of one GPU's NVLink egress, bytes per second (H200, measured 364-396 GB/s).
+pub const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
+
+/// The message size above which NCCL's ring beats P2P fan-out from the root on `n` GPUs, by the
+/// model `t_p2p = a + (n-1) S / B` against `t_nccl = a + gap + S / B`: `S* = gap B / (n - 2)`.
+/// `None` for 1 or 2 GPUs, where fan-out is never slower.
+pub fn model_crossover(n: usize) -> Option<usize> {
+    if n <= 2 {
+        return None;
+    }
+    let bytes = MODEL_FIXED_GAP_S * MODEL_LINK_BYTES_PER_S / (n - 2) as f64;
+    // The model's output is a few MB: far inside usize.
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "a positive value of a few million"
+    )]
+    Some(bytes as usize)
+}
+
+impl Thresholds {
+    /// Defaults for a clique of `n` GPUs linked by NVLink (see [`DEFAULT_THRESHOLDS`]).
+    pub fn for_gpus(n: usize) -> Thresholds {
+        let row = DEFAULT_THRESHOLDS
+            .iter()
+            .rev()
+            .find(|r| r.0 <= n.max(2))
+            .expect("the table starts at 2 GPUs");
+        Thresholds {
+            p2p_max_bytes: row.1,
+            packet_max_bytes: row.2,
+        }
+    }
+}
+
+/// Per-call choices of a broadcast.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BroadcastOptions {
+    /// Path for this call; `None` takes the clique's default.
+    pub path: Option<Path>,
+    /// `Auto`'s P2P limit in bytes for this call; `None` takes the clique's.
+    pub p2p_threshold: Option<usize>,
+    /// The P2P kernel's packet/pull switch point for this call; `None` takes the clique's.
+    pub packet_threshold: Option<usize>,
+}
+
+impl BroadcastOptions {
+    /// Options that force `path`.
+    pub fn path(path: Path) -> BroadcastOptions {
+        BroadcastOptions {
+            path: Some(path),
+            ..BroadcastOptions::default()
+        }
+    }
+}
+
+/// Resolves `path` for a message of `bytes` bytes. `p2p` says why the P2P kernel cannot run, if
+/// it cannot (`Err` holds the error a forced P2P call returns).
+pub(crate) fn choose(
+    path: Path,
+    bytes: usize,
+    p2p: std::result::Result<(), &Error>,
+    thresholds: &Thresholds,
+) -> Result<Route> {
+    if bytes == 0 {
+        return Ok(Route::Empty);
+    }
+    let p2p_route = || {
+        if bytes <= thresholds.packet_max_bytes.min(PACKET_MAX_BYTES) {
+            Route::P2pPacket
+        } else {
+            Route::P2pPull
+        }
+    };
+    match path {
+        Path::Nccl => Ok(Route::Nccl),
+        Path::P2p => match p2p {
+            Ok(()) => Ok(p2p_route()),
+            Err(why) => Err(why.clone()),
+        },
+        Path::Auto => Ok(match p2p {
+            Ok(()) if bytes <= thresholds.p2p_max_bytes => p2p_route(),
+            _ => Route::Nccl,
+        }),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment variables. Every GPUCAST_* variable the library reads is named here and read by
+// `Env::read`, once per clique; README.md's table lists the same set (a test checks it).
+
+/// `Auto`'s P2P limit (bytes; `K`, `M`, `G` suffixes, powers of 1024).
+pub const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
+/// The packet/pull switch point (bytes, suffixes allowed).
+pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
+/// Bound on every wait, in milliseconds (a positive integer).
+pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
+/// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
+pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
+/// Default path of new cliques: `auto`, `nccl` or `p2p`.
+pub const PATH_ENV: &str = "GPUCAST_PATH";
+/// The NCCL library file to load instead of searching `libnccl.so.2` and `libnccl.so`.
+pub const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
+/// Read by the NVRTC test only: `1` makes a missing libnvrtc a failure instead of a skip.
+pub const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
+
+/// Every variable above with a one-line description, for documentation and error messages.
+pub const ENV_VARS: [(&str, &str); 7] = [
+    (PATH_ENV, "default path: auto, nccl or p2p"),
+    (
+        P2P_THRESHOLD_ENV,
+        "Auto's largest P2P message, bytes (4M, 256K, ...)",
+    ),
+    (
+        PACKET_THRESHOLD_ENV,
+        "packet/pull switch point of the P2P kernel, bytes",
+    ),
+    (TIMEOUT_ENV, "bound on every wait, milliseconds (> 0)"),
+    (
+        PARALLEL_LAUNCH_ENV,
+        "1 or 0: launch from one thread per GPU",
+    ),
+    (NCCL_LIBRARY_ENV, "path of the NCCL library to load"),
+    (
+        REQUIRE_NVRTC_ENV,
+        "tests: 1 makes a missing libnvrtc fail the NVRTC test",
+    ),
+];
+
+/// The settings found in the environment; `None` where a variable is unset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Env {
+    pub path: Option<Path>,
+    pub p2p_threshold: Option<usize>,
+    pub packet_threshold: Option<usize>,
+    pub timeout: Option<Duration>,
+    pub parallel_launch: Option<bool>,
+}
+
+impl Env {
+    /// Reads the process environment.
+    pub(crate) fn read() -> Result<Env> {
+        Env::parse(|name| std::env::var_os(name))
+    }
+
+    /// Parses the variables through `lookup`; a set but malformed variable is an error.
+    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Env> {
+        let text = |name: &'static str| -> Result<Option<String>> {
+            match lookup(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .into_string()
+                    .map(Some)
+                    .map_err(|v| invalid(name, format!("{v:?} is not valid UTF-8"))),
+            }
+        };
+        let bytes = |name: &'static str| -> Result<Option<usize>> {
+            text(name)?
+                .map(|v| {
+                    parse_bytes(&v).ok_or_else(|| {
+                        invalid(
+                            name,
+                            format!("{v:?} is not a byte count (262144, 256K, 4M)"),
+                        )
+                    })
+                })
+                .transpose()
+        };
+        let path = text(PATH_ENV)?
+            .map(|v| {
+                Path::parse(&v)
+                    .ok_or_else(|| invalid(PATH_ENV, format!("{v:?} is not auto, nccl or p2p")))
+            })
+            .transpose()?;
+        let timeout = text(TIMEOUT_ENV)?
+            .map(|v| match v.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+                _ => Err(invalid(
+                    TIMEOUT_ENV,
+                    format!("{v:?} is not a positive number of milliseconds"),
+                )),
+            })
+            .transpose()?;
+        let parallel_launch = text(PARALLEL_LAUNCH_ENV)?
+            .map(|v| {
+                parse_switch(&v).ok_or_else(|| {
+                    invalid(
+                        PARALLEL_LAUNCH_ENV,
+                        format!("{v:?} is not 1/0, on/off or true/false"),
+                    )
+                })
+            })
+            .transpose()?;
+        Ok(Env {
+            path,
+            p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
+            packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
+            timeout,
+            parallel_launch,
+        })
+    }
+}
+
+/// The NCCL library named by [`NCCL_LIBRARY_ENV`], if set. A set value must name an existing
+/// file: a typo there is an error, not a silent fall-back to another NCCL.
+pub(crate) fn nccl_library(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Option<PathBuf>> {
+    match lookup(NCCL_LIBRARY_ENV) {
+        None => Ok(None),
+        Some(v) if v.is_empty() => Err(invalid(NCCL_LIBRARY_ENV, "is set but empty".into())),
+        Some(v) => {
+            let path = PathBuf::from(v);
+            if path.is_file() {
+                Ok(Some(path))
+            } else {
+                Err(invalid(
+                    NCCL_LIBRARY_ENV,
+                    format!("{} is not a file", path.display()),
+                ))
+            }
+        }
+    }
+}
+
+/// [`nccl_library`] of the process environment.
+pub(crate) fn nccl_library_from_env() -> Result<Option<PathBuf>> {
+    nccl_library(|name| std::env::var_os(name))
+}
+
+/// Whether the NVRTC test must fail (rather than skip) without libnvrtc.
+#[cfg(test)]
+pub(crate) fn require_nvrtc() -> bool {
+    std::env::var(REQUIRE_NVRTC_ENV).is_ok_and(|v| parse_switch(&v) == Some(true))
+}
+
+fn invalid(name: &'static str, reason: String) -> Error {
+    Error::InvalidSetting { name, reason }
+}
+
+/// `1`, `on`, `true`, `yes` / `0`, `off`, `false`, `no` (case-insensitive).
+pub(crate) fn parse_switch(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "on" | "true" | "yes" => Some(true),
+        "0" | "off" | "false" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// Parses a byte count such as `65536`, `64K`, `64KiB`, `4M`, `1G`.
+pub fn parse_bytes(s: &str) -> Option<usize> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().ok()?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+/// The settings of one clique, resolved from the builder, then the environment, then defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Settings {
+    pub path: Path,
+    pub thresholds: Thresholds,
+    pub timeout: Duration,
+    pub parallel_launch: bool,
+}
+
+/// What a builder asked for; `None` defers to the environment, then to the defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Requested {
+    pub path: Option<Path>,
+    pub p2p_threshold: Option<usize>,
+    pub packet_threshold: Option<usize>,
+    pub timeout: Option<Duration>,
+    pub parallel_launch: Option<bool>,
+}
+
+impl Settings {
+    /// Resolves a clique's settings for `gpus` GPUs; rejects a zero timeout.
+    pub(crate) fn resolve(req: &Requested, env: &Env, gpus: usize) -> Result<Settings> {
+        let mut thresholds = Thresholds::for_gpus(gpus);
+        if let Some(t) = req.p2p_threshold.or(env.p2p_threshold) {
+            thresholds.p2p_max_bytes = t;
+        }
+        if let Some(t) = req.packet_threshold.or(env.packet_threshold) {
+            thresholds.packet_max_bytes = t;
+        }
+        let timeout = req.timeout.or(env.timeout).unwrap_or(DEFAULT_TIMEOUT);
+        if timeout.is_zero() {
+            return Err(invalid(
+                "timeout",
+                "must be longer than zero (every wait would fail at once)".into(),
+            ));
+        }
+        Ok(Settings {
+            path: req.path.or(env.path).unwrap_or_default(),
+            thresholds,
+            timeout,
+            parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
+        })
+    }
+
+    /// The thresholds of one call: the clique's, overridden by `options`.
+    pub(crate) fn thresholds_for(&self, options: &BroadcastOptions) -> Thresholds {
+        let mut t = self.thresholds;
+        if let Some(p) = options.p2p_threshold {
+            t.p2p_max_bytes = p;
+        }
+        if let Some(p) = options.packet_threshold {
+            t.packet_max_bytes = p;
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> Result<Env> {
+        let map: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        Env::parse(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn environment_values_parse_or_fail_loudly() {
+        assert_eq!(env_of(&[]).unwrap(), Env::default());
+        let e = env_of(&[
+            (PATH_ENV, "P2P"),
+            (P2P_THRESHOLD_ENV, "4M"),
+            (PACKET_THRESHOLD_ENV, "64KiB"),
+            (TIMEOUT_ENV, "250"),
+            (PARALLEL_LAUNCH_ENV, "off"),
+        ])
+        .unwrap();
+        assert_eq!(e.path, Some(Path::P2p));
+        assert_eq!(e.p2p_threshold, Some(4 << 20));
+        assert_eq!(e.packet_threshold, Some(64 << 10));
+        assert_eq!(e.timeout, Some(Duration::from_millis(250)));
+        assert_eq!(e.parallel_launch, Some(false));
+        for (name, bad) in [
+            (PATH_ENV, "fast"),
+            (P2P_THRESHOLD_ENV, "4 parsecs"),
+            (PACKET_THRESHOLD_ENV, "-1"),
+            (TIMEOUT_ENV, "0"),
+            (TIMEOUT_ENV, "soon"),
+            (PARALLEL_LAUNCH_ENV, "garbage"),
+            (PARALLEL_LAUNCH_ENV, ""),
+        ] {
+            match env_of(&[(name, bad)]) {
+                Err(Error::InvalidSetting { name: n, reason }) => {
+                    assert_eq!(n, name);
+                    assert!(reason.contains(bad), "{reason}");
+                }
+                other => panic!("{name}={bad:?} gave {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn nccl_library_must_name_a_file() {
+        let lookup = |v: &'static str| move |k: &str| (k == NCCL_LIBRARY_ENV).then(|| v.into());
+        assert_eq!(nccl_library(|_| None).unwrap(), None);
+        let err = nccl_library(lookup("/no/such/libnccl.so.2")).unwrap_err();
+        assert!(err.to_string().contains("/no/such/libnccl.so.2"), "{err}");
+        assert!(nccl_library(lookup("")).is_err());
+        let here = std::env::current_exe().unwrap();
+        let here_str: &'static str = Box::leak(here.to_string_lossy().into_owned().into());
+        assert_eq!(nccl_library(lookup(here_str)).unwrap(), Some(here));
+    }
+
+    #[test]
+    fn builder_beats_environment_beats_defaults() {
+        let env = Env {
+            p2p_threshold: Some(1000),
+            timeout: Some(Duration::from_millis(5)),
+            parallel_launch: Some(false),
+            ..Env::default()
+        };
+        let req = Requested {
+            p2p_threshold: Some(7),
+            ..Requested::default()
+        };
+        let s = Settings::resolve(&req, &env, 4).unwrap();
+        assert_eq!(s.thresholds.p2p_max_bytes, 7);
+        assert_eq!(
+            s.thresholds.packet_max_bytes,
+            Thresholds::for_gpus(4).packet_max_bytes
+        );
+        assert_eq!(s.timeout, Duration::from_millis(5));
+        assert!(!s.parallel_launch);
+        assert_eq!(s.path, Path::Auto);
+        let d = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        assert_eq!(d.timeout, DEFAULT_TIMEOUT);
+        assert!(d.parallel_launch);
+        let zero = Requested {
+            timeout: Some(Duration::ZERO),
+            ..Requested::default()
+        };
+        assert!(matches!(
+            Settings::resolve(&zero, &Env::default(), 2),
+            Err(Error::InvalidSetting {
+                name: "timeout",
+                ..
+            })
+        ));
+        let huge = Requested {
+            timeout: Some(Duration::MAX),
+            ..Requested::default()
+        };
+        assert!(Settings::resolve(&huge, &Env::default(), 2).is_ok());
+    }
+
+    #[test]
+    fn readme_lists_every_variable() {
+        let readme = include_str!("../README.md");
+        for (name, _) in ENV_VARS {
+            assert!(
+                readme.contains(&format!("`{name}`")),
+                "README.md does not document {name}"
+            );
+        }
+        // And the library reads no GPUCAST_ variable that ENV_VARS does not name.
+        for (file, text) in [
+            ("config.rs", include_str!("config.rs")),
+            ("nccl/lib.rs", include_str!("nccl/lib.rs")),
+            ("clique/mod.rs", include_str!("clique/mod.rs")),
+            ("p2p/mod.rs", include_str!("p2p/mod.rs")),
+            ("p2p/compile.rs", include_str!("p2p/compile.rs")),
+        ] {
+            if file != "config.rs" {
+                assert!(
+                    !text.contains("env::var"),
+                    "{file} reads the environment: do it in config.rs"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_follow_the_cost_model() {
+        // Two GPUs: fan-out from the root never loses to the ring (measured to 1 GiB).
+        assert_eq!(model_crossover(2), None);
+        assert_eq!(Thresholds::for_gpus(2).p2p_max_bytes, usize::MAX);
+        assert_eq!(Thresholds::for_gpus(1), Thresholds::for_gpus(2));
+        for n in 3..=MAX_GPUS {
+            let t = Thresholds::for_gpus(n);
+            let model = model_crossover(n).unwrap();
+            // Within a factor of two of the model's crossover, and shrinking with N.
+            assert!(
+                t.p2p_max_bytes <= 2 * model && 2 * t.p2p_max_bytes >= model,
+                "{n} GPUs: default {} vs model {model}",
+                t.p2p_max_bytes
+            );
+            let fewer = Thresholds::for_gpus(n - 1);
+            assert!(t.p2p_max_bytes <= fewer.p2p_max_bytes, "{n} GPUs");
+            assert!(t.packet_max_bytes <= fewer.packet_max_bytes, "{n} GPUs");
+            assert!(t.packet_max_bytes <= PACKET_MAX_BYTES);
+        }
+        // Every row of the table is reachable and rows are in order.
+        for (i, row) in DEFAULT_THRESHOLDS.iter().enumerate() {
+            assert_eq!(row.0, i + 2);
+            assert_eq!(Thresholds::for_gpus(row.0).p2p_max_bytes, row.1);
+        }
+    }
+
+    #[test]
+    fn choice_follows_path_size_and_availability() {
+        let t = Thresholds {
+            p2p_max_bytes: 1 << 20,
+            packet_max_bytes: 64 << 10,
+        };
+        let no = Error::P2pUnavailable("GPU 0 and 1 lack peer access".into());
+        let c = |path, bytes, ok: bool| choose(path, bytes, if ok { Ok(()) } else { Err(&no) }, &t);
+        assert_eq!(c(Path::Auto, 0, true).unwrap(), Route::Empty);
+        assert_eq!(c(Path::Auto, 1024, true).unwrap(), Route::P2pPacket);
+        assert_eq!(c(Path::Auto, 64 << 10, true).unwrap(), Route::P2pPacket);
+        assert_eq!(c(Path::Auto, (64 << 10) + 1, true).unwrap(), Route::P2pPull);
+        assert_eq!(c(Path::Auto, 1 << 20, true).unwrap(), Route::P2pPull);
+        assert_eq!(c(Path::Auto, (1 << 20) + 1, true).unwrap(), Route::Nccl);
+        assert_eq!(c(Path::Auto, 1024, false).unwrap(), Route::Nccl);
+        assert_eq!(c(Path::Nccl, 1024, true).unwrap(), Route::Nccl);
+        assert_eq!(c(Path::P2p, 1 << 30, true).unwrap(), Route::P2pPull);
+        let e = c(Path::P2p, 1024, false).unwrap_err();
+        assert!(matches!(e, Error::P2pUnavailable(ref m) if m.contains("peer access")));
+        // A forced P2P call without NVRTC returns the library error itself.
+        let lib = Error::LibraryMissing {
+            library: "libnvrtc",
+            detail: "not found".into(),
+            hint: "install it",
+        };
+        assert!(matches!(
+            choose(Path::P2p, 8, Err(&lib), &t),
+            Err(Error::LibraryMissing {
+                library: "libnvrtc",
+                ..
+            })
+        ));
+        // A packet threshold above what the inbox holds is capped.
+        let big = Thresholds {
+            p2p_max_bytes: 1 << 30,
+            packet_max_bytes: 1 << 30,
+        };
+        assert_eq!(
+            choose(Path::P2p, PACKET_MAX_BYTES + 1, Ok(()), &big).unwrap(),
+            Route::P2pPull
+        );
+    }
+
+    #[test]
+    fn parse_bytes_units() {
+        assert_eq!(parse_bytes("4096"), Some(4096));
+        assert_eq!(parse_bytes("64K"), Some(65536));
+        assert_eq!(parse_bytes("64KiB"), Some(65536));
+        assert_eq!(parse_bytes("4m"), Some(4 << 20));
+        assert_eq!(parse_bytes("1G"), Some(1 << 30));
+        assert_eq!(parse_bytes("x"), None);
+        assert_eq!(parse_bytes("12Q"), None);
+        assert_eq!(parse_bytes(""), None);
+        assert_eq!(parse_bytes("99999999999999999999G"), None);
+    }
+
+    #[test]
+    fn paths_parse() {
+        for p in [Path::Auto, Path::Nccl, Path::P2p] {
+            assert_eq!(Path::parse(p.name()), Some(p));
+        }
+        assert_eq!(Path::parse(" NCCL "), Some(Path::Nccl));
+        assert_eq!(Path::parse("ring"), None);
+    }
+}

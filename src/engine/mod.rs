@@ -1,0 +1,581 @@
+//! The engine: the streams, NCCL communicators and P2P state of the ranks this process drives,
+//! behind one lock. Every broadcast (single or fused, eager or captured), every graph launch,
+//! synchronisation and recovery goes through [`Engine::lock`], so all ranks see P2P operations
+//! in one order and no call interleaves with another.
+//!
+//! The engine works on raw device addresses ([`Item`]); turning typed buffers into addresses
+//! and ordering them with the streams they live on is `clique::access`'s job.
+
+pub(crate) mod streams;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
+
+use crate::config::{Settings, MAX_GPUS};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nccl::{Comms, Nccl, RankOp};
+use crate::p2p::P2p;
+use crate::plan::Step;
+use streams::EngineStream;
+
+/// One rank this process drives.
+pub(crate) struct Rank {
+    /// CUDA ordinal of its device.
+    pub ordinal: usize,
+    /// The device's primary context.
+    pub ctx: Arc<CudaContext>,
+    /// The stream every broadcast of this rank runs on.
+    stream: EngineStream,
+    /// A second stream, never used for work: capture reads buffer addresses through it, so
+    /// that cudarc's guard waits land outside the capture.
+    side: EngineStream,
+}
+
+impl Rank {
+    /// A rank on `ctx` with `stream` (the caller's) or a new stream.
+    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Option<Arc<CudaStream>>) -> Result<Rank> {
+        let stream = match stream {
+            Some(s) => EngineStream::Callers(s),
+            None => EngineStream::create(&ctx)?,
+        };
+        Ok(Rank {
+            ordinal: ctx.ordinal(),
+            side: EngineStream::create(&ctx)?,
+            stream,
+            ctx,
+        })
+    }
+}
+
+/// One tensor of a call, as addresses: `src` on the root, `dsts[rank]` on every rank (the
+/// root's own output included; equal to `src` in place).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Item {
+    pub src: u64,
+    pub dsts: [u64; MAX_GPUS],
+    pub count: usize,
+    pub dtype: DType,
+}
+
+impl Item {
+    pub(crate) fn bytes(&self) -> usize {
+        // Validation checked that this product fits.
+        self.count * self.dtype.size()
+    }
+}
+
+/// What the lock protects.
+struct State {
+    nccl: Nccl,
+    p2p: std::result::Result<P2p, Error>,
+    /// One reusable event per rank, for ordering a rank's stream with another stream.
+    events: Vec<CudaEvent>,
+    /// A P2P launch reached some ranks and not others: drain and reset before the next call.
+    desynced: bool,
+}
+
+/// The engine of one clique.
+pub(crate) struct Engine {
+    ranks: Vec<Rank>,
+    settings: Settings,
+    state: Mutex<State>,
+    /// Set while a capture holds the lock, with the capturing thread: a call from that thread
+    /// (inside its capture closure) would wait for itself, so it is an error instead.
+    capturing: AtomicBool,
+    capture_thread: Mutex<Option<ThreadId>>,
+}
+
+/// The engine, locked: every operation on streams, NCCL and P2P state takes one of these.
+pub(crate) struct EngineGuard<'e> {
+    engine: &'e Engine,
+    state: MutexGuard<'e, State>,
+}
+
+impl Engine {
+    /// Builds the NCCL communicators and (when `p2p_ok`) the P2P state for `ranks`. Peer access
+    /// must be enabled already.
+    pub(crate) fn new(
+        ranks: Vec<Rank>,
+        settings: Settings,
+        p2p_ok: std::result::Result<(), Error>,
+    ) -> Result<Engine> {
+        streams::sweep();
+        let ordinals: Vec<usize> = ranks.iter().map(|r| r.ordinal).collect();
+        let comms = Comms::init_all(&ordinals)?;
+        let ctxs: Vec<Arc<CudaContext>> = ranks.iter().map(|r| r.ctx.clone()).collect();
+        let p2p = p2p_ok.and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
+        if let Err(why) = &p2p {
+            tracing::warn!(reason = %why, "P2P path unavailable: Auto will use NCCL");
+        }
+        let events = ctxs
+            .iter()
+            .map(|c| c.new_event(None))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(Error::cuda("creating the ordering events"))?;
+        Ok(Engine {
+            ranks,
+            settings,
+            state: Mutex::new(State {
+                nccl: Nccl::Live(comms),
+                p2p,
+                events,
+                desynced: false,
+            }),
+            capturing: AtomicBool::new(false),
+            capture_thread: Mutex::new(None),
+        })
+    }
+
+    /// Number of ranks.
+    pub(crate) fn len(&self) -> usize {
+        self.ranks.len()
+    }
+
+    pub(crate) fn rank(&self, rank: usize) -> &Rank {
+        &self.ranks[rank]
+    }
+
+    /// The stream of `rank`.
+    pub(crate) fn stream(&self, rank: usize) -> &Arc<CudaStream> {
+        self.ranks[rank].stream.get()
+    }
+
+    /// The side stream of `rank` (see [`Rank`]).
+    pub(crate) fn side_stream(&self, rank: usize) -> &Arc<CudaStream> {
+        self.ranks[rank].side.get()
+    }
+
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// Takes the lock. First, when an earlier call left the P2P protocol broken (a kernel timed
+    /// out, or a launch reached only some ranks), drains every stream and resets the signal
+    /// areas, so that no new work queues behind a broken state; a timeout is then reported.
+    pub(crate) fn lock(&self) -> Result<EngineGuard<'_>> {
+        if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
+            return Err(Error::CaptureInProgress);
+        }
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = EngineGuard {
+            engine: self,
+            state,
+        };
+        guard.recover_if_needed()?;
+        Ok(guard)
+    }
+
+    fn capture_owned_here(&self) -> bool {
+        let owner = self
+            .capture_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *owner == Some(std::thread::current().id())
+    }
+
+    fn raw_streams(&self) -> [CUstream; MAX_GPUS] {
+        let mut raw = [std::ptr::null_mut(); MAX_GPUS];
+        for (r, rank) in self.ranks.iter().enumerate() {
+            raw[r] = rank.stream.get().cu_stream();
+        }
+        raw
+    }
+
+    /// Waits until every stream is idle or `limit` passes; whether they all became idle.
+    fn wait_idle(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            let idle = self
+                .ranks
+                .iter()
+                .all(|r| r.ctx.bind_to_thread().is_ok() && streams::is_idle(r.stream.get()));
+            if idle {
+                return true;
+            }
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+impl EngineGuard<'_> {
+    fn n(&self) -> usize {
+        self.engine.ranks.len()
+    }
+
+    fn recover_if_needed(&mut self) -> Result<()> {
+        let error = match &self.state.p2p {
+            Ok(p2p) => p2p.take_error(),
+            Err(_) => return Ok(()),
+        };
+        if error.is_none() && !self.state.desynced {
+            return Ok(());
+        }
+        self.drain()?;
+        if let Ok(p2p) = &self.state.p2p {
+            p2p.recover()?;
+        }
+        let desynced = std::mem::take(&mut self.state.desynced);
+        match error {
+            // After a launch that reached only some ranks, that call already reported it.
+            Some(_) if desynced => Ok(()),
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every stream.
+    fn drain(&self) -> Result<()> {
+        for (rank, r) in self.engine.ranks.iter().enumerate() {
+            r.stream
+                .get()
+                .synchronize()
+                .map_err(Error::cuda(format!("draining rank {rank}")))?;
+        }
+        Ok(())
+    }
+
+    /// The P2P path's availability.
+    pub(crate) fn p2p(&mut self) -> Result<&mut P2p> {
+        self.state.p2p.as_mut().map_err(|e| e.clone())
+    }
+
+    /// Enqueues `steps` over `items` from `root`, on every rank's stream.
+    ///
+    /// # Safety
+    /// Every address of `items` is valid for its `count` elements of `dtype` on its rank's
+    /// device (the root's `src` readable by every peer), and stays valid until the streams pass
+    /// this point; `steps` name tensors of `items` only.
+    pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+        let n = self.n();
+        let streams = self.engine.raw_streams();
+        for step in steps {
+            match step {
+                Step::P2pOne { tensor, route } => {
+                    let it = &items[*tensor];
+                    let p2p = self.p2p()?;
+                    // SAFETY: per this function's contract.
+                    let r = unsafe {
+                        p2p.launch(
+                            *route,
+                            root,
+                            it.src,
+                            it.bytes(),
+                            &it.dsts[..n],
+                            &streams[..n],
+                        )
+                    };
+                    self.note_p2p(r)?;
+                }
+                Step::P2pList { tensors } => {
+                    let copies: Vec<Vec<(u64, u64, usize)>> = (0..n)
+                        .map(|rank| {
+                            tensors
+                                .iter()
+                                .map(|&t| (items[t].src, items[t].dsts[rank], items[t].bytes()))
+                                .collect()
+                        })
+                        .collect();
+                    let p2p = self.p2p()?;
+                    // SAFETY: per this function's contract.
+                    let r = unsafe { p2p.launch_list(root, &copies, &streams[..n]) };
+                    self.note_p2p(r)?;
+                }
+                Step::NcclGroup { tensors } => {
+                    let ops: Vec<Vec<RankOp>> = tensors
+                        .iter()
+                        .map(|&t| {
+                            let it = &items[t];
+                            (0..n)
+                                .map(|rank| RankOp {
+                                    send: if rank == root { it.src } else { it.dsts[rank] },
+                                    recv: it.dsts[rank],
+                                    stream: streams[rank],
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let comms = self.state.nccl.live()?;
+                    let entries = tensors
+                        .iter()
+                        .zip(&ops)
+                        .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
+                    // SAFETY: per this function's contract.
+                    if let Err(e) = unsafe { comms.broadcast_group(root, entries) } {
+                        self.state
+                            .nccl
+                            .abort(format!("a grouped broadcast failed: {e}"));
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A P2P launch that failed on some rank leaves the others waiting for it: reset before the
+    /// next call (`recover_if_needed`).
+    fn note_p2p(&mut self, r: Result<()>) -> Result<()> {
+        if r.is_err() {
+            self.state.desynced = true;
+        }
+        r
+    }
+
+    /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
+    /// same device).
+    pub(crate) fn stream_waits_for(&mut self, rank: usize, other: CUstream) -> Result<()> {
+        let r = &self.engine.ranks[rank];
+        let event = &self.state.events[rank];
+        r.ctx
+            .bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
+        // SAFETY: `event` belongs to this rank's context and `other` is a live stream of the
+        // same device's primary context (checked by the caller); both calls only enqueue.
+        unsafe {
+            result::event::record(event.cu_event(), other).and_then(|()| {
+                result::stream::wait_event(
+                    r.stream.get().cu_stream(),
+                    event.cu_event(),
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+        }
+        .map_err(Error::cuda(format!(
+            "ordering rank {rank} after a buffer's stream"
+        )))
+    }
+
+    /// Makes `other` (a stream of rank `rank`'s device) wait for the work queued so far on the
+    /// rank's stream.
+    pub(crate) fn waits_for_stream(&mut self, rank: usize, other: CUstream) -> Result<()> {
+        let r = &self.engine.ranks[rank];
+        let event = &self.state.events[rank];
+        r.ctx
+            .bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
+        // SAFETY: as in `stream_waits_for`.
+        unsafe {
+            result::event::record(event.cu_event(), r.stream.get().cu_stream()).and_then(|()| {
+                result::stream::wait_event(
+                    other,
+                    event.cu_event(),
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+        }
+        .map_err(Error::cuda(format!(
+            "ordering a buffer's stream after rank {rank}"
+        )))
+    }
+
+    /// Blocks until every stream has finished, then reports a P2P timeout (after resetting the
+    /// signal areas) or an asynchronous NCCL error.
+    pub(crate) fn synchronize(&mut self) -> Result<()> {
+        self.drain()?;
+        self.recover_if_needed()?;
+        match &mut self.state.nccl {
+            Nccl::Live(comms) => comms.async_error(),
+            Nccl::Aborted(_) => Ok(()),
+        }
+    }
+
+    /// Turns the P2P launch threads on or off.
+    pub(crate) fn set_parallel_launch(&mut self, on: bool) {
+        if let Ok(p2p) = &mut self.state.p2p {
+            p2p.set_parallel_launch(on);
+        }
+    }
+
+    /// Whether P2P launches go through the launch threads.
+    pub(crate) fn parallel_launch(&self) -> bool {
+        self.state.p2p.as_ref().is_ok_and(P2p::parallel_launch)
+    }
+
+    /// Marks this thread as the one capturing (or not any more); see [`Engine::lock`].
+    pub(crate) fn set_capturing(&mut self, on: bool) {
+        let mut owner = self
+            .engine
+            .capture_thread
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *owner = on.then(|| std::thread::current().id());
+        self.engine.capturing.store(on, Ordering::Release);
+    }
+
+    /// Starts capturing every rank's stream into a graph (relaxed mode: the P2P launch threads
+    /// enqueue on the streams being captured). On an error the ones begun are ended.
+    pub(crate) fn begin_capture(&mut self) -> Result<()> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        for (rank, r) in self.engine.ranks.iter().enumerate() {
+            if let Err(e) = r.stream.get().begin_capture(mode) {
+                self.abandon_capture(rank);
+                return Err(Error::Cuda {
+                    during: format!("beginning a graph capture on rank {rank}"),
+                    source: e,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the capture on the first `begun` ranks and discards what was captured.
+    pub(crate) fn abandon_capture(&mut self, begun: usize) {
+        for r in &self.engine.ranks[..begun] {
+            if r.ctx.bind_to_thread().is_ok() {
+                // SAFETY: the stream is live and capturing (begun above).
+                if let Ok(g) = unsafe { result::stream::end_capture(r.stream.get().cu_stream()) } {
+                    if !g.is_null() {
+                        // SAFETY: a graph just returned by end_capture, used nowhere else.
+                        let _ = unsafe { result::graph::destroy(g) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the capture on every rank and instantiates one graph per rank. A rank without a
+    /// graph would leave its peers waiting at every replay, so that is an error.
+    pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
+        let mut execs = Vec::with_capacity(self.n());
+        let mut status = Ok(());
+        for (rank, r) in self.engine.ranks.iter().enumerate() {
+            let ended = r
+                .ctx
+                .bind_to_thread()
+                // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
+                .and_then(|()| unsafe { result::stream::end_capture(r.stream.get().cu_stream()) });
+            match ended {
+                Ok(g) if g.is_null() => {
+                    status = status.and(Err(Error::Cuda {
+                        during: format!("ending the graph capture of rank {rank} (no graph)"),
+                        source: result::DriverError(
+                            sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                        ),
+                    }));
+                }
+                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph) {
+                    Ok(exec) => execs.push(exec),
+                    Err(e) => status = status.and(Err(e)),
+                },
+                Err(e) => {
+                    status = status.and(Err(Error::Cuda {
+                        during: format!("ending the graph capture of rank {rank}"),
+                        source: e,
+                    }));
+                }
+            }
+        }
+        status.map(|()| execs)
+    }
+
+    /// Launches one graph per rank on the ranks' streams.
+    pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
+            r.ctx
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: `g` was instantiated from this rank's capture and is alive; launches of
+            // one graph are serialised by the engine's lock.
+            unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
+                .map_err(Error::cuda(format!("launching the graph of rank {rank}")))?;
+        }
+        Ok(())
+    }
+
+    /// Uploads each graph to its device ahead of the first launch.
+    pub(crate) fn upload_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        for (r, g) in self.engine.ranks.iter().zip(execs) {
+            r.ctx
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: as in `launch_graphs`.
+            unsafe { result::graph::upload(g.exec, r.stream.get().cu_stream()) }
+                .map_err(Error::cuda("uploading a graph"))?;
+        }
+        Ok(())
+    }
+}
+
+/// One instantiated graph of one rank.
+pub(crate) struct GraphExec {
+    ctx: Arc<CudaContext>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: graph handles may be used from any thread as long as calls on one graph do not
+// overlap; a `GraphExec` is only used through `&mut` or under the engine's lock.
+unsafe impl Send for GraphExec {}
+// SAFETY: as for `Send`: shared references only launch, which the engine's lock serialises.
+unsafe impl Sync for GraphExec {}
+
+impl GraphExec {
+    fn instantiate(ctx: Arc<CudaContext>, graph: sys::CUgraph) -> Result<GraphExec> {
+        // SAFETY: `graph` is a live graph from end_capture in the current context.
+        match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(exec) => Ok(GraphExec { ctx, graph, exec }),
+            Err(e) => {
+                // SAFETY: the graph is not used again.
+                let _ = unsafe { result::graph::destroy(graph) };
+                Err(Error::Cuda {
+                    during: "instantiating a captured graph".into(),
+                    source: e,
+                })
+            }
+        }
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: owned handles, not used again; an executable graph still running is
+            // freed by the driver when it completes.
+            unsafe {
+                let _ = result::graph::exec_destroy(self.exec);
+                let _ = result::graph::destroy(self.graph);
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    /// Never hangs and never panics: waits for the streams at most the timeout plus a second;
+    /// if work is still running then (an NCCL peer that will never come), aborts NCCL and waits
+    /// a second more; if the streams are still busy, leaks the P2P memory rather than free it
+    /// under a running kernel.
+    fn drop(&mut self) {
+        let limit = self.settings.timeout.saturating_add(Duration::from_secs(1));
+        let mut idle = self.wait_idle(limit);
+        if !idle {
+            self.state
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .nccl
+                .abort("the clique was dropped while work was still running".into());
+            idle = self.wait_idle(Duration::from_secs(1));
+        }
+        let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if idle {
+            state.nccl = Nccl::Aborted("dropped".into());
+            state.p2p = Err(Error::P2pUnavailable("dropped".into()));
+        } else {
+            tracing::warn!(
+                "GPU work still running while dropping a clique: its P2P buffers are leaked"
+            );
+            let p2p =
+                std::mem::replace(&mut state.p2p, Err(Error::P2pUnavailable("dropped".into())));
+            std::mem::forget(p2p);
+        }
+        streams::sweep();
+    }
+}

@@ -1,0 +1,188 @@
+//! The NCCL path: communicators, grouped broadcasts, and abort.
+
+mod lib;
+
+use std::ffi::{c_int, c_void};
+
+use cudarc::driver::sys::CUstream;
+use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
+
+use crate::error::{Error, Result};
+pub use lib::nccl_version;
+pub(crate) use lib::NcclLib;
+
+/// One communicator handle. NCCL allows a communicator to be used from any thread, one call at
+/// a time: it is `Send`, and `Comms` is only reached under the engine's lock.
+struct Comm(ncclComm_t);
+
+// SAFETY: an ncclComm_t is a heap object of the NCCL library, not tied to the thread that made
+// it; calls on it must not overlap, which the engine's lock guarantees (`Comms` is not `Sync`).
+unsafe impl Send for Comm {}
+
+/// One rank's part of a broadcast.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RankOp {
+    pub send: u64,
+    pub recv: u64,
+    pub stream: CUstream,
+}
+
+/// The NCCL communicators of the ranks this process drives, one per rank, released on drop
+/// (destroyed when idle, aborted otherwise).
+pub(crate) struct Comms {
+    lib: &'static NcclLib,
+    comms: Vec<Comm>,
+}
+
+impl Comms {
+    /// One communicator per device with `ncclCommInitAll` (rank i on `ordinals[i]`).
+    pub(crate) fn init_all(ordinals: &[usize]) -> Result<Comms> {
+        let lib = NcclLib::get()?;
+        let devs: Vec<c_int> = ordinals
+            .iter()
+            .map(|&o| c_int::try_from(o).expect("ordinals are validated to be small"))
+            .collect();
+        let mut raw = vec![std::ptr::null_mut(); devs.len()];
+        let n = c_int::try_from(devs.len()).expect("at most 8 devices");
+        // SAFETY: `raw` has room for `n` handles and `devs` holds `n` valid ordinals.
+        let code = unsafe { (lib.comm_init_all)(raw.as_mut_ptr(), n, devs.as_ptr()) };
+        lib.check(code, std::ptr::null_mut(), || {
+            format!("ncclCommInitAll on devices {ordinals:?}")
+        })?;
+        Ok(Comms {
+            lib,
+            comms: raw.into_iter().map(Comm).collect(),
+        })
+    }
+
+    /// Enqueues, inside one NCCL group, a broadcast of every `(count, dtype, ops)` entry, where
+    /// `ops[rank]` is that rank's part.
+    ///
+    /// On a failure inside the group the group is ended (NCCL cancels a group in which a call
+    /// failed) and `Err` is returned: the caller must abort the communicators, since a rank
+    /// whose part was enqueued could otherwise wait forever for a peer whose part was not.
+    ///
+    /// # Safety
+    /// Each `recv` points to `count` elements of `dtype` on its rank's device, each `send` as
+    /// many (the root's source; the others' equal their `recv`), each stream is a live stream of
+    /// its rank's device; the buffers stay valid until the streams pass this point.
+    pub(crate) unsafe fn broadcast_group<'a>(
+        &mut self,
+        root: usize,
+        entries: impl Iterator<Item = (usize, ncclDataType_t, &'a [RankOp])>,
+    ) -> Result<()> {
+        let root_c = c_int::try_from(root).expect("root is validated to be < 8");
+        // SAFETY: ncclGroupStart has no preconditions.
+        let code = unsafe { (self.lib.group_start)() };
+        self.lib
+            .check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
+        let mut failure = None;
+        'outer: for (count, dtype, ops) in entries {
+            for (rank, (op, comm)) in ops.iter().zip(&self.comms).enumerate() {
+                // SAFETY: pointers and stream are valid per this function's contract.
+                let code = unsafe {
+                    (self.lib.broadcast)(
+                        op.send as *const c_void,
+                        op.recv as *mut c_void,
+                        count,
+                        dtype,
+                        root_c,
+                        comm.0,
+                        op.stream,
+                    )
+                };
+                if let Err(e) = self
+                    .lib
+                    .check(code, comm.0, || format!("ncclBroadcast on rank {rank}"))
+                {
+                    failure = Some(e);
+                    break 'outer;
+                }
+            }
+        }
+        // SAFETY: matches the ncclGroupStart above (also on failure: it resets this thread's
+        // group state, and NCCL drops a group in which a call failed).
+        let code = unsafe { (self.lib.group_end)() };
+        let end = self
+            .lib
+            .check(code, std::ptr::null_mut(), || "ncclGroupEnd".into());
+        match failure {
+            Some(e) => Err(e),
+            None => end,
+        }
+    }
+
+    /// The first asynchronous error any communicator reports, if any.
+    pub(crate) fn async_error(&self) -> Result<()> {
+        for (rank, comm) in self.comms.iter().enumerate() {
+            let mut state: lib::RawResult = 0;
+            // SAFETY: `comm` is live; `state` is a valid out pointer.
+            let code = unsafe { (self.lib.comm_get_async_error)(comm.0, &mut state) };
+            self.lib.check(code, comm.0, || {
+                format!("ncclCommGetAsyncError on rank {rank}")
+            })?;
+            if state != 0 && state != lib::IN_PROGRESS {
+                self.lib.check(state, comm.0, || {
+                    format!("asynchronous NCCL error on rank {rank}")
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Aborts every communicator: NCCL stops their kernels and frees them without waiting for
+    /// peers. Consumes the communicators.
+    pub(crate) fn abort(mut self) {
+        for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
+            // SAFETY: `comm` is live and never used again.
+            let code = unsafe { (self.lib.comm_abort)(comm.0) };
+            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
+                format!("ncclCommAbort rank {rank}")
+            }) {
+                tracing::warn!(error = %e, "could not abort an NCCL communicator");
+            }
+        }
+    }
+}
+
+impl Drop for Comms {
+    /// Destroys the communicators. The engine only lets this run when their streams are idle
+    /// (it aborts them otherwise), so `ncclCommDestroy` has nothing to wait for.
+    fn drop(&mut self) {
+        for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
+            // SAFETY: `comm` is live and is not used again.
+            let code = unsafe { (self.lib.comm_destroy)(comm.0) };
+            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
+                format!("ncclCommDestroy rank {rank}")
+            }) {
+                tracing::warn!(error = %e, "could not destroy an NCCL communicator");
+            }
+        }
+    }
+}
+
+/// The NCCL path of an engine: live, aborted after a failure, or unavailable.
+pub(crate) enum Nccl {
+    Live(Comms),
+    Aborted(String),
+}
+
+impl Nccl {
+    /// The live communicators, or the error that says why there are none.
+    pub(crate) fn live(&mut self) -> Result<&mut Comms> {
+        match self {
+            Nccl::Live(c) => Ok(c),
+            Nccl::Aborted(reason) => Err(Error::CommunicatorsAborted {
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// Aborts the communicators (if live) and remembers why.
+    pub(crate) fn abort(&mut self, reason: String) {
+        if let Nccl::Live(comms) = std::mem::replace(self, Nccl::Aborted(reason.clone())) {
+            tracing::warn!(%reason, "aborting the NCCL communicators");
+            comms.abort();
+        }
+    }
+}

@@ -1,0 +1,409 @@
+//! The P2P kernel's ABI, shared by Rust and `kernel.cu`: parameter structs, the signal-area
+//! layout, launch geometry and the alignment split of a copy. Pure; tested without a GPU.
+//!
+//! `compile::source` hands these numbers to the kernel as `#define`s and appends a
+//! `static_assert` for the size and every field offset of each parameter struct, so a layout
+//! that drifts from this file fails the kernel's compilation; a CPU test also reads the struct
+//! definitions in `kernel.cu` and compares them with the Rust ones.
+
+use std::mem::{offset_of, size_of};
+
+use cudarc::driver::DeviceRepr;
+
+use crate::config::MAX_GPUS;
+
+/// Threads per block of every P2P kernel.
+pub(crate) const THREADS: u32 = 512;
+/// Most blocks of a P2P launch; also the number of per-block counter slots.
+pub(crate) const MAX_BLOCKS: u32 = 64;
+/// Slots in each block's packet ring (back-pressure depth: how many ops a root may run ahead).
+pub(crate) const PACKET_SLOTS: u32 = 4;
+/// Most blocks of a packet launch.
+pub(crate) const PACKET_MAX_BLOCKS: u32 = 32;
+/// Data bytes one block carries in one packet op (its inbox region holds twice this: each
+/// 16-byte packet carries 8 data bytes and two flags).
+pub(crate) const PACKET_REGION_BYTES: u32 = 8192;
+/// Largest message the packet protocol can carry.
+pub(crate) const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BYTES) as usize;
+/// Data bytes a packet block aims for (fewer bytes per block, more blocks polling in parallel).
+pub(crate) const PACKET_BYTES_PER_BLOCK: usize = 2048;
+/// Bytes a pull block aims for before the grid stops growing.
+pub(crate) const PULL_BYTES_PER_BLOCK: usize = 16 << 10;
+/// Most copies in one fused P2P launch (the table travels in the 4 KiB parameter space).
+pub(crate) const LIST_MAX: usize = 120;
+
+/// Kernel parameters of one broadcast; `struct Params` in kernel.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Params {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: u64,
+    pub signal: [u64; MAX_GPUS],
+    pub error_slot: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub root: u32,
+    pub unit: u32,
+    pub head: u32,
+    pub chunk: u32,
+    pub pad0: u32,
+    pub pad1: u32,
+}
+
+// SAFETY: `repr(C)`, `Copy`, integers only; its layout is checked against kernel.cu at every
+// kernel compilation (`static_assert`s from `STRUCTS`) and by a CPU test.
+unsafe impl DeviceRepr for Params {}
+
+/// One copy of a fused launch; `struct ListEntry` in kernel.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ListEntry {
+    pub src: u64,
+    pub dst: u64,
+    pub bytes: u64,
+    pub unit: u32,
+    pub head: u32,
+}
+
+/// Parameters of the fused pull kernel; `struct ListParams` in kernel.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ListParams {
+    pub signal: [u64; MAX_GPUS],
+    pub error_slot: u64,
+    pub timeout_ns: u64,
+    pub rank: u32,
+    pub nranks: u32,
+    pub root: u32,
+    pub count: u32,
+    pub entries: [ListEntry; LIST_MAX],
+}
+
+// SAFETY: as for `Params`.
+unsafe impl DeviceRepr for ListParams {}
+
+// The kernel parameter space is 4 KiB.
+const _: () = assert!(size_of::<ListParams>() <= 4096);
+
+/// A parameter struct as the kernel sees it: name, size, and (field, byte offset) pairs.
+pub(crate) struct StructAbi {
+    pub name: &'static str,
+    pub size: usize,
+    pub fields: &'static [(&'static str, usize)],
+}
+
+/// Every struct shared with kernel.cu.
+pub(crate) const STRUCTS: [StructAbi; 3] = [
+    StructAbi {
+        name: "Params",
+        size: size_of::<Params>(),
+        fields: &[
+            ("src", offset_of!(Params, src)),
+            ("dst", offset_of!(Params, dst)),
+            ("bytes", offset_of!(Params, bytes)),
+            ("signal", offset_of!(Params, signal)),
+            ("error_slot", offset_of!(Params, error_slot)),
+            ("timeout_ns", offset_of!(Params, timeout_ns)),
+            ("rank", offset_of!(Params, rank)),
+            ("nranks", offset_of!(Params, nranks)),
+            ("root", offset_of!(Params, root)),
+            ("unit", offset_of!(Params, unit)),
+            ("head", offset_of!(Params, head)),
+            ("chunk", offset_of!(Params, chunk)),
+            ("pad0", offset_of!(Params, pad0)),
+            ("pad1", offset_of!(Params, pad1)),
+        ],
+    },
+    StructAbi {
+        name: "ListEntry",
+        size: size_of::<ListEntry>(),
+        fields: &[
+            ("src", offset_of!(ListEntry, src)),
+            ("dst", offset_of!(ListEntry, dst)),
+            ("bytes", offset_of!(ListEntry, bytes)),
+            ("unit", offset_of!(ListEntry, unit)),
+            ("head", offset_of!(ListEntry, head)),
+        ],
+    },
+    StructAbi {
+        name: "ListParams",
+        size: size_of::<ListParams>(),
+        fields: &[
+            ("signal", offset_of!(ListParams, signal)),
+            ("error_slot", offset_of!(ListParams, error_slot)),
+            ("timeout_ns", offset_of!(ListParams, timeout_ns)),
+            ("rank", offset_of!(ListParams, rank)),
+            ("nranks", offset_of!(ListParams, nranks)),
+            ("root", offset_of!(ListParams, root)),
+            ("count", offset_of!(ListParams, count)),
+            ("entries", offset_of!(ListParams, entries)),
+        ],
+    },
+];
+
+/// Word offsets (u32) of the signal area, one per GPU. Every flag word has one writer.
+pub(crate) mod layout {
+    use super::{MAX_BLOCKS, MAX_GPUS, PACKET_MAX_BLOCKS, PACKET_REGION_BYTES, PACKET_SLOTS};
+    const B: usize = MAX_BLOCKS as usize;
+    /// `[block]`: this GPU's packet-op counter (written by itself).
+    pub const PACKET_SEQ: usize = 0;
+    /// `[block]`: this GPU's pull-op counter (written by itself).
+    pub const PULL_SEQ: usize = PACKET_SEQ + B;
+    /// `[block][gpu]`: last packet op GPU `gpu` finished (written by `gpu`).
+    pub const PACKET_ACK: usize = PULL_SEQ + B;
+    /// `[block][root]`: pull op the root `root` has reached (written by `root`).
+    pub const ARRIVE: usize = PACKET_ACK + B * MAX_GPUS;
+    /// `[block][peer]`: pull op `peer` finished reading (written by `peer`).
+    pub const DONE: usize = ARRIVE + B * MAX_GPUS;
+    /// Words of flags.
+    pub const SIGNAL_WORDS: usize = DONE + B * MAX_GPUS;
+    /// Byte offset of the packet inbox, after the flags.
+    pub const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
+    /// Bytes of inbox: a ring of slots per block, each twice a block's data region.
+    pub const INBOX_BYTES: usize =
+        PACKET_MAX_BLOCKS as usize * PACKET_SLOTS as usize * PACKET_REGION_BYTES as usize * 2;
+    /// Bytes to allocate per GPU.
+    pub const TOTAL_BYTES: usize = INBOX_OFFSET + INBOX_BYTES;
+}
+
+/// The `#define`s the kernel source needs, from the constants above.
+pub(crate) fn defines() -> [(&'static str, usize); 11] {
+    [
+        ("GPUCAST_MAX_GPUS", MAX_GPUS),
+        ("GPUCAST_THREADS", THREADS as usize),
+        ("GPUCAST_PACKET_SLOTS", PACKET_SLOTS as usize),
+        ("GPUCAST_PACKET_REGION_BYTES", PACKET_REGION_BYTES as usize),
+        ("GPUCAST_PACKET_SEQ", layout::PACKET_SEQ),
+        ("GPUCAST_PULL_SEQ", layout::PULL_SEQ),
+        ("GPUCAST_PACKET_ACK", layout::PACKET_ACK),
+        ("GPUCAST_ARRIVE", layout::ARRIVE),
+        ("GPUCAST_DONE", layout::DONE),
+        ("GPUCAST_INBOX_OFFSET", layout::INBOX_OFFSET),
+        ("GPUCAST_LIST_MAX", LIST_MAX),
+    ]
+}
+
+/// Grid of one P2P launch. Identical on every GPU: it depends on the size alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    /// Blocks.
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+    /// Packet protocol: data bytes per block (a multiple of 16). Pull: 0.
+    pub chunk: u32,
+}
+
+/// Geometry of a packet launch for `bytes` (1 ..= [`PACKET_MAX_BYTES`]).
+pub(crate) fn packet_geometry(bytes: usize) -> Geometry {
+    assert!(
+        bytes > 0 && bytes <= PACKET_MAX_BYTES,
+        "packet message of {bytes} bytes"
+    );
+    let want = bytes
+        .div_ceil(PACKET_BYTES_PER_BLOCK)
+        .clamp(1, PACKET_MAX_BLOCKS as usize);
+    let chunk = bytes.div_ceil(want).next_multiple_of(16);
+    let blocks = bytes.div_ceil(chunk);
+    Geometry {
+        blocks: u32::try_from(blocks).expect("at most PACKET_MAX_BLOCKS"),
+        threads: THREADS,
+        chunk: u32::try_from(chunk).expect("at most PACKET_REGION_BYTES"),
+    }
+}
+
+/// Geometry of a pull launch for `bytes` (> 0).
+pub(crate) fn pull_geometry(bytes: usize) -> Geometry {
+    assert!(bytes > 0, "pull of 0 bytes");
+    let blocks = bytes
+        .div_ceil(PULL_BYTES_PER_BLOCK)
+        .clamp(1, MAX_BLOCKS as usize);
+    Geometry {
+        blocks: u32::try_from(blocks).expect("at most MAX_BLOCKS"),
+        threads: THREADS,
+        chunk: 0,
+    }
+}
+
+/// How a copy between two addresses is split so that the body uses the widest access both
+/// sides allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Alignment {
+    /// Access width of the body in bytes: 16, 8, 4, 2 or 1.
+    pub unit: u32,
+    /// Bytes copied one at a time before the body (< `unit`).
+    pub head: u32,
+    /// Units in the body.
+    pub body_units: u64,
+    /// Bytes copied one at a time after the body (< `unit`).
+    pub tail: u32,
+}
+
+/// The widest width `w` with `src % w == dst % w`, and the head/body/tail split of `bytes`.
+pub(crate) fn co_alignment(src: u64, dst: u64, bytes: u64) -> Alignment {
+    let unit = [16u64, 8, 4, 2, 1]
+        .into_iter()
+        .find(|w| src % w == dst % w)
+        .unwrap_or(1);
+    let head = ((unit - src % unit) % unit).min(bytes);
+    let body_units = (bytes - head) / unit;
+    let tail = bytes - head - body_units * unit;
+    Alignment {
+        unit: u32::try_from(unit).expect("<= 16"),
+        head: u32::try_from(head).expect("< 16"),
+        body_units,
+        tail: u32::try_from(tail).expect("< 16"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads `struct NAME { ... };` from kernel.cu and computes each field's C offset (natural
+    /// alignment of u32, u64 and nested structs, arrays sized by the #defines).
+    fn c_layout(src: &str, name: &str) -> (usize, usize, Vec<(String, usize)>) {
+        let start = src
+            .find(&format!("struct {name} {{"))
+            .unwrap_or_else(|| panic!("kernel.cu has no struct {name}"));
+        let body = &src[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
+        let defines = defines();
+        let mut offset = 0usize;
+        let mut max_align = 1usize;
+        let mut fields = Vec::new();
+        for line in body.lines() {
+            let decl = line.split("//").next().unwrap().trim();
+            if decl.is_empty() {
+                continue;
+            }
+            let decl = decl.strip_suffix(';').expect("one field per line");
+            let (ty, rest) = decl.split_once(' ').unwrap();
+            let (field, count) = match rest.split_once('[') {
+                Some((f, n)) => {
+                    let n = n.trim_end_matches(']');
+                    let count = defines
+                        .iter()
+                        .find(|d| d.0 == n)
+                        .map(|d| d.1)
+                        .unwrap_or_else(|| n.parse().unwrap());
+                    (f.trim(), count)
+                }
+                None => (rest.trim(), 1),
+            };
+            let (size, align) = match ty {
+                "u32" => (4, 4),
+                "u64" => (8, 8),
+                other => {
+                    let (s, a, _) = c_layout(src, other);
+                    (s, a)
+                }
+            };
+            offset = offset.next_multiple_of(align);
+            max_align = max_align.max(align);
+            fields.push((field.to_string(), offset));
+            offset += size * count;
+        }
+        (offset.next_multiple_of(max_align), max_align, fields)
+    }
+
+    #[test]
+    fn structs_match_kernel_source() {
+        let src = include_str!("kernel.cu");
+        for s in &STRUCTS {
+            let (size, _, fields) = c_layout(src, s.name);
+            assert_eq!(size, s.size, "size of {}", s.name);
+            let rust: Vec<(String, usize)> =
+                s.fields.iter().map(|&(f, o)| (f.to_string(), o)).collect();
+            assert_eq!(fields, rust, "fields of {}", s.name);
+        }
+    }
+
+    #[test]
+    fn layout_fits_and_does_not_overlap() {
+        use layout::*;
+        const {
+            assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
+            assert!(ARRIVE < DONE && DONE < SIGNAL_WORDS);
+            assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET % 4096 == 0);
+            assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
+            assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
+        }
+        assert_eq!(
+            DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1,
+            SIGNAL_WORDS - 1
+        );
+    }
+
+    #[test]
+    fn packet_geometry_covers_every_byte_without_empty_blocks() {
+        for bytes in [
+            1usize,
+            15,
+            16,
+            17,
+            2047,
+            2048,
+            2049,
+            65536,
+            100_003,
+            PACKET_MAX_BYTES,
+        ] {
+            let g = packet_geometry(bytes);
+            assert!(
+                g.blocks >= 1 && g.blocks <= PACKET_MAX_BLOCKS,
+                "{bytes}: {g:?}"
+            );
+            assert_eq!(g.chunk % 16, 0);
+            assert!(g.chunk <= PACKET_REGION_BYTES, "{bytes}: {g:?}");
+            let covered = g.blocks as usize * g.chunk as usize;
+            assert!(covered >= bytes, "{bytes}: {g:?}");
+            assert!(
+                (g.blocks as usize - 1) * (g.chunk as usize) < bytes,
+                "empty block: {g:?}"
+            );
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "packet message")]
+    fn packet_geometry_rejects_oversize() {
+        packet_geometry(PACKET_MAX_BYTES + 1);
+    }
+
+    #[test]
+    fn pull_geometry_grows_then_caps() {
+        assert_eq!(pull_geometry(1).blocks, 1);
+        assert_eq!(pull_geometry(PULL_BYTES_PER_BLOCK).blocks, 1);
+        assert_eq!(pull_geometry(PULL_BYTES_PER_BLOCK + 1).blocks, 2);
+        assert_eq!(pull_geometry(1 << 30).blocks, MAX_BLOCKS);
+    }
+
+    #[test]
+    fn co_alignment_splits_exactly() {
+        let a = co_alignment(0x1000, 0x2000, 100);
+        assert_eq!((a.unit, a.head, a.body_units, a.tail), (16, 0, 6, 4));
+        let a = co_alignment(0x1003, 0x2003, 100);
+        assert_eq!((a.unit, a.head), (16, 13));
+        let a = co_alignment(0x1004, 0x2008, 64);
+        assert_eq!(a.unit, 4);
+        let a = co_alignment(0x1001, 0x2002, 7);
+        assert_eq!((a.unit, a.head, a.body_units, a.tail), (1, 0, 7, 0));
+        for src in 0..32u64 {
+            for dst in 0..32u64 {
+                for bytes in [0u64, 1, 5, 16, 33, 1000] {
+                    let a = co_alignment(src, dst, bytes);
+                    let u = a.unit as u64;
+                    assert_eq!(a.head as u64 + a.body_units * u + a.tail as u64, bytes);
+                    assert!(a.head < a.unit.max(1) && a.tail < a.unit.max(1));
+                    if a.body_units > 0 {
+                        assert_eq!((src + a.head as u64) % u, 0);
+                        assert_eq!((dst + a.head as u64) % u, 0);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,620 @@
+//! The buffer contract, threads and captures, on 2 GPUs (ignored without them): every buffer of
+//! a call may be dropped, reused or overwritten, on its own stream, right after the call
+//! returns, whichever stream it was allocated on. The clique's streams are held back by a host
+//! function that sleeps, so that a missing order shows as wrong data instead of passing by luck.
+//!
+//! `cargo test --release --test contract -- --include-ignored --test-threads 1`
+
+#![allow(
+    clippy::needless_range_loop,
+    reason = "ranks index several parallel arrays"
+)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use gpucast::cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use gpucast::{BroadcastOptions, Clique, DeviceTensor, DeviceTensorMut, Error, Path};
+
+/// How long the clique's streams are held back around each call.
+const HOLD_MS: u64 = 150;
+
+/// Where the buffers of a case are allocated.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// `clique.stream(rank)`.
+    CliqueStreams,
+    /// A second stream of the clique's own context (`clique.context(rank).new_stream()`).
+    SecondStream,
+    /// A stream of a `CudaContext` created separately by the caller.
+    OwnContext,
+}
+
+fn streams_of(clique: &Clique, source: Source) -> Vec<Arc<CudaStream>> {
+    (0..clique.len())
+        .map(|r| match source {
+            Source::CliqueStreams => clique.stream(r).clone(),
+            Source::SecondStream => clique.context(r).new_stream().unwrap(),
+            Source::OwnContext => CudaContext::new(clique.ordinals()[r])
+                .unwrap()
+                .new_stream()
+                .unwrap(),
+        })
+        .collect()
+}
+
+/// Sets every byte of `buf` to `byte`, on `s`, through cudarc's write access.
+fn fill(s: &Arc<CudaStream>, buf: &mut CudaSlice<u32>, byte: u8) {
+    let bytes = buf.len() * 4;
+    let (ptr, _g) = buf.device_ptr_mut(s);
+    // SAFETY: `ptr` is the live allocation of `buf` (bytes long) on `s`'s device.
+    unsafe { result::memset_d8_async(ptr, byte, bytes, s.cu_stream()) }.unwrap();
+}
+
+fn upload(s: &Arc<CudaStream>, data: &[u32]) -> CudaSlice<u32> {
+    s.clone_htod(data).unwrap()
+}
+
+fn poisoned(streams: &[Arc<CudaStream>], n: usize) -> Vec<CudaSlice<u32>> {
+    streams
+        .iter()
+        .map(|s| {
+            // SAFETY: filled right below before any read.
+            let mut b = unsafe { s.alloc::<u32>(n) }.unwrap();
+            fill(s, &mut b, 0xEE);
+            b
+        })
+        .collect()
+}
+
+fn hold_back(clique: &Clique) {
+    for r in 0..clique.len() {
+        stall(clique, r, HOLD_MS);
+    }
+}
+
+fn sync_all(clique: &Clique, streams: &[Arc<CudaStream>]) {
+    clique.synchronize().unwrap();
+    for s in streams {
+        s.synchronize().unwrap();
+    }
+}
+
+fn address(s: &Arc<CudaStream>, b: &mut CudaSlice<u32>) -> u64 {
+    b.device_ptr_mut(s).0
+}
+
+fn pattern(n: usize, byte: u8) -> Vec<u32> {
+    vec![u32::from_ne_bytes([byte; 4]); n]
+}
+
+/// The single-broadcast cases for one source, path and size.
+fn single_cases(
+    clique: &Clique,
+    source: Source,
+    path: Path,
+    n: usize,
+    rng: &mut impl rand::RngCore,
+) {
+    let streams = streams_of(clique, source);
+    let opts = BroadcastOptions::path(path);
+    let tag = format!("{source:?} {path:?} n={n}");
+    let root = 0;
+
+    // 1. The input is dropped right after the call and its memory reused and zeroed.
+    let data: Vec<u32> = random_vec(n, rng);
+    let mut input = upload(&streams[root], &data);
+    let mut outputs = poisoned(&streams, n);
+    sync_all(clique, &streams);
+    let old = address(&streams[root], &mut input);
+    hold_back(clique);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    drop(input);
+    // SAFETY: zeroed right below.
+    let mut reused = unsafe { streams[root].alloc::<u32>(n) }.unwrap();
+    fill(&streams[root], &mut reused, 0);
+    let was_reused = address(&streams[root], &mut reused) == old;
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &outputs[r],
+            &data,
+            &format!("{tag}: input dropped, rank {r}"),
+        );
+    }
+    eprintln!("{tag}: dropped input's memory reused at once: {was_reused}");
+
+    // 2. The input is overwritten right after the call.
+    let data: Vec<u32> = random_vec(n, rng);
+    let mut input = upload(&streams[root], &data);
+    let mut outputs = poisoned(&streams, n);
+    sync_all(clique, &streams);
+    hold_back(clique);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    fill(&streams[root], &mut input, 0x5A);
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &outputs[r],
+            &data,
+            &format!("{tag}: input overwritten, rank {r}"),
+        );
+    }
+
+    // 3. The outputs are overwritten right after the call: the overwrite wins.
+    let data: Vec<u32> = random_vec(n, rng);
+    let input = upload(&streams[root], &data);
+    let mut outputs = poisoned(&streams, n);
+    sync_all(clique, &streams);
+    hold_back(clique);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    for r in 0..clique.len() {
+        fill(&streams[r], &mut outputs[r], 0xC3);
+    }
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &outputs[r],
+            &pattern(n, 0xC3),
+            &format!("{tag}: outputs overwritten, rank {r}"),
+        );
+    }
+
+    // 4. The outputs are dropped right after the call; memory allocated next on their streams
+    //    must not receive the broadcast.
+    let data: Vec<u32> = random_vec(n, rng);
+    let input = upload(&streams[root], &data);
+    let outputs = poisoned(&streams, n);
+    let mut outputs = outputs;
+    sync_all(clique, &streams);
+    hold_back(clique);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    drop(outputs);
+    let mut next: Vec<CudaSlice<u32>> = streams
+        .iter()
+        .map(|s| {
+            // SAFETY: filled right below.
+            let mut b = unsafe { s.alloc::<u32>(n) }.unwrap();
+            fill(s, &mut b, 0x11);
+            b
+        })
+        .collect();
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &next[r],
+            &pattern(n, 0x11),
+            &format!("{tag}: outputs dropped, rank {r}"),
+        );
+        let _ = address(&streams[r], &mut next[r]);
+    }
+
+    // 5. In place: the root's buffer is overwritten right after the call.
+    let data: Vec<u32> = random_vec(n, rng);
+    let mut bufs = poisoned(&streams, n);
+    streams[root].memcpy_htod(&data, &mut bufs[root]).unwrap();
+    sync_all(clique, &streams);
+    hold_back(clique);
+    clique
+        .broadcast_in_place_with(root, &mut bufs, &opts)
+        .unwrap();
+    fill(&streams[root], &mut bufs[root], 0x77);
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        let want = if r == root {
+            pattern(n, 0x77)
+        } else {
+            data.clone()
+        };
+        assert_bytes_eq(
+            &streams[r],
+            &bufs[r],
+            &want,
+            &format!("{tag}: in place, rank {r}"),
+        );
+    }
+}
+
+/// Fused calls: inputs dropped and reused; in place with the root's buffers overwritten.
+fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand::RngCore) {
+    let streams = streams_of(clique, source);
+    let opts = BroadcastOptions::path(path);
+    let tag = format!("fused {source:?} {path:?}");
+    let root = 1;
+    let sizes = [256usize, 25_000, 2 << 20];
+
+    let datas: Vec<Vec<u32>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
+    let inputs: Vec<CudaSlice<u32>> = datas.iter().map(|d| upload(&streams[root], d)).collect();
+    let mut outputs: Vec<Vec<CudaSlice<u32>>> = (0..clique.len())
+        .map(|r| {
+            sizes
+                .iter()
+                .map(|&n| poisoned(&streams[r..=r], n).remove(0))
+                .collect()
+        })
+        .collect();
+    sync_all(clique, &streams);
+    hold_back(clique);
+    {
+        let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
+        let mut outs: Vec<Vec<&mut dyn DeviceTensorMut>> = outputs
+            .iter_mut()
+            .map(|row| {
+                row.iter_mut()
+                    .map(|t| t as &mut dyn DeviceTensorMut)
+                    .collect()
+            })
+            .collect();
+        clique
+            .broadcast_many_with(root, &ins, &mut outs, &opts)
+            .unwrap();
+    }
+    drop(inputs);
+    let _reused: Vec<CudaSlice<u32>> = sizes
+        .iter()
+        .map(|&n| {
+            // SAFETY: zeroed right below.
+            let mut b = unsafe { streams[root].alloc::<u32>(n) }.unwrap();
+            fill(&streams[root], &mut b, 0);
+            b
+        })
+        .collect();
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        for (t, d) in datas.iter().enumerate() {
+            assert_bytes_eq(
+                &streams[r],
+                &outputs[r][t],
+                d,
+                &format!("{tag}: inputs dropped, rank {r} tensor {t}"),
+            );
+        }
+    }
+
+    // In place, the root's buffers overwritten right after.
+    let datas: Vec<Vec<u32>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
+    let mut bufs: Vec<Vec<CudaSlice<u32>>> = (0..clique.len())
+        .map(|r| {
+            sizes
+                .iter()
+                .zip(&datas)
+                .map(|(&n, d)| {
+                    if r == root {
+                        upload(&streams[r], d)
+                    } else {
+                        poisoned(&streams[r..=r], n).remove(0)
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    sync_all(clique, &streams);
+    hold_back(clique);
+    {
+        let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = bufs
+            .iter_mut()
+            .map(|row| {
+                row.iter_mut()
+                    .map(|t| t as &mut dyn DeviceTensorMut)
+                    .collect()
+            })
+            .collect();
+        clique
+            .broadcast_many_in_place(root, &mut lists, &opts)
+            .unwrap();
+    }
+    for b in &mut bufs[root] {
+        fill(&streams[root], b, 0x3C);
+    }
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        for (t, d) in datas.iter().enumerate() {
+            let want = if r == root {
+                pattern(sizes[t], 0x3C)
+            } else {
+                d.clone()
+            };
+            assert_bytes_eq(
+                &streams[r],
+                &bufs[r][t],
+                &want,
+                &format!("{tag}: in place, rank {r} tensor {t}"),
+            );
+        }
+    }
+}
+
+/// Every source of buffers, both paths, single and fused, in place and out of place, small
+/// (packet protocol) and large (pull protocol) messages.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
+    let mut rng = rng();
+    for source in [
+        Source::CliqueStreams,
+        Source::SecondStream,
+        Source::OwnContext,
+    ] {
+        // A fresh clique per source: a second stream turns cudarc's event tracking on for the
+        // clique's contexts, and the first source must be tested without it.
+        let clique = two_gpus();
+        for path in [Path::P2p, Path::Nccl] {
+            for n in [4096usize, 4 << 20] {
+                single_cases(&clique, source, path, n, &mut rng);
+            }
+            fused_cases(&clique, source, path, &mut rng);
+        }
+    }
+}
+
+/// A graph borrows its buffers; when it is dropped they may be dropped and their memory reused
+/// at once, although replays are still held back on the clique's streams.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn graph_buffers_may_be_dropped_right_after_the_graph() {
+    let mut rng = rng();
+    for source in [Source::CliqueStreams, Source::SecondStream] {
+        let clique = two_gpus();
+        let streams = streams_of(&clique, source);
+        for path in [Path::P2p, Path::Nccl] {
+            let n = 1 << 20;
+            let data: Vec<u32> = random_vec(n, &mut rng);
+            let input = upload(&streams[0], &data);
+            let mut outputs = poisoned(&streams, n);
+            sync_all(&clique, &streams);
+            let mut graph = clique
+                .capture(|c| {
+                    c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                })
+                .unwrap();
+            for _ in 0..3 {
+                hold_back(&clique);
+                graph.launch().unwrap();
+            }
+            drop(graph);
+            // The replays are still held back: reading the outputs on their own streams must
+            // wait for them.
+            for r in 0..2 {
+                let got: Vec<u32> = streams[r].clone_dtoh(&outputs[r]).unwrap();
+                assert!(
+                    got == data,
+                    "{source:?} {path:?}: rank {r} read before the replay ended"
+                );
+            }
+            hold_back(&clique);
+            let mut graph = clique
+                .capture(|c| {
+                    c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                })
+                .unwrap();
+            graph.launch().unwrap();
+            drop(graph);
+            drop(input);
+            drop(outputs);
+            let next: Vec<CudaSlice<u32>> = streams
+                .iter()
+                .map(|s| {
+                    // SAFETY: filled right below.
+                    let mut b = unsafe { s.alloc::<u32>(n) }.unwrap();
+                    fill(s, &mut b, 0x42);
+                    b
+                })
+                .collect();
+            sync_all(&clique, &streams);
+            for r in 0..2 {
+                assert_bytes_eq(
+                    &streams[r],
+                    &next[r],
+                    &pattern(n, 0x42),
+                    &format!("{source:?} {path:?} rank {r}"),
+                );
+            }
+        }
+    }
+}
+
+/// A clique call inside its own capture closure is an error, not a deadlock; the capture still
+/// ends cleanly and the clique keeps working.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn a_call_inside_the_capture_closure_is_an_error() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let input = clique.stream(0).clone_htod(&[1u32; 64]).unwrap();
+    let mut outputs = clique.alloc_outputs::<u32>(64).unwrap();
+    let mut inner = None;
+    let r = clique.capture(|c| {
+        inner = Some(c.clique().synchronize());
+        c.broadcast(0, &input, &mut outputs)
+    });
+    assert!(
+        matches!(inner, Some(Err(Error::CaptureInProgress))),
+        "{inner:?}"
+    );
+    let mut graph = r.unwrap();
+    graph.launch().unwrap();
+    drop(graph);
+    clique.synchronize().unwrap();
+    assert_bytes_eq(
+        clique.stream(1),
+        &outputs[1],
+        &[1u32; 64],
+        "after the capture",
+    );
+    // An error returned by the closure discards the capture and leaves the streams usable.
+    let failed = clique.capture(|c| c.broadcast(0, &input, &mut outputs[..1]));
+    assert!(matches!(failed, Err(Error::OutputCount { .. })));
+    let data: Vec<u32> = random_vec(999, &mut rng);
+    let input = clique.stream(1).clone_htod(&data).unwrap();
+    let mut outs = clique.alloc_outputs::<u32>(999).unwrap();
+    clique.broadcast(1, &input, &mut outs).unwrap();
+    clique.synchronize().unwrap();
+    assert_bytes_eq(
+        clique.stream(0),
+        &outs[0],
+        &data,
+        "eager after a failed capture",
+    );
+}
+
+/// Several threads broadcast on one clique at once, one of them capturing graphs meanwhile:
+/// every eager broadcast runs (none is swallowed by a capture) and every replay is right.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn threads_share_a_clique_and_captures_swallow_nothing() {
+    let clique = two_gpus();
+    let seed_rng = &mut rng();
+    let seeds: Vec<u64> = (0..4).map(|_| rand::Rng::random(seed_rng)).collect();
+    std::thread::scope(|scope| {
+        for (t, &seed) in seeds.iter().enumerate() {
+            let clique = &clique;
+            scope.spawn(move || {
+                let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+                if t == 0 {
+                    // The capturing thread.
+                    for round in 0..20 {
+                        let n = 1000 + round * 777;
+                        let data: Vec<u32> = random_vec(n, &mut rng);
+                        let input = clique.stream(1).clone_htod(&data).unwrap();
+                        let mut outputs = poisoned_outputs::<u32>(clique, n, &mut rng);
+                        let path = if round % 2 == 0 {
+                            Path::P2p
+                        } else {
+                            Path::Nccl
+                        };
+                        let mut graph = clique
+                            .capture(|c| {
+                                c.broadcast_with(
+                                    1,
+                                    &input,
+                                    &mut outputs,
+                                    &BroadcastOptions::path(path),
+                                )
+                            })
+                            .unwrap();
+                        graph.launch().unwrap();
+                        graph.launch().unwrap();
+                        drop(graph);
+                        clique.synchronize().unwrap();
+                        for r in 0..2 {
+                            assert_bytes_eq(
+                                clique.stream(r),
+                                &outputs[r],
+                                &data,
+                                &format!("thread 0 round {round} rank {r}"),
+                            );
+                        }
+                    }
+                    return;
+                }
+                let mut pending = Vec::new();
+                for i in 0..150 {
+                    let n = rand::Rng::random_range(&mut rng, 1..200_000usize);
+                    let root = (i + t) % 2;
+                    let data: Vec<u32> = random_vec(n, &mut rng);
+                    let input = clique.stream(root).clone_htod(&data).unwrap();
+                    let mut outputs = poisoned_outputs::<u32>(clique, n, &mut rng);
+                    let path = [Path::Auto, Path::P2p, Path::Nccl][i % 3];
+                    clique
+                        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+                        .unwrap();
+                    pending.push((data, outputs));
+                }
+                clique.synchronize().unwrap();
+                for (i, (data, outputs)) in pending.iter().enumerate() {
+                    for r in 0..2 {
+                        assert_bytes_eq(
+                            clique.stream(r),
+                            &outputs[r],
+                            data,
+                            &format!("thread {t} op {i} rank {r}"),
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// The raw entry: device pointers and the caller's own streams, ordered both ways.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn raw_pointers_on_the_callers_streams() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let streams = streams_of(&clique, Source::SecondStream);
+    for (n, path) in [
+        (3000usize, Path::P2p),
+        (3 << 20, Path::P2p),
+        (5000, Path::Nccl),
+    ] {
+        let data: Vec<u32> = random_vec(n, &mut rng);
+        let mut input = upload(&streams[0], &data);
+        let mut outputs = poisoned(&streams, n);
+        let src = address(&streams[0], &mut input);
+        let dsts: Vec<u64> = (0..2)
+            .map(|r| address(&streams[r], &mut outputs[r]))
+            .collect();
+        let raw: Vec<_> = streams.iter().map(|s| s.cu_stream()).collect();
+        hold_back(&clique);
+        let b = gpucast::RawBroadcast {
+            root: 0,
+            src,
+            dsts: &dsts,
+            count: n,
+            dtype: gpucast::DType::U32,
+            streams: &raw,
+        };
+        // SAFETY: the buffers are live allocations of n u32 on the right devices, in the
+        // primary contexts, and outlive the streams' progress past this call (synchronised
+        // below before they are dropped).
+        unsafe { clique.broadcast_raw(&b, &BroadcastOptions::path(path)) }.unwrap();
+        // Work queued on the caller's streams afterwards sees the result.
+        let got: Vec<u32> = streams[1].clone_dtoh(&outputs[1]).unwrap();
+        assert!(got == data, "raw {n} {path:?}");
+        sync_all(&clique, &streams);
+        assert_bytes_eq(&streams[0], &outputs[0], &data, "raw root");
+    }
+    // Bad raw arguments are errors before anything runs.
+    let b = gpucast::RawBroadcast {
+        root: 0,
+        src: 0,
+        dsts: &[0],
+        count: 1,
+        dtype: gpucast::DType::U8,
+        streams: &[clique.stream(0).cu_stream()],
+    };
+    // SAFETY: rejected before any pointer is used.
+    let e = unsafe { clique.broadcast_raw(&b, &BroadcastOptions::default()) };
+    assert!(matches!(e, Err(Error::OutputCount { .. })));
+}
+
+/// A buffer from a non-primary context is a clear error.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn a_buffer_of_another_context_is_rejected() {
+    let clique = two_gpus();
+    let other = CudaContext::new_non_primary(clique.ordinals()[1], 0).unwrap();
+    let foreign_stream = other.new_stream().unwrap();
+    let input = clique.stream(0).clone_htod(&[7u8; 100]).unwrap();
+    let mut outputs = vec![
+        clique.stream(0).alloc_zeros::<u8>(100).unwrap(),
+        foreign_stream.alloc_zeros::<u8>(100).unwrap(),
+    ];
+    let e = clique.broadcast(0, &input, &mut outputs).unwrap_err();
+    assert!(matches!(e, Error::ForeignContext { rank: 1, .. }), "{e}");
+}
