@@ -560,3 +560,57 @@ fn plot_writes_png() {
     let bad = dir.join(format!("gpucast-no-such-dir-{pid}/x/plot.png"));
     assert!(plot(&rows, &bad, "t").is_err());
 }
+
+/// The pixels of `img` in the box `[x0, x1, y0, y1]` (ends excluded).
+fn pixels(img: &image::RgbImage, [x0, x1, y0, y1]: [u32; 4]) -> impl Iterator<Item = [u8; 3]> + '_ {
+    (y0..y1).flat_map(move |y| (x0..x1).map(move |x| img.get_pixel(x, y).0))
+}
+
+/// How many pixels of `img` in `area` are clearly darker than the white background
+/// (some channel below half).
+fn dark_pixels(img: &image::RgbImage, area: [u32; 4]) -> usize {
+    pixels(img, area)
+        .filter(|p| p.iter().any(|&c| c < 128))
+        .count()
+}
+
+#[test]
+fn plot_draws_text() {
+    let dir = std::env::temp_dir();
+    let pid = std::process::id();
+    let render = |name: &str, rows: &[Row], title: &str| {
+        let path = dir.join(format!("gpucast-bench-report-{pid}-text-{name}.png"));
+        plot(rows, &path, title).unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        let img = image::open(&path).unwrap().to_rgb8();
+        std::fs::remove_file(&path).unwrap();
+        (len, img)
+    };
+    let rows = sample_rows();
+    let (len, titled) = render("titled", &rows, "broadcast, 2 GPUs, f32, root 0 (test)");
+    let (_, untitled) = render("untitled", &rows, "");
+    assert_eq!(titled.dimensions(), (1600, 700));
+    // Anti-aliased text, lines and markers do not compress to a few kilobytes.
+    assert!(len > 20_000, "{len} bytes");
+
+    // The title is drawn centered above the panels: the band is blank without it,
+    // and holds (nearly) black pixels with it.
+    let title_band = [560, 1040, 0, 40];
+    assert_eq!(dark_pixels(&untitled, title_band), 0);
+    let ink = dark_pixels(&titled, title_band);
+    assert!(ink > 300, "{ink} dark pixels in the title band");
+    let darkest = pixels(&titled, title_band)
+        .map(|p| p.into_iter().max().unwrap())
+        .min()
+        .unwrap();
+    assert!(darkest < 40, "darkest title pixel {darkest}");
+
+    // Below the panels sits only the x-axis title, "message size (bytes)", twice.
+    let ink = dark_pixels(&titled, [0, 1600, 655, 700]);
+    assert!(ink > 300, "{ink} dark pixels under the panels");
+
+    // Empty input: "no data" in the middle of the left panel.
+    let (_, empty) = render("empty", &[], "");
+    let ink = dark_pixels(&empty, [300, 500, 320, 380]);
+    assert!(ink > 100, "{ink} dark pixels where \"no data\" goes");
+}

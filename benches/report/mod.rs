@@ -8,16 +8,17 @@
 //!
 //! # Fonts in the plot
 //!
-//! The plot draws no text through plotters. Plotters' `ttf` feature loads system
-//! fonts through font-kit, which links `libfontconfig` and `libfreetype` at build
-//! time and run time and fails to draw text (or the binary fails to start) on a
-//! headless machine without them; without `ttf` (and without `ab_glyph`, which needs
-//! a font file) plotters' fallback font *panics* when asked to draw text. So the
-//! crate enables plotters without `ttf`, this module never hands text to plotters
-//! (no captions, no mesh labels, no series labels), and every label is drawn by
-//! [`draw_text`] from a built-in 5x8 pixel font ([`FONT_5X8`], classic public
-//! 5x7-with-descenders glyphs written out as numbers in this file). The PNG, labels
-//! included, therefore looks the same on every machine, fonts or not.
+//! Plotters' default `ttf` feature loads system fonts through font-kit, which links
+//! `libfontconfig` and `libfreetype` and draws no text (or the binary does not start)
+//! on a headless machine without them; with neither `ttf` nor `ab_glyph` plotters
+//! panics when asked to draw text. So the crate enables plotters' `ab_glyph` feature
+//! instead, and [`plot`] registers Ubuntu Light, a TTF whose bytes come from the
+//! `epaint_default_fonts` crate (egui's built-in fonts; Ubuntu Font Licence 1.0), as
+//! plotters' `sans-serif` family. Every label (title, captions, tick labels, axis
+//! titles, legend) goes through plotters' usual APIs and is rasterised in pure Rust,
+//! so the PNG, labels included, looks the same on every machine, fonts or not.
+//! (Plotters' ab_glyph renderer places each glyph by its advance alone, ignoring its
+//! side bearing, so a few letter pairs sit a pixel too close or too far apart.)
 #![allow(
     dead_code,
     reason = "the benchmark and tests/bench_report.rs each use a different subset"
@@ -29,7 +30,11 @@ use std::io::{self, BufRead, Write};
 use std::path::Path;
 use std::str::FromStr;
 
+use plotters::coord::combinators::WithKeyPoints;
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// How the broadcasts were issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -171,19 +176,12 @@ pub fn format_size(bytes: u64) -> String {
 /// size stays `<= max`. Empty when `min == 0`, `min > max` or `factor < 2`; stops
 /// before a product would overflow.
 pub fn size_sweep(min: u64, max: u64, factor: u64) -> Vec<u64> {
-    let mut sizes = Vec::new();
     if min == 0 || min > max || factor < 2 {
-        return sizes;
+        return Vec::new();
     }
-    let mut size = min;
-    while size <= max {
-        sizes.push(size);
-        match size.checked_mul(factor) {
-            Some(next) => size = next,
-            None => break,
-        }
-    }
-    sizes
+    std::iter::successors(Some(min), |size| size.checked_mul(factor))
+        .take_while(|&size| size <= max)
+        .collect()
 }
 
 /// Summary of repeated measurements.
@@ -783,6 +781,11 @@ pub const PLOT_WIDTH: u32 = 1600;
 /// Height of the PNG written by [`plot`].
 pub const PLOT_HEIGHT: u32 = 700;
 
+/// The font family of every label; [`plot`] registers the built-in font under it
+/// (see the module docs). It is the family plotters uses by default, so no text can
+/// fall back to a font that is not there.
+const FONT: &str = "sans-serif";
+
 /// Colors by path, in [`PATH_ORDER`] order, then for other paths.
 const PATH_COLORS: [RGBColor; 7] = [
     RGBColor(31, 119, 180),  // nccl: blue
@@ -807,7 +810,7 @@ struct Series {
     color: RGBColor,
     mode: Mode,
     path: String,
-    /// (log2 bytes, time us, busbw GB/s), by size.
+    /// (bytes, time us, busbw GB/s), by size.
     points: Vec<(f64, f64, f64)>,
 }
 
@@ -846,24 +849,13 @@ fn build_series(rows: &[Row]) -> Vec<Series> {
                     path: path.clone(),
                     points: pts
                         .into_iter()
-                        .map(|(b, (t, bw))| ((b as f64).log2(), t, bw))
+                        .map(|(b, (t, bw))| (b as f64, t, bw))
                         .collect(),
                 });
             }
         }
     }
     series
-}
-
-/// A "nice" step (1, 2 or 5 times a power of ten) giving at most about `n` ticks.
-fn nice_step(span: f64, n: f64) -> f64 {
-    let raw = (span / n).max(f64::MIN_POSITIVE);
-    let mag = 10f64.powf(raw.log10().floor());
-    [1.0, 2.0, 5.0, 10.0]
-        .into_iter()
-        .map(|m| m * mag)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * mag)
 }
 
 /// Short label of a number: `0.5`, `2`, `150`, `2.5`.
@@ -882,6 +874,15 @@ fn short_num(v: f64) -> String {
     }
 }
 
+/// Smallest and largest of `values`, or `default` when there are none.
+fn bounds(values: impl Iterator<Item = f64>, default: (f64, f64)) -> (f64, f64) {
+    values
+        .fold(None, |acc: Option<(f64, f64)>, v| {
+            Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
+        })
+        .unwrap_or(default)
+}
+
 type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 type PlotErr = Box<dyn std::error::Error>;
 
@@ -889,14 +890,14 @@ type PlotErr = Box<dyn std::error::Error>;
 /// `.png`): on the left the time per op (us, log scale) against the message size (log
 /// scale), on the right the bus bandwidth (GB/s) against the size, one line per (path,
 /// mode) (and GPU count, when several), eager solid with filled dots, graph dashed with
-/// hollow dots, and a legend. `launch-floor` appears in the time panel only. Text comes
-/// from a built-in pixel font, so no system font is needed (see the module docs).
-/// Points with a zero size or a time that is not a positive finite number are left out;
-/// empty input gives an empty plot marked "no data", not an error. An error means the
-/// file could not be written.
+/// hollow dots, and a legend. `launch-floor` appears in the time panel only. Text is
+/// drawn in a font built into the binary, so no system font is needed (see the module
+/// docs). Points with a zero size or a time that is not a positive finite number are
+/// left out; empty input gives an empty plot marked "no data", not an error. An error
+/// means the file could not be written.
 pub fn plot(rows: &[Row], path: &Path, title: &str) -> Result<(), String> {
     // Nothing in `plot_inner` should panic; this is a safety net, as plotters has
-    // `panic!`s on some paths (its fallback font among them).
+    // `panic!`s on some paths.
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         plot_inner(rows, path, title)
     })) {
@@ -906,72 +907,42 @@ pub fn plot(rows: &[Row], path: &Path, title: &str) -> Result<(), String> {
 }
 
 fn plot_inner(rows: &[Row], path: &Path, title: &str) -> Result<(), PlotErr> {
+    plotters::style::register_font(FONT, FontStyle::Normal, epaint_default_fonts::UBUNTU_LIGHT)
+        .map_err(|_| "the built-in font does not load")?;
     let series = build_series(rows);
     let root = BitMapBackend::new(path, (PLOT_WIDTH, PLOT_HEIGHT)).into_drawing_area();
     root.fill(&WHITE)?;
-    let w = i32::try_from(PLOT_WIDTH)?;
-    draw_text(
-        &root,
-        title,
-        (w / 2, 12),
-        2,
-        &BLACK,
-        Anchor::TopCenter,
-        false,
-    )?;
-    let (_, body) = root.split_vertically(40);
-    let (left, right) = body.split_horizontally(w / 2);
+    let body = root.margin(8, 0, 0, 0).titled(title, (FONT, 28))?;
+    let (left, right) = body.split_horizontally(PLOT_WIDTH / 2);
 
-    // x: log2 of the size.
-    let xs: Vec<f64> = series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.0))
-        .collect();
-    let (x_lo, x_hi) = match (
-        xs.iter().copied().reduce(f64::min),
-        xs.iter().copied().reduce(f64::max),
-    ) {
-        (Some(lo), Some(hi)) => (lo, hi),
-        _ => (10.0, 20.0),
-    };
-    let (x_lo, x_hi) = (x_lo - 0.5, x_hi + 0.5);
-    let span = (x_hi - x_lo).max(1.0);
-    let step = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 16.0]
+    // x: the size, on a log scale padded by half a power of two on each side; ticks
+    // at powers of two, every `step`-th one.
+    let (lo, hi) = bounds(
+        series.iter().flat_map(|s| s.points.iter().map(|p| p.0)),
+        (KIB as f64, MIB as f64),
+    );
+    let (x_lo, x_hi) = (lo / std::f64::consts::SQRT_2, hi * std::f64::consts::SQRT_2);
+    let span = (x_hi / x_lo).log2().max(1.0);
+    let step = [1, 2, 3, 4, 5, 10, 16]
         .into_iter()
-        .find(|s| span / s <= 11.0)
-        .unwrap_or(16.0);
-    let x_ticks: Vec<(f64, String)> = {
-        let mut t = (x_lo / step).ceil() * step;
-        let mut v = Vec::new();
-        while t <= x_hi {
-            if (0.0..64.0).contains(&t) {
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    clippy::cast_sign_loss,
-                    reason = "`t` is a whole number in [0, 64): the cast is exact"
-                )]
-                let label = format_size(1u64 << (t as u32));
-                v.push((t, label));
-            }
-            t += step;
-        }
-        v
-    };
-
-    // Left panel: log10 of the time.
-    let ts: Vec<f64> = series
-        .iter()
-        .flat_map(|s| s.points.iter().map(|p| p.1))
-        .filter(|t| t.is_finite() && *t > 0.0)
-        .map(f64::log10)
+        .find(|&s| span / f64::from(s) <= 11.0)
+        .unwrap_or(16);
+    let x_ticks: Vec<f64> = (0..64)
+        .filter(|e| e % step == 0)
+        .map(|e| (1u64 << e) as f64)
+        .filter(|b| (x_lo..=x_hi).contains(b))
         .collect();
-    let (y_lo, y_hi) = match (
-        ts.iter().copied().reduce(f64::min),
-        ts.iter().copied().reduce(f64::max),
-    ) {
-        (Some(lo), Some(hi)) => (lo, hi),
-        _ => (0.0, 3.0),
-    };
+    let x_axis = || (x_lo..x_hi).log_scale().with_key_points(x_ticks.clone());
+
+    // Left panel: the time, on a log scale padded by 5% of its decades (at least a
+    // tenth of one), ticks at 1, 2, 3, 5 x 10^n for up to two decades, at 1, 2, 5 x
+    // 10^n for up to four, else at powers of ten.
+    let (y_lo, y_hi) = bounds(
+        series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1.log10())),
+        (0.0, 3.0),
+    );
     let pad = ((y_hi - y_lo) * 0.05).max(0.1);
     let (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
     let decades = y_hi.ceil() - y_lo.floor();
@@ -985,47 +956,40 @@ fn plot_inner(rows: &[Row], path: &Path, title: &str) -> Result<(), PlotErr> {
     let mut y_ticks = Vec::new();
     let mut d = y_lo.floor();
     while d <= y_hi {
-        for m in mantissas {
-            let v = m * 10f64.powf(d);
-            let l = v.log10();
-            if l >= y_lo && l <= y_hi {
-                y_ticks.push((l, short_num(v)));
-            }
-        }
+        y_ticks.extend(
+            mantissas
+                .iter()
+                .map(|m| m * 10f64.powf(d))
+                .filter(|v| (y_lo..=y_hi).contains(&v.log10())),
+        );
         d += 1.0;
     }
     let time_lines: Vec<(&Series, Vec<(f64, f64)>)> = series
         .iter()
-        .map(|s| {
-            let pts = s
-                .points
-                .iter()
-                .filter(|p| p.1.is_finite() && p.1 > 0.0)
-                .map(|p| (p.0, p.1.log10()))
-                .collect();
-            (s, pts)
-        })
+        .map(|s| (s, s.points.iter().map(|p| (p.0, p.1)).collect()))
         .collect();
     draw_panel(
-        &root,
         &left,
         "time per op (us), log scale",
         "time per op (us)",
-        (x_lo, x_hi, &x_ticks),
-        (y_lo, y_hi, &y_ticks),
+        x_axis(),
+        (10f64.powf(y_lo)..10f64.powf(y_hi))
+            .log_scale()
+            .with_key_points(y_ticks),
         &time_lines,
-        None,
+        false,
     )?;
 
-    // Right panel: busbw, linear.
+    // Right panel: busbw, linear from 0; plotters puts the ticks at the finest 1, 2 or
+    // 5 x 10^n step that gives at most 8 of them. The legend lists every series,
+    // launch-floor (not drawn here) included.
     let bw_lines: Vec<(&Series, Vec<(f64, f64)>)> = series
         .iter()
-        .filter(|s| s.path != "launch-floor")
         .map(|s| {
             let pts = s
                 .points
                 .iter()
-                .filter(|p| p.2.is_finite() && p.2 >= 0.0)
+                .filter(|p| s.path != "launch-floor" && p.2.is_finite() && p.2 >= 0.0)
                 .map(|p| (p.0, p.2))
                 .collect();
             (s, pts)
@@ -1036,397 +1000,120 @@ fn plot_inner(rows: &[Row], path: &Path, title: &str) -> Result<(), PlotErr> {
         .flat_map(|(_, p)| p.iter().map(|q| q.1))
         .fold(0.0f64, f64::max);
     let bw_hi = if bw_max > 0.0 { bw_max * 1.08 } else { 1.0 };
-    let bw_step = nice_step(bw_hi, 8.0);
-    let mut bw_ticks = Vec::new();
-    let mut t = 0.0;
-    while t <= bw_hi {
-        bw_ticks.push((t, short_num(t)));
-        t += bw_step;
-    }
     draw_panel(
-        &root,
         &right,
         "bus bandwidth (GB/s)",
         "busbw (GB/s)",
-        (x_lo, x_hi, &x_ticks),
-        (0.0, bw_hi, &bw_ticks),
+        x_axis(),
+        0.0..bw_hi,
         &bw_lines,
-        Some(&series),
+        true,
     )?;
     if series.is_empty() {
-        draw_text(
-            &root,
+        let style = TextStyle::from((FONT, 48)).pos(Pos::new(HPos::Center, VPos::Center));
+        let (w, h) = root.dim_in_pixel();
+        root.draw_text(
             "no data",
-            (w / 4, i32::try_from(PLOT_HEIGHT)? / 2),
-            3,
-            &BLACK,
-            Anchor::Center,
-            false,
+            &style,
+            (i32::try_from(w / 4)?, i32::try_from(h / 2)?),
         )?;
     }
     root.present()?;
     Ok(())
 }
 
-/// One axis: range and labelled ticks.
-type Axis<'t> = (f64, f64, &'t [(f64, String)]);
-
-/// Draws one panel: grid, frame, ticks labels, axis titles, lines and markers, and
-/// the legend of `legend` when given.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "one private call site; the arguments are the panel's parts"
-)]
-fn draw_panel(
-    root: &Area<'_>,
+/// Draws one panel: caption, grid at the ticks, frame, tick labels, axis titles,
+/// lines and markers, and when `legend` is set a legend of every line.
+fn draw_panel<Y>(
     area: &Area<'_>,
     caption: &str,
     y_desc: &str,
-    (x_lo, x_hi, x_ticks): Axis<'_>,
-    (y_lo, y_hi, y_ticks): Axis<'_>,
+    x: WithKeyPoints<LogCoord<f64>>,
+    y: Y,
     lines: &[(&Series, Vec<(f64, f64)>)],
-    legend: Option<&[Series]>,
-) -> Result<(), PlotErr> {
-    // No text goes through plotters: the label areas stay empty and are written with
-    // `draw_text` below.
+    legend: bool,
+) -> Result<(), PlotErr>
+where
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
     let mut chart = ChartBuilder::on(area)
-        .margin_top(30)
+        .caption(caption, (FONT, 24))
+        .margin_top(5)
         .margin_right(25)
         .margin_left(10)
         .margin_bottom(10)
-        .x_label_area_size(50)
+        .x_label_area_size(60)
         .y_label_area_size(95)
-        .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)?;
-    let grid = RGBColor(225, 225, 225);
-    for (x, _) in x_ticks {
-        chart.draw_series(std::iter::once(PathElement::new(
-            vec![(*x, y_lo), (*x, y_hi)],
-            grid,
-        )))?;
-    }
-    for (y, _) in y_ticks {
-        chart.draw_series(std::iter::once(PathElement::new(
-            vec![(x_lo, *y), (x_hi, *y)],
-            grid,
-        )))?;
-    }
+        .build_cartesian_2d(x, y)?;
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        reason = "x ticks are powers of two below 2^64: the cast is exact"
+    )]
+    let size_label = |b: &f64| format_size(*b as u64);
+    chart
+        .configure_mesh()
+        .bold_line_style(RGBColor(225, 225, 225))
+        .axis_style(BLACK)
+        .set_all_tick_mark_size(5)
+        // Only for the busbw axis: the others bring their own ticks.
+        .y_labels(8)
+        .max_light_lines(0)
+        .label_style((FONT, 20))
+        .axis_desc_style((FONT, 20))
+        .x_label_formatter(&size_label)
+        .y_label_formatter(&|v| short_num(*v))
+        .x_desc("message size (bytes)")
+        .y_desc(y_desc)
+        .draw()?;
+    let (xr, yr) = (chart.x_range(), chart.y_range());
     chart.draw_series(std::iter::once(Rectangle::new(
-        [(x_lo, y_lo), (x_hi, y_hi)],
-        BLACK.stroke_width(1),
+        [(xr.start, yr.start), (xr.end, yr.end)],
+        BLACK,
     )))?;
 
-    let (x_px, y_px) = chart.plotting_area().get_pixel_range();
-    for (x, label) in x_ticks {
-        let (px_x, _) = chart.backend_coord(&(*x, y_lo));
-        root.draw(&PathElement::new(
-            vec![(px_x, y_px.end), (px_x, y_px.end + 5)],
-            BLACK,
-        ))?;
-        draw_text(
-            root,
-            label,
-            (px_x, y_px.end + 9),
-            2,
-            &BLACK,
-            Anchor::TopCenter,
-            false,
-        )?;
-    }
-    for (y, label) in y_ticks {
-        let (_, px_y) = chart.backend_coord(&(x_lo, *y));
-        root.draw(&PathElement::new(
-            vec![(x_px.start - 5, px_y), (x_px.start, px_y)],
-            BLACK,
-        ))?;
-        draw_text(
-            root,
-            label,
-            (x_px.start - 9, px_y),
-            2,
-            &BLACK,
-            Anchor::RightCenter,
-            false,
-        )?;
-    }
-    let mid_x = (x_px.start + x_px.end) / 2;
-    let mid_y = (y_px.start + y_px.end) / 2;
-    draw_text(
-        root,
-        caption,
-        (mid_x, y_px.start - 8),
-        2,
-        &BLACK,
-        Anchor::BottomCenter,
-        false,
-    )?;
-    draw_text(
-        root,
-        "message size (bytes)",
-        (mid_x, y_px.end + 32),
-        2,
-        &BLACK,
-        Anchor::TopCenter,
-        false,
-    )?;
-    // The axis title sits left of the widest tick label.
-    let tick_w = y_ticks
-        .iter()
-        .map(|(_, l)| text_size(l, 2).0)
-        .max()
-        .unwrap_or(0);
-    draw_text(
-        root,
-        y_desc,
-        (x_px.start - 9 - tick_w - 8 - 8, mid_y),
-        2,
-        &BLACK,
-        Anchor::Center,
-        true,
-    )?;
-
     for (s, pts) in lines {
-        if pts.is_empty() {
-            continue;
-        }
-        let style = s.color.stroke_width(2);
-        match s.mode {
-            Mode::Eager => {
-                chart.draw_series(LineSeries::new(pts.iter().copied(), style))?;
-                chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, s.color.filled())))?;
-            }
-            Mode::Graph => {
-                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 8, 5, style))?;
-                chart.draw_series(
-                    pts.iter()
-                        .map(|p| Circle::new(*p, 4, s.color.stroke_width(2))),
-                )?;
-            }
-        }
-    }
-
-    if let Some(all) = legend {
-        if !all.is_empty() {
-            let scale = 2;
-            let line_h = 22;
-            let text_w = all
-                .iter()
-                .map(|s| text_size(&s.label, scale).0)
-                .max()
-                .unwrap_or(0);
-            let (x0, y0) = (x_px.start + 12, y_px.start + 12);
-            let n = i32::try_from(all.len()).unwrap_or(i32::MAX / line_h - 1);
-            let (x1, y1) = (x0 + 60 + text_w + 12, y0 + n * line_h + 10);
-            root.draw(&Rectangle::new([(x0, y0), (x1, y1)], WHITE.filled()))?;
-            root.draw(&Rectangle::new([(x0, y0), (x1, y1)], BLACK.stroke_width(1)))?;
-            for (i, s) in all.iter().enumerate() {
-                let i = i32::try_from(i).unwrap_or(0);
-                let cy = y0 + 5 + i * line_h + line_h / 2;
-                let style = s.color.stroke_width(2);
-                let (a, b) = ((x0 + 8, cy), (x0 + 48, cy));
-                match s.mode {
-                    Mode::Eager => {
-                        root.draw(&PathElement::new(vec![a, b], style))?;
-                        root.draw(&Circle::new((x0 + 28, cy), 4, s.color.filled()))?;
-                    }
-                    Mode::Graph => {
-                        for seg in 0..3 {
-                            let sx = x0 + 8 + seg * 14;
-                            root.draw(&PathElement::new(vec![(sx, cy), (sx + 8, cy)], style))?;
-                        }
-                        root.draw(&Circle::new((x0 + 28, cy), 4, s.color.stroke_width(2)))?;
-                    }
-                }
-                draw_text(
-                    root,
-                    &s.label,
-                    (x0 + 60, cy),
-                    scale,
-                    &BLACK,
-                    Anchor::LeftCenter,
-                    false,
-                )?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Where the anchor point of a text sits on its box.
-#[derive(Clone, Copy, Debug)]
-pub enum Anchor {
-    /// Middle of the top edge.
-    TopCenter,
-    /// Middle of the bottom edge.
-    BottomCenter,
-    /// Middle of the right edge.
-    RightCenter,
-    /// Middle of the left edge.
-    LeftCenter,
-    /// Center of the box.
-    Center,
-}
-
-/// Width and height in pixels of `text` in the built-in font at `scale`.
-pub fn text_size(text: &str, scale: i32) -> (i32, i32) {
-    let n = i32::try_from(text.chars().count()).unwrap_or(i32::MAX / 6 / scale.max(1));
-    let scale = scale.max(1);
-    ((n * 6 - 1).max(0) * scale, 8 * scale)
-}
-
-/// Draws `text` with the built-in 5x8 pixel font, each font pixel a `scale` x
-/// `scale` square, anchored at `pos` (absolute pixels of `root`); `vertical` turns
-/// it 90 degrees counter-clockwise (reading upwards), the anchor then referring to the
-/// turned box. Characters outside printable ASCII are drawn as `?`.
-pub fn draw_text(
-    root: &Area<'_>,
-    text: &str,
-    pos: (i32, i32),
-    scale: i32,
-    color: &RGBColor,
-    anchor: Anchor,
-    vertical: bool,
-) -> Result<(), PlotErr> {
-    let scale = scale.max(1);
-    let (tw, th) = text_size(text, scale);
-    // Size of the box on the image.
-    let (bw, bh) = if vertical { (th, tw) } else { (tw, th) };
-    let (bx, by) = match anchor {
-        Anchor::TopCenter => (pos.0 - bw / 2, pos.1),
-        Anchor::BottomCenter => (pos.0 - bw / 2, pos.1 - bh),
-        Anchor::RightCenter => (pos.0 - bw, pos.1 - bh / 2),
-        Anchor::LeftCenter => (pos.0, pos.1 - bh / 2),
-        Anchor::Center => (pos.0 - bw / 2, pos.1 - bh / 2),
-    };
-    for (i, ch) in text.chars().enumerate() {
-        let code = u32::from(ch);
-        let glyph = if (32..127).contains(&code) {
-            // In 32..127, so the index is in 0..95.
-            FONT_5X8[usize::try_from(code - 32).unwrap_or(31)]
-        } else {
-            FONT_5X8[usize::from(b'?' - 32)]
+        let line = s.color.stroke_width(2);
+        // Eager: solid line, filled dots; graph: dashed line, hollow dots.
+        let dot = match s.mode {
+            Mode::Eager => s.color.filled(),
+            Mode::Graph => s.color.stroke_width(2),
         };
-        let cx = i32::try_from(i).unwrap_or(0) * 6;
-        for (col, bits) in (0i32..).zip(glyph) {
-            for row in 0..8 {
-                if bits >> row & 1 == 0 {
-                    continue;
-                }
-                // Font pixel (cx + col, row) in text coordinates, scaled.
-                let (tx, ty) = ((cx + col) * scale, row * scale);
-                let (x, y) = if vertical {
-                    // Turned counter-clockwise: text x runs up the image.
-                    (bx + ty, by + bh - tx - scale)
-                } else {
-                    (bx + tx, by + ty)
-                };
-                for dy in 0..scale {
-                    for dx in 0..scale {
-                        root.draw_pixel((x + dx, y + dy), color)?;
-                    }
-                }
+        let anno = match s.mode {
+            Mode::Eager => chart.draw_series(LineSeries::new(pts.iter().copied(), line))?,
+            Mode::Graph => {
+                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 8, 5, line))?
             }
+        };
+        if legend {
+            // The mark: 40 pixels of the line with a dot in the middle.
+            let anno = anno.label(&s.label);
+            match s.mode {
+                Mode::Eager => anno.legend(move |p| {
+                    EmptyElement::at(p)
+                        + PathElement::new([(0, 0), (40, 0)], line)
+                        + Circle::new((20, 0), 4, dot)
+                }),
+                Mode::Graph => anno.legend(move |p| {
+                    EmptyElement::at(p)
+                        + DashedPathElement::new([(0, 0), (40, 0)], 8, 6, line)
+                        + Circle::new((20, 0), 4, dot)
+                }),
+            };
         }
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, dot)))?;
+    }
+    if legend && !lines.is_empty() {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .margin(8)
+            .legend_area_size(52)
+            .label_font((FONT, 20))
+            .background_style(WHITE)
+            .border_style(BLACK)
+            .draw()?;
     }
     Ok(())
 }
-
-/// A 5x8 pixel font for printable ASCII (32..=126): five columns per glyph, bit 0
-/// the top row, bit 7 the descender row. These are the classic public 5x7 LCD glyphs
-/// (with descenders for g, j, p, q, y).
-pub const FONT_5X8: [[u8; 5]; 95] = [
-    [0x00, 0x00, 0x00, 0x00, 0x00], // ' '
-    [0x00, 0x00, 0x5F, 0x00, 0x00], // !
-    [0x00, 0x07, 0x00, 0x07, 0x00], // "
-    [0x14, 0x7F, 0x14, 0x7F, 0x14], // #
-    [0x24, 0x2A, 0x7F, 0x2A, 0x12], // $
-    [0x23, 0x13, 0x08, 0x64, 0x62], // %
-    [0x36, 0x49, 0x55, 0x22, 0x50], // &
-    [0x00, 0x05, 0x03, 0x00, 0x00], // '
-    [0x00, 0x1C, 0x22, 0x41, 0x00], // (
-    [0x00, 0x41, 0x22, 0x1C, 0x00], // )
-    [0x14, 0x08, 0x3E, 0x08, 0x14], // *
-    [0x08, 0x08, 0x3E, 0x08, 0x08], // +
-    [0x00, 0x50, 0x30, 0x00, 0x00], // ,
-    [0x08, 0x08, 0x08, 0x08, 0x08], // -
-    [0x00, 0x60, 0x60, 0x00, 0x00], // .
-    [0x20, 0x10, 0x08, 0x04, 0x02], // /
-    [0x3E, 0x51, 0x49, 0x45, 0x3E], // 0
-    [0x00, 0x42, 0x7F, 0x40, 0x00], // 1
-    [0x42, 0x61, 0x51, 0x49, 0x46], // 2
-    [0x21, 0x41, 0x45, 0x4B, 0x31], // 3
-    [0x18, 0x14, 0x12, 0x7F, 0x10], // 4
-    [0x27, 0x45, 0x45, 0x45, 0x39], // 5
-    [0x3C, 0x4A, 0x49, 0x49, 0x30], // 6
-    [0x01, 0x71, 0x09, 0x05, 0x03], // 7
-    [0x36, 0x49, 0x49, 0x49, 0x36], // 8
-    [0x06, 0x49, 0x49, 0x29, 0x1E], // 9
-    [0x00, 0x36, 0x36, 0x00, 0x00], // :
-    [0x00, 0x56, 0x36, 0x00, 0x00], // ;
-    [0x08, 0x14, 0x22, 0x41, 0x00], // <
-    [0x14, 0x14, 0x14, 0x14, 0x14], // =
-    [0x00, 0x41, 0x22, 0x14, 0x08], // >
-    [0x02, 0x01, 0x51, 0x09, 0x06], // ?
-    [0x32, 0x49, 0x79, 0x41, 0x3E], // @
-    [0x7E, 0x11, 0x11, 0x11, 0x7E], // A
-    [0x7F, 0x49, 0x49, 0x49, 0x36], // B
-    [0x3E, 0x41, 0x41, 0x41, 0x22], // C
-    [0x7F, 0x41, 0x41, 0x22, 0x1C], // D
-    [0x7F, 0x49, 0x49, 0x49, 0x41], // E
-    [0x7F, 0x09, 0x09, 0x09, 0x01], // F
-    [0x3E, 0x41, 0x49, 0x49, 0x7A], // G
-    [0x7F, 0x08, 0x08, 0x08, 0x7F], // H
-    [0x00, 0x41, 0x7F, 0x41, 0x00], // I
-    [0x20, 0x40, 0x41, 0x3F, 0x01], // J
-    [0x7F, 0x08, 0x14, 0x22, 0x41], // K
-    [0x7F, 0x40, 0x40, 0x40, 0x40], // L
-    [0x7F, 0x02, 0x0C, 0x02, 0x7F], // M
-    [0x7F, 0x04, 0x08, 0x10, 0x7F], // N
-    [0x3E, 0x41, 0x41, 0x41, 0x3E], // O
-    [0x7F, 0x09, 0x09, 0x09, 0x06], // P
-    [0x3E, 0x41, 0x51, 0x21, 0x5E], // Q
-    [0x7F, 0x09, 0x19, 0x29, 0x46], // R
-    [0x46, 0x49, 0x49, 0x49, 0x31], // S
-    [0x01, 0x01, 0x7F, 0x01, 0x01], // T
-    [0x3F, 0x40, 0x40, 0x40, 0x3F], // U
-    [0x1F, 0x20, 0x40, 0x20, 0x1F], // V
-    [0x3F, 0x40, 0x38, 0x40, 0x3F], // W
-    [0x63, 0x14, 0x08, 0x14, 0x63], // X
-    [0x07, 0x08, 0x70, 0x08, 0x07], // Y
-    [0x61, 0x51, 0x49, 0x45, 0x43], // Z
-    [0x00, 0x7F, 0x41, 0x41, 0x00], // [
-    [0x02, 0x04, 0x08, 0x10, 0x20], // backslash
-    [0x00, 0x41, 0x41, 0x7F, 0x00], // ]
-    [0x04, 0x02, 0x01, 0x02, 0x04], // ^
-    [0x40, 0x40, 0x40, 0x40, 0x40], // _
-    [0x00, 0x01, 0x02, 0x04, 0x00], // `
-    [0x20, 0x54, 0x54, 0x54, 0x78], // a
-    [0x7F, 0x48, 0x44, 0x44, 0x38], // b
-    [0x38, 0x44, 0x44, 0x44, 0x20], // c
-    [0x38, 0x44, 0x44, 0x48, 0x7F], // d
-    [0x38, 0x54, 0x54, 0x54, 0x18], // e
-    [0x08, 0x7E, 0x09, 0x01, 0x02], // f
-    [0x18, 0xA4, 0xA4, 0xA4, 0x7C], // g
-    [0x7F, 0x08, 0x04, 0x04, 0x78], // h
-    [0x00, 0x44, 0x7D, 0x40, 0x00], // i
-    [0x40, 0x80, 0x84, 0x7D, 0x00], // j
-    [0x7F, 0x10, 0x28, 0x44, 0x00], // k
-    [0x00, 0x41, 0x7F, 0x40, 0x00], // l
-    [0x7C, 0x04, 0x18, 0x04, 0x78], // m
-    [0x7C, 0x08, 0x04, 0x04, 0x78], // n
-    [0x38, 0x44, 0x44, 0x44, 0x38], // o
-    [0xFC, 0x24, 0x24, 0x24, 0x18], // p
-    [0x18, 0x24, 0x24, 0x18, 0xFC], // q
-    [0x7C, 0x08, 0x04, 0x04, 0x08], // r
-    [0x48, 0x54, 0x54, 0x54, 0x20], // s
-    [0x04, 0x3F, 0x44, 0x40, 0x20], // t
-    [0x3C, 0x40, 0x40, 0x20, 0x7C], // u
-    [0x1C, 0x20, 0x40, 0x20, 0x1C], // v
-    [0x3C, 0x40, 0x30, 0x40, 0x3C], // w
-    [0x44, 0x28, 0x10, 0x28, 0x44], // x
-    [0x1C, 0xA0, 0xA0, 0xA0, 0x7C], // y
-    [0x44, 0x64, 0x54, 0x4C, 0x44], // z
-    [0x00, 0x08, 0x36, 0x41, 0x00], // {
-    [0x00, 0x00, 0x7F, 0x00, 0x00], // |
-    [0x00, 0x41, 0x36, 0x08, 0x00], // }
-    [0x08, 0x04, 0x08, 0x10, 0x08], // ~
-];
