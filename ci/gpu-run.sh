@@ -5,7 +5,8 @@
 # CSV, table and plot are copied to $OUT; a summary table is printed last.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0
+# NVLink multicast stays off on shared machines, in this process and every child.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 dest=${OUT:-.gpu/out}
 out=$(mktemp -d /tmp/gpucast-logs.XXXX)
 mkdir -p "$dest"

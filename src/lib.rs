@@ -27,9 +27,7 @@
 //! let n = 1 << 20;
 //! // The root (rank 0) holds the data; every rank gets an output buffer on its own GPU.
 //! let input = clique.stream(0).clone_htod(&vec![1.5f32; n])?;
-//! let mut outputs = (0..clique.len())
-//!     .map(|rank| clique.stream(rank).alloc_zeros::<f32>(n))
-//!     .collect::<Result<Vec<_>, _>>()?;
+//! let mut outputs = clique.alloc_outputs::<f32>(n)?;
 //! clique.broadcast(0, &input, &mut outputs)?;
 //! // Or force a path for one call:
 //! clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl))?;
@@ -51,15 +49,17 @@
 //! Nothing is linked at build time. `libcuda` (from the driver) and `libnccl` are needed to
 //! create a clique; `libnvrtc` to compile the P2P kernel (once per architecture per process).
 //! Each missing library is an [`Error::LibraryMissing`] naming it and the fix; without NVRTC,
-//! `Auto` falls back to NCCL with a warning and a forced P2P path is an error.
-//! `GPUCAST_NCCL_LIBRARY` names an NCCL file to try first.
+//! `Auto` falls back to NCCL with a warning and a forced P2P path returns that error.
+//! `GPUCAST_NCCL_LIBRARY` names the NCCL file to load; [`ENV_VARS`] lists every variable.
 //!
-//! ## Safety model
+//! ## Buffers, ordering and threads
 //!
-//! The API takes cudarc buffers ([`cudarc::driver::CudaSlice`] and its views), whose lengths and
-//! devices are checked before any work is enqueued. Work is asynchronous and ordered by the
-//! clique's streams ([`Clique::stream`]); see [`Clique`]'s "Ordering" section for how to order it
-//! with your own streams.
+//! The API takes cudarc buffers ([`cudarc::driver::CudaSlice`] and its views), whose lengths,
+//! devices and contexts are checked before any work is queued. Work is asynchronous and runs on
+//! the clique's streams ([`Clique::stream`]); any buffer passed to a call may be dropped, reused
+//! or overwritten, on any stream, as soon as the call returns (see [`Clique`]'s "Ordering"
+//! section). A clique may be shared between threads: its calls go through one lock.
+//! [`Clique::broadcast_raw`] is the `unsafe` door for code that keeps raw device pointers.
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]

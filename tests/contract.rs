@@ -472,20 +472,26 @@ fn a_call_inside_the_capture_closure_is_an_error() {
 }
 
 /// Several threads broadcast on one clique at once, one of them capturing graphs meanwhile:
-/// every eager broadcast runs (none is swallowed by a capture) and every replay is right.
+/// every eager broadcast runs (none is swallowed by a capture) and every replay is right. The
+/// eager threads keep their buffers on streams of their own: work queued straight onto the
+/// clique's streams by another thread during a capture would be captured (CUDA's rule).
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn threads_share_a_clique_and_captures_swallow_nothing() {
     let clique = two_gpus();
     let seed_rng = &mut rng();
     let seeds: Vec<u64> = (0..4).map(|_| rand::Rng::random(seed_rng)).collect();
+    // Made before any capture: a context's first `new_stream` synchronises the context.
+    let own: Vec<Vec<Arc<CudaStream>>> = (0..4)
+        .map(|_| streams_of(&clique, Source::SecondStream))
+        .collect();
     std::thread::scope(|scope| {
-        for (t, &seed) in seeds.iter().enumerate() {
+        for ((t, &seed), streams) in seeds.iter().enumerate().zip(own) {
             let clique = &clique;
             scope.spawn(move || {
                 let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
                 if t == 0 {
-                    // The capturing thread.
+                    // The capturing thread: the only one that touches the clique's streams.
                     for round in 0..20 {
                         let n = 1000 + round * 777;
                         let data: Vec<u32> = random_vec(n, &mut rng);
@@ -526,19 +532,18 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                     let n = rand::Rng::random_range(&mut rng, 1..200_000usize);
                     let root = (i + t) % 2;
                     let data: Vec<u32> = random_vec(n, &mut rng);
-                    let input = clique.stream(root).clone_htod(&data).unwrap();
-                    let mut outputs = poisoned_outputs::<u32>(clique, n, &mut rng);
+                    let input = upload(&streams[root], &data);
+                    let mut outputs = poisoned(&streams, n);
                     let path = [Path::Auto, Path::P2p, Path::Nccl][i % 3];
                     clique
                         .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
                         .unwrap();
                     pending.push((data, outputs));
                 }
-                clique.synchronize().unwrap();
                 for (i, (data, outputs)) in pending.iter().enumerate() {
                     for r in 0..2 {
                         assert_bytes_eq(
-                            clique.stream(r),
+                            &streams[r],
                             &outputs[r],
                             data,
                             &format!("thread {t} op {i} rank {r}"),
@@ -548,6 +553,7 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
             });
         }
     });
+    clique.synchronize().unwrap();
 }
 
 /// The raw entry: device pointers and the caller's own streams, ordered both ways.

@@ -165,7 +165,7 @@ pub fn format_size(bytes: u64) -> String {
         return "0".to_string();
     }
     for (unit, suffix) in [(TIB, "T"), (GIB, "G"), (MIB, "M"), (KIB, "K")] {
-        if bytes % unit == 0 {
+        if bytes.is_multiple_of(unit) {
             return format!("{}{}", bytes / unit, suffix);
         }
     }
@@ -294,7 +294,7 @@ fn times(rows: &[Row], gpus: Option<usize>, mode: Mode, path: &str) -> BTreeMap<
     let mut map = BTreeMap::new();
     for r in rows {
         let valid = r.time_us.is_finite() && r.time_us > 0.0;
-        if valid && r.mode == mode && r.path == path && gpus.map_or(true, |g| g == r.gpus) {
+        if valid && r.mode == mode && r.path == path && gpus.is_none_or(|g| g == r.gpus) {
             map.entry(r.bytes).or_insert(r.time_us);
         }
     }
@@ -751,7 +751,7 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
                 continue;
             };
             let ratio = t_auto / t_nccl.min(t_p2p);
-            if ratio.is_finite() && worst.map_or(true, |(w, _)| ratio > w) {
+            if ratio.is_finite() && worst.is_none_or(|(w, _)| ratio > w) {
                 worst = Some((ratio, bytes));
             }
         }

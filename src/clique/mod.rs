@@ -151,7 +151,10 @@ impl CliqueBuilder {
 /// # Threads
 /// A clique is `Send` and `Sync`. Every call goes through one lock (the engine), so calls
 /// from several threads are serialised in some order, the same on every GPU; a capture holds
-/// the lock until it ends, so no other thread's broadcast lands in a graph.
+/// the lock until it ends, so no other thread's broadcast lands in a graph. (Work another thread
+/// queues straight onto `clique.stream(rank)` while a capture runs is captured, as CUDA captures
+/// everything queued on a capturing stream: queue such work through the clique, or on streams
+/// of your own.)
 ///
 /// # Failures
 /// Every P2P wait is bounded by the clique's timeout: a rank that does not arrive gives

@@ -327,7 +327,7 @@ mod tests {
         const {
             assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
             assert!(ARRIVE < DONE && DONE < SIGNAL_WORDS);
-            assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET % 4096 == 0);
+            assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET.is_multiple_of(4096));
             assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
             assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
         }
