@@ -87,61 +87,89 @@ unsafe impl DeviceRepr for ListParams {}
 // The kernel parameter space is 4 KiB.
 const _: () = assert!(size_of::<ListParams>() <= 4096);
 
-/// A parameter struct as the kernel sees it: name, size, and (field, byte offset) pairs.
+/// A parameter struct as the kernel sees it: its name, its size in Rust, and its fields in
+/// order as (name, C type, array length, byte offset in Rust). `compile::source` writes the C
+/// definitions from this table, so the kernel has no copy of its own.
 pub(crate) struct StructAbi {
     pub name: &'static str,
     pub size: usize,
-    pub fields: &'static [(&'static str, usize)],
+    pub fields: &'static [(&'static str, &'static str, usize, usize)],
 }
 
-/// Every struct shared with kernel.cu.
+/// Every struct shared with kernel.cu, in dependency order.
 pub(crate) const STRUCTS: [StructAbi; 3] = [
     StructAbi {
         name: "Params",
         size: size_of::<Params>(),
         fields: &[
-            ("src", offset_of!(Params, src)),
-            ("dst", offset_of!(Params, dst)),
-            ("bytes", offset_of!(Params, bytes)),
-            ("signal", offset_of!(Params, signal)),
-            ("error_slot", offset_of!(Params, error_slot)),
-            ("timeout_ns", offset_of!(Params, timeout_ns)),
-            ("rank", offset_of!(Params, rank)),
-            ("nranks", offset_of!(Params, nranks)),
-            ("root", offset_of!(Params, root)),
-            ("unit", offset_of!(Params, unit)),
-            ("head", offset_of!(Params, head)),
-            ("chunk", offset_of!(Params, chunk)),
-            ("pad0", offset_of!(Params, pad0)),
-            ("pad1", offset_of!(Params, pad1)),
+            ("src", "u64", 1, offset_of!(Params, src)),
+            ("dst", "u64", 1, offset_of!(Params, dst)),
+            ("bytes", "u64", 1, offset_of!(Params, bytes)),
+            ("signal", "u64", MAX_GPUS, offset_of!(Params, signal)),
+            ("error_slot", "u64", 1, offset_of!(Params, error_slot)),
+            ("timeout_ns", "u64", 1, offset_of!(Params, timeout_ns)),
+            ("rank", "u32", 1, offset_of!(Params, rank)),
+            ("nranks", "u32", 1, offset_of!(Params, nranks)),
+            ("root", "u32", 1, offset_of!(Params, root)),
+            ("unit", "u32", 1, offset_of!(Params, unit)),
+            ("head", "u32", 1, offset_of!(Params, head)),
+            ("chunk", "u32", 1, offset_of!(Params, chunk)),
+            ("pad0", "u32", 1, offset_of!(Params, pad0)),
+            ("pad1", "u32", 1, offset_of!(Params, pad1)),
         ],
     },
     StructAbi {
         name: "ListEntry",
         size: size_of::<ListEntry>(),
         fields: &[
-            ("src", offset_of!(ListEntry, src)),
-            ("dst", offset_of!(ListEntry, dst)),
-            ("bytes", offset_of!(ListEntry, bytes)),
-            ("unit", offset_of!(ListEntry, unit)),
-            ("head", offset_of!(ListEntry, head)),
+            ("src", "u64", 1, offset_of!(ListEntry, src)),
+            ("dst", "u64", 1, offset_of!(ListEntry, dst)),
+            ("bytes", "u64", 1, offset_of!(ListEntry, bytes)),
+            ("unit", "u32", 1, offset_of!(ListEntry, unit)),
+            ("head", "u32", 1, offset_of!(ListEntry, head)),
         ],
     },
     StructAbi {
         name: "ListParams",
         size: size_of::<ListParams>(),
         fields: &[
-            ("signal", offset_of!(ListParams, signal)),
-            ("error_slot", offset_of!(ListParams, error_slot)),
-            ("timeout_ns", offset_of!(ListParams, timeout_ns)),
-            ("rank", offset_of!(ListParams, rank)),
-            ("nranks", offset_of!(ListParams, nranks)),
-            ("root", offset_of!(ListParams, root)),
-            ("count", offset_of!(ListParams, count)),
-            ("entries", offset_of!(ListParams, entries)),
+            ("signal", "u64", MAX_GPUS, offset_of!(ListParams, signal)),
+            ("error_slot", "u64", 1, offset_of!(ListParams, error_slot)),
+            ("timeout_ns", "u64", 1, offset_of!(ListParams, timeout_ns)),
+            ("rank", "u32", 1, offset_of!(ListParams, rank)),
+            ("nranks", "u32", 1, offset_of!(ListParams, nranks)),
+            ("root", "u32", 1, offset_of!(ListParams, root)),
+            ("count", "u32", 1, offset_of!(ListParams, count)),
+            (
+                "entries",
+                "ListEntry",
+                LIST_MAX,
+                offset_of!(ListParams, entries),
+            ),
         ],
     },
 ];
+
+/// The C prelude of the kernel: the integer types and the parameter structs of [`STRUCTS`],
+/// each followed by a `static_assert` on its size.
+pub(crate) fn c_structs() -> String {
+    let mut c = String::from("typedef unsigned int u32;\ntypedef unsigned long long u64;\n");
+    for s in &STRUCTS {
+        c.push_str(&format!("struct {} {{\n", s.name));
+        for (field, ty, count, _) in s.fields {
+            if *count == 1 {
+                c.push_str(&format!("    {ty} {field};\n"));
+            } else {
+                c.push_str(&format!("    {ty} {field}[{count}];\n"));
+            }
+        }
+        c.push_str(&format!(
+            "}};\nstatic_assert(sizeof({0}) == {1}, \"size of {0} differs from abi.rs\");\n",
+            s.name, s.size
+        ));
+    }
+    c
+}
 
 /// Word offsets (u32) of the signal area, one per GPU. Every flag word has one writer.
 pub(crate) mod layout {
@@ -262,35 +290,26 @@ pub(crate) fn co_alignment(src: u64, dst: u64, bytes: u64) -> Alignment {
 mod tests {
     use super::*;
 
-    /// Reads `struct NAME { ... };` from kernel.cu and computes each field's C offset (natural
-    /// alignment of u32, u64 and nested structs, arrays sized by the #defines).
+    /// Reads `struct NAME { ... };` from C source and computes each field's offset by C's
+    /// rules (natural alignment of u32, u64 and nested structs).
     fn c_layout(src: &str, name: &str) -> (usize, usize, Vec<(String, usize)>) {
         let start = src
             .find(&format!("struct {name} {{"))
-            .unwrap_or_else(|| panic!("kernel.cu has no struct {name}"));
+            .unwrap_or_else(|| panic!("no struct {name}"));
         let body = &src[start..];
         let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
-        let defines = defines();
         let mut offset = 0usize;
         let mut max_align = 1usize;
         let mut fields = Vec::new();
         for line in body.lines() {
-            let decl = line.split("//").next().unwrap().trim();
+            let decl = line.trim();
             if decl.is_empty() {
                 continue;
             }
             let decl = decl.strip_suffix(';').expect("one field per line");
             let (ty, rest) = decl.split_once(' ').unwrap();
             let (field, count) = match rest.split_once('[') {
-                Some((f, n)) => {
-                    let n = n.trim_end_matches(']');
-                    let count = defines
-                        .iter()
-                        .find(|d| d.0 == n)
-                        .map(|d| d.1)
-                        .unwrap_or_else(|| n.parse().unwrap());
-                    (f.trim(), count)
-                }
+                Some((f, n)) => (f.trim(), n.trim_end_matches(']').parse::<usize>().unwrap()),
                 None => (rest.trim(), 1),
             };
             let (size, align) = match ty {
@@ -310,14 +329,26 @@ mod tests {
     }
 
     #[test]
-    fn structs_match_kernel_source() {
-        let src = include_str!("kernel.cu");
+    fn generated_structs_match_the_rust_layout() {
+        let c = c_structs();
         for s in &STRUCTS {
-            let (size, _, fields) = c_layout(src, s.name);
+            let (size, _, fields) = c_layout(&c, s.name);
             assert_eq!(size, s.size, "size of {}", s.name);
-            let rust: Vec<(String, usize)> =
-                s.fields.iter().map(|&(f, o)| (f.to_string(), o)).collect();
+            let rust: Vec<(String, usize)> = s
+                .fields
+                .iter()
+                .map(|&(f, _, _, o)| (f.to_string(), o))
+                .collect();
             assert_eq!(fields, rust, "fields of {}", s.name);
+        }
+        // The kernel file has no copy of its own.
+        let kernel = include_str!("kernel.cu");
+        for s in &STRUCTS {
+            assert!(
+                !kernel.contains(&format!("struct {} {{", s.name)),
+                "{}",
+                s.name
+            );
         }
     }
 
