@@ -170,6 +170,10 @@ fn main() -> Result<()> {
             order.sort_by_key(|p| p.as_str() == "nccl");
         }
         for &bytes in &sizes {
+            // Every path of this size is prepared first, then the repeats go round-robin over
+            // the paths, so that a drift of the machine (clocks, other tenants) touches every
+            // path alike and the ratios compare like with like.
+            let mut prepared = Vec::new();
             for path in &order {
                 let point = format!(
                     "{path} {} {}",
@@ -182,20 +186,48 @@ fn main() -> Result<()> {
                     verify(&clique, &mut pools, path, args.root, bytes, &floor)
                         .with_context(|| format!("checking {path} at {bytes} bytes"))?;
                 }
-                let row = measure(
-                    &clique, &mut pools, path, mode, args.root, bytes, dtype, &args, &floor,
+                if let Some(timer) = prepare(
+                    &clique, &mut pools, path, mode, args.root, bytes, &args, &floor,
                 )
-                .with_context(|| format!("timing {point}"))?;
-                if let Some(r) = &row {
-                    bar.println(format!(
-                        "{point}: {:.2} us ({:.1} GB/s, {})",
-                        r.time_us,
-                        r.busbw_gbps(),
-                        r.route
-                    ));
-                    watchdog.record(r);
+                .with_context(|| format!("preparing {point}"))?
+                {
+                    prepared.push((path.as_str(), timer, Vec::with_capacity(args.repeats)));
                 }
-                rows.extend(row);
+            }
+            for _ in 0..args.repeats {
+                for (path, timer, samples) in &mut prepared {
+                    watchdog.at(&format!("{path} {} {}", mode.name(), bytes));
+                    samples.push(
+                        sample(&clique, &mut pools, path, timer, args.root, bytes, &floor)
+                            .with_context(|| format!("timing {path} at {bytes} bytes"))?,
+                    );
+                }
+            }
+            for (path, timer, samples) in prepared {
+                let st = report::stats(&samples).context("no samples")?;
+                let row = Row {
+                    gpus: clique.len(),
+                    mode,
+                    path: path.to_string(),
+                    route: timer.route.clone(),
+                    bytes: bytes as u64,
+                    count: (bytes / dtype.size()) as u64,
+                    dtype: dtype.name().to_string(),
+                    root: args.root,
+                    time_us: st.median,
+                    min_us: st.min,
+                    max_us: st.max,
+                };
+                bar.println(format!(
+                    "{path} {} {}: {:.2} us ({:.1} GB/s, {})",
+                    mode.name(),
+                    report::format_size(bytes as u64),
+                    row.time_us,
+                    row.busbw_gbps(),
+                    row.route
+                ));
+                watchdog.record(&row);
+                rows.push(row);
                 bar.inc(1);
             }
         }
@@ -572,21 +604,30 @@ fn verify(
     Ok(())
 }
 
+/// A path made ready to time at one size: warmed up (eager) or captured (graph).
+struct Timer<'c> {
+    route: String,
+    iters: usize,
+    sets: usize,
+    graph: Option<gpucast::CliqueGraph<'c, 'static>>,
+}
+
+/// Warms `path` up at `bytes` (eager) or captures its graph; `None` for a point that does not
+/// apply (the packet protocol above its capacity, a path that cannot be captured).
 #[allow(
     clippy::too_many_arguments,
     reason = "one call site; a struct would only rename them"
 )]
-fn measure(
-    clique: &Clique,
+fn prepare<'c>(
+    clique: &'c Clique,
     pools: &mut Pools,
     path: &str,
     mode: Mode,
     root: usize,
     bytes: usize,
-    dtype: DType,
     args: &Args,
     floor: &EmptyKernel,
-) -> Result<Option<Row>> {
+) -> Result<Option<Timer<'c>>> {
     let sets = sets_for(bytes, pools.input.len());
     // Iterations so that a repeat holds about target_ms of work (estimate: 10 us + 300 GB/s).
     let est_us = 10.0 + bytes as f64 / 300e3;
@@ -598,28 +639,24 @@ fn measure(
     if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
         return Ok(None);
     }
-    let mut samples = Vec::with_capacity(args.repeats);
     match mode {
         Mode::Eager => {
             for i in 0..iters.min(50) {
                 run_op(clique, pools, path, root, bytes, i % sets, floor)?;
             }
             clique.synchronize()?;
-            for _ in 0..args.repeats {
-                clique.synchronize()?;
-                let t0 = Instant::now();
-                for i in 0..iters {
-                    run_op(clique, pools, path, root, bytes, i % sets, floor)?;
-                }
-                clique.synchronize()?;
-                samples.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
-            }
+            Ok(Some(Timer {
+                route,
+                iters,
+                sets,
+                graph: None,
+            }))
         }
         Mode::Graph => {
             let iters = iters.min(500);
             clique.synchronize()?;
-            // SAFETY: the pools outlive the graph (dropped before them, below), and the only
-            // other work on them runs on the clique's streams, in order with the replays.
+            // SAFETY: the pools outlive the graph (dropped before them), and the only other
+            // work on them runs on the clique's streams, in order with the replays.
             let captured = unsafe {
                 clique.capture_unchecked(|c| {
                     for i in 0..iters {
@@ -639,26 +676,36 @@ fn measure(
             graph.upload()?;
             graph.launch()?;
             clique.synchronize()?;
-            for _ in 0..args.repeats {
-                let t0 = Instant::now();
-                graph.launch()?;
-                clique.synchronize()?;
-                samples.push(t0.elapsed().as_secs_f64() * 1e6 / iters as f64);
+            Ok(Some(Timer {
+                route,
+                iters,
+                sets,
+                graph: Some(graph),
+            }))
+        }
+    }
+}
+
+/// One repeat of a prepared point: microseconds per broadcast.
+fn sample(
+    clique: &Clique,
+    pools: &mut Pools,
+    path: &str,
+    timer: &mut Timer<'_>,
+    root: usize,
+    bytes: usize,
+    floor: &EmptyKernel,
+) -> Result<f64> {
+    clique.synchronize()?;
+    let t0 = Instant::now();
+    match &mut timer.graph {
+        Some(graph) => graph.launch()?,
+        None => {
+            for i in 0..timer.iters {
+                run_op(clique, pools, path, root, bytes, i % timer.sets, floor)?;
             }
         }
     }
-    let st = report::stats(&samples).context("no samples")?;
-    Ok(Some(Row {
-        gpus: clique.len(),
-        mode,
-        path: path.to_string(),
-        route,
-        bytes: bytes as u64,
-        count: (bytes / dtype.size()) as u64,
-        dtype: dtype.name().to_string(),
-        root,
-        time_us: st.median,
-        min_us: st.min,
-        max_us: st.max,
-    }))
+    clique.synchronize()?;
+    Ok(t0.elapsed().as_secs_f64() * 1e6 / timer.iters as f64)
 }

@@ -103,6 +103,50 @@ fn single_cases(
     let tag = format!("{source:?} {path:?} n={n}");
     let root = 0;
 
+    // 0. The input is written on its own stream, held back, right before the call: the
+    //    broadcast must see that write.
+    let old: Vec<u32> = random_vec(n, rng);
+    let mut input = upload(&streams[root], &old);
+    let mut outputs = poisoned(&streams, n);
+    sync_all(clique, &streams);
+    stall_stream(&streams[root], HOLD_MS);
+    fill(&streams[root], &mut input, 0x6B);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &outputs[r],
+            &pattern(n, 0x6B),
+            &format!("{tag}: input written just before, rank {r}"),
+        );
+    }
+
+    // 0'. The outputs are written on their streams, held back, right before the call: the
+    //    broadcast must come after those writes.
+    let data: Vec<u32> = random_vec(n, rng);
+    let input = upload(&streams[root], &data);
+    let mut outputs = poisoned(&streams, n);
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        stall_stream(&streams[r], HOLD_MS);
+        fill(&streams[r], &mut outputs[r], 0x2D);
+    }
+    clique
+        .broadcast_with(root, &input, &mut outputs, &opts)
+        .unwrap();
+    sync_all(clique, &streams);
+    for r in 0..clique.len() {
+        assert_bytes_eq(
+            &streams[r],
+            &outputs[r],
+            &data,
+            &format!("{tag}: outputs written just before, rank {r}"),
+        );
+    }
+
     // 1. The input is dropped right after the call and its memory reused and zeroed.
     let data: Vec<u32> = random_vec(n, rng);
     let mut input = upload(&streams[root], &data);

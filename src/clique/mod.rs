@@ -274,6 +274,16 @@ impl Clique {
         )
     }
 
+    /// The launch step of a single broadcast of `bytes` bytes, `None` for nothing to do (the
+    /// plan of one tensor, without its allocations).
+    fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
+        Ok(match self.route(bytes, options)? {
+            Route::Empty => None,
+            Route::Nccl => Some(Step::NcclGroup { tensors: vec![0] }),
+            route => Some(Step::P2pOne { tensor: 0, route }),
+        })
+    }
+
     /// The launch plan of tensors of `bytes[i]` bytes with `options`.
     fn plan(&self, bytes: &[usize], options: &BroadcastOptions) -> Result<Vec<Step>> {
         plan::plan(
@@ -320,10 +330,9 @@ impl Clique {
         let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
         let input_info = access::info_of::<T, I>(input);
         let shape = args::check_broadcast(&self.places, root, Some(input_info), &infos, None)?;
-        let steps = self.plan(&[shape.bytes], options)?;
-        if steps.is_empty() {
+        let Some(step) = self.single_step(shape.bytes, options)? else {
             return Ok(());
-        }
+        };
         let mut engine = self.engine.lock()?;
         let in_stream = input.stream().clone();
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
@@ -344,7 +353,9 @@ impl Clique {
         // SAFETY: validation proved every buffer is on its rank's device and context and
         // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
         // guards (dropped after the work is queued) keep them alive for the queued work.
-        foreign.around(&mut engine, |e| unsafe { e.run(root, &[item], &steps) })
+        foreign.around(&mut engine, |e| unsafe {
+            e.run(root, &[item], std::slice::from_ref(&step))
+        })
     }
 
     /// In-place broadcast: `buffers[root]` is the source and every other rank's buffer
@@ -370,10 +381,9 @@ impl Clique {
     {
         let infos: Vec<_> = buffers.iter().map(access::info_of::<T, B>).collect();
         let shape = args::check_broadcast(&self.places, root, None, &infos, None)?;
-        let steps = self.plan(&[shape.bytes], options)?;
-        if steps.is_empty() {
+        let Some(step) = self.single_step(shape.bytes, options)? else {
             return Ok(());
-        }
+        };
         let mut engine = self.engine.lock()?;
         let streams = access::streams_of(buffers.iter().map(|b| b.stream()));
         let mut foreign = Foreign::default();
@@ -390,7 +400,9 @@ impl Clique {
         let item = access::item(dsts[root], &dsts[..self.len()], shape.count, shape.dtype);
         // SAFETY: as in `broadcast_with`; the root's buffer is both source and destination,
         // which every path handles (NCCL in place; the kernels skip the root's self-copy).
-        foreign.around(&mut engine, |e| unsafe { e.run(root, &[item], &steps) })
+        foreign.around(&mut engine, |e| unsafe {
+            e.run(root, &[item], std::slice::from_ref(&step))
+        })
     }
 
     /// Broadcasts raw device addresses: for code that keeps its own `CUdeviceptr`s and streams
@@ -454,10 +466,9 @@ impl Clique {
                 });
             }
         }
-        let steps = self.plan(&[bytes], options)?;
-        if steps.is_empty() {
+        let Some(step) = self.single_step(bytes, options)? else {
             return Ok(());
-        }
+        };
         let mut engine = self.engine.lock()?;
         let mut foreign = Foreign::default();
         for (rank, &s) in b.streams.iter().enumerate() {
@@ -465,7 +476,9 @@ impl Clique {
         }
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
-        foreign.around(&mut engine, |e| unsafe { e.run(b.root, &[item], &steps) })
+        foreign.around(&mut engine, |e| unsafe {
+            e.run(b.root, &[item], std::slice::from_ref(&step))
+        })
     }
 
     /// One zeroed output buffer of `len` elements per rank, each on its rank's stream: what

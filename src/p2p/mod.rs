@@ -222,7 +222,14 @@ impl P2p {
             abi::pull_geometry(bytes)
         };
         let mut params = self.base_params(root, src, bytes, geometry.chunk);
-        let mut jobs = Vec::with_capacity(self.ranks.len());
+        let n = self.ranks.len();
+        let mut jobs = [launcher::Job {
+            func: std::ptr::null_mut(),
+            blocks: geometry.blocks,
+            threads: geometry.threads,
+            stream: std::ptr::null_mut(),
+            params,
+        }; MAX_GPUS];
         for (rank, r) in self.ranks.iter().enumerate() {
             params.rank = u32::try_from(rank).expect("<= 8");
             params.dst = dsts[rank];
@@ -235,19 +242,20 @@ impl P2p {
                 params.head = a.head;
                 r.pull.cu_function()
             };
-            jobs.push(launcher::Job {
+            jobs[rank] = launcher::Job {
                 func,
                 blocks: geometry.blocks,
                 threads: geometry.threads,
                 stream: streams[rank],
                 params,
-            });
+            };
         }
+        let jobs = &jobs[..n];
         if let (Some(l), true) = (&self.launcher, self.parallel) {
             // SAFETY: every job is a launch of this engine's kernels on its rank's stream with
             // parameters valid per this function's contract; `&mut self` serialises calls.
             let outcome =
-                unsafe { l.launch_all(&jobs, self.ranks[0].ctx.cu_ctx(), self.handoff_limit) };
+                unsafe { l.launch_all(jobs, self.ranks[0].ctx.cu_ctx(), self.handoff_limit) };
             return outcome.map_err(|f| match f {
                 launcher::LaunchFailure::Driver { rank, code } => Error::Cuda {
                     during: format!("launching the P2P kernel on rank {rank}"),
@@ -259,7 +267,7 @@ impl P2p {
                 },
             });
         }
-        for (rank, (r, job)) in self.ranks.iter().zip(&jobs).enumerate() {
+        for (rank, (r, job)) in self.ranks.iter().zip(jobs).enumerate() {
             // SAFETY: the context is live (owned by the engine) and the job is a valid launch
             // in it per this function's contract.
             unsafe {

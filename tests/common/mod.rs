@@ -91,10 +91,15 @@ unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
 
 /// Holds `rank`'s stream on the host for `ms`, so that its next work starts late by that much.
 pub fn stall(clique: &Clique, rank: usize, ms: u64) {
+    stall_stream(clique.stream(rank), ms);
+}
+
+/// Holds `stream` on the host for `ms`.
+pub fn stall_stream(stream: &CudaStream, ms: u64) {
     // SAFETY: the callback only sleeps (no CUDA calls) and its argument is a plain integer.
     unsafe {
         gpucast::cudarc::driver::result::stream::launch_host_function(
-            clique.stream(rank).cu_stream(),
+            stream.cu_stream(),
             sleep_host,
             ms as *mut _,
         )
