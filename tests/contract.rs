@@ -281,8 +281,18 @@ fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand:
     let root = 1;
     let sizes = [256usize, 25_000, 2 << 20];
 
-    let datas: Vec<Vec<u32>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
-    let inputs: Vec<CudaSlice<u32>> = datas.iter().map(|d| upload(&streams[root], d)).collect();
+    // The inputs are written right before the call on their stream, held back (a device-side
+    // fill: a copy from pageable memory would wait for the stream first); the clique's streams
+    // are held back too, so that dropping the inputs right after shows.
+    let datas: Vec<Vec<u32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(t, &n)| pattern(n, 0x60 + t as u8))
+        .collect();
+    let mut inputs: Vec<CudaSlice<u32>> = sizes
+        .iter()
+        .map(|&n| upload(&streams[root], &random_vec::<u32>(n, rng)))
+        .collect();
     let mut outputs: Vec<Vec<CudaSlice<u32>>> = (0..clique.len())
         .map(|r| {
             sizes
@@ -292,6 +302,10 @@ fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand:
         })
         .collect();
     sync_all(clique, &streams);
+    stall_stream(&streams[root], HOLD_MS);
+    for (t, input) in inputs.iter_mut().enumerate() {
+        fill(&streams[root], input, 0x60 + t as u8);
+    }
     hold_back(clique);
     {
         let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
