@@ -287,7 +287,7 @@ fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand:
     let datas: Vec<Vec<u32>> = sizes
         .iter()
         .enumerate()
-        .map(|(t, &n)| pattern(n, 0x60 + t as u8))
+        .map(|(t, &n)| pattern(n, [0x60, 0x61, 0x62][t]))
         .collect();
     let mut inputs: Vec<CudaSlice<u32>> = sizes
         .iter()
@@ -304,7 +304,7 @@ fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand:
     sync_all(clique, &streams);
     stall_stream(&streams[root], HOLD_MS);
     for (t, input) in inputs.iter_mut().enumerate() {
-        fill(&streams[root], input, 0x60 + t as u8);
+        fill(&streams[root], input, [0x60, 0x61, 0x62][t]);
     }
     hold_back(clique);
     {
