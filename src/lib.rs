@@ -71,6 +71,7 @@ mod fused;
 mod nccl;
 mod p2p;
 pub mod plan;
+pub mod rendezvous;
 mod tensor;
 mod topology;
 
