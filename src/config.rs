@@ -220,9 +220,18 @@ pub const PATH_ENV: &str = "GPUCAST_PATH";
 pub const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
 /// Read by the NVRTC test only: `1` makes a missing libnvrtc a failure instead of a skip.
 pub const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
+/// Overrides `MASTER_ADDR` (and the Slurm node list) for gpucast's rendezvous store only.
+pub const MASTER_ADDR_ENV: &str = "GPUCAST_MASTER_ADDR";
+/// Overrides `MASTER_PORT` for gpucast's store only. Needed under torchrun, whose agent already
+/// listens on `MASTER_PORT` (see `rendezvous::JobEnv::from_lookup`).
+pub const MASTER_PORT_ENV: &str = "GPUCAST_MASTER_PORT";
+/// Overrides the job token that every rank presents to the store.
+pub const JOB_TOKEN_ENV: &str = "GPUCAST_JOB_TOKEN";
+/// Overrides the host id, e.g. so that tests can pretend two processes are on different nodes.
+pub const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
 
 /// Every variable above with a one-line description, for documentation and error messages.
-pub const ENV_VARS: [(&str, &str); 7] = [
+pub const ENV_VARS: [(&str, &str); 11] = [
     (PATH_ENV, "default path: auto, nccl or p2p"),
     (
         P2P_THRESHOLD_ENV,
@@ -242,7 +251,29 @@ pub const ENV_VARS: [(&str, &str); 7] = [
         REQUIRE_NVRTC_ENV,
         "tests: 1 makes a missing libnvrtc fail the NVRTC test",
     ),
+    (
+        MASTER_ADDR_ENV,
+        "address of rank 0's rendezvous store (instead of MASTER_ADDR)",
+    ),
+    (
+        MASTER_PORT_ENV,
+        "port of rank 0's rendezvous store (instead of MASTER_PORT)",
+    ),
+    (
+        JOB_TOKEN_ENV,
+        "token every rank of one job presents to the store",
+    ),
+    (
+        HOST_ID_ENV,
+        "this process's host id: ranks with equal ids share GPUs through P2P",
+    ),
 ];
+
+/// The process environment as gpucast reads it: `name`'s value, `None` when unset or not
+/// UTF-8. Every environment read of the crate goes through this file.
+pub fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
 
 /// The settings found in the environment; `None` where a variable is unset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -72,6 +72,7 @@ mod error;
 mod nccl;
 mod p2p;
 mod plan;
+pub mod rendezvous;
 mod tensor;
 mod topology;
 
@@ -80,8 +81,8 @@ pub use clique::{
     UncheckedCapture,
 };
 pub use config::{
-    model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds, DEFAULT_THRESHOLDS,
-    DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, PACKET_MAX_BYTES,
+    env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds,
+    DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, PACKET_MAX_BYTES,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

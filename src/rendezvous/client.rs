@@ -1,0 +1,347 @@
+//! A connection from one rank to the store.
+
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::error::{RendezvousError, Result};
+use super::wire::{self, op, FrameError, Request, MAX_REPLY_PAYLOAD};
+use super::{DEFAULT_IO_TIMEOUT, MAX_KEY_LEN, MAX_TOKEN_LEN, MAX_VALUE_LEN, MAX_WORLD_SIZE};
+
+/// How much longer than the server's own deadline a client waits for the reply (the server
+/// answers a timed-out wait itself, with the missing ranks).
+const REPLY_SLACK: Duration = Duration::from_secs(1);
+/// Longest single TCP connect attempt.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
+/// First and longest pause between connect attempts.
+const BACKOFF_START: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_millis(250);
+
+/// One rank's connection to the [`super::StoreServer`].
+///
+/// Every method takes a timeout and returns by then (plus a second of slack for the reply).
+/// After an I/O or protocol error the connection is unusable and every later call fails with
+/// [`RendezvousError::Io`]; errors the server replies with (timeouts, a failed job) leave it
+/// usable.
+#[derive(Debug)]
+pub struct StoreClient {
+    stream: TcpStream,
+    server: SocketAddr,
+    world_size: Option<usize>,
+    broken: Option<String>,
+}
+
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+impl StoreClient {
+    /// Connects to the store at `host:port`, resolving the name and retrying (refused,
+    /// unreachable, unknown host) with backoff until `timeout` has passed: rank 0 may start its
+    /// server after the others start connecting.
+    pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let mut backoff = BACKOFF_START;
+        let mut last_error = None;
+        loop {
+            match (host, port).to_socket_addrs() {
+                Ok(addrs) => {
+                    for addr in addrs {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        let attempt = left.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
+                        match TcpStream::connect_timeout(&addr, attempt) {
+                            Ok(stream) => return Self::from_stream(stream, addr),
+                            Err(e) => last_error = Some(e),
+                        }
+                    }
+                }
+                Err(e) => last_error = Some(e),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RendezvousError::ConnectTimeout {
+                    addr: host_port(host, port),
+                    waited: start.elapsed(),
+                    last_error,
+                });
+            }
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    fn from_stream(stream: TcpStream, server: SocketAddr) -> Result<Self> {
+        let io_err = |source| RendezvousError::Io {
+            peer: server.to_string(),
+            during: "setting up the connection".into(),
+            source,
+        };
+        stream.set_nodelay(true).map_err(io_err)?;
+        stream
+            .set_write_timeout(Some(DEFAULT_IO_TIMEOUT))
+            .map_err(io_err)?;
+        Ok(Self {
+            stream,
+            server,
+            world_size: None,
+            broken: None,
+        })
+    }
+
+    /// The server's address.
+    pub fn server_addr(&self) -> SocketAddr {
+        self.server
+    }
+
+    /// Sends one request frame and reads the reply frame. Error replies become their error.
+    fn call(&mut self, request: &Request, during: &str, wait: Duration) -> Result<wire::Frame> {
+        let peer = self.server.to_string();
+        if let Some(why) = &self.broken {
+            return Err(RendezvousError::Io {
+                peer,
+                during: during.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    format!("the connection is unusable after an earlier error: {why}"),
+                ),
+            });
+        }
+        let frame = request.encode().map_err(|source| RendezvousError::Io {
+            peer: peer.clone(),
+            during: during.to_owned(),
+            source,
+        })?;
+        let sent = (&self.stream)
+            .write_all(&frame)
+            .and_then(|()| (&self.stream).flush());
+        let reply = match sent {
+            Ok(()) => wire::read_frame(
+                &mut &self.stream,
+                MAX_REPLY_PAYLOAD,
+                Some(wait + REPLY_SLACK),
+                DEFAULT_IO_TIMEOUT,
+            ),
+            Err(e) => Err(FrameError::Io(e)),
+        };
+        let frame = match reply {
+            Ok(f) => f,
+            Err(e) => {
+                let err = match e {
+                    FrameError::Closed => RendezvousError::Io {
+                        peer,
+                        during: during.to_owned(),
+                        source: io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "the store closed the connection (rank 0 may have exited)",
+                        ),
+                    },
+                    FrameError::Idle(t) => RendezvousError::Io {
+                        peer,
+                        during: during.to_owned(),
+                        source: io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("no reply from the store within {t:?}"),
+                        ),
+                    },
+                    FrameError::Io(source) => RendezvousError::Io {
+                        peer,
+                        during: during.to_owned(),
+                        source,
+                    },
+                    other => RendezvousError::Protocol {
+                        peer,
+                        reason: format!("bad reply during {during}: {other}"),
+                    },
+                };
+                self.broken = Some(err.to_string());
+                return Err(err);
+            }
+        };
+        if frame.op == op::ERROR {
+            return Err(
+                wire::decode_error(&frame.payload, &peer).unwrap_or_else(|reason| {
+                    RendezvousError::Protocol {
+                        peer: peer.clone(),
+                        reason: format!("malformed error reply during {during}: {reason}"),
+                    }
+                }),
+            );
+        }
+        Ok(frame)
+    }
+
+    fn expect(&mut self, frame: &wire::Frame, want: u8, during: &str) -> Result<()> {
+        if frame.op == want {
+            return Ok(());
+        }
+        let reason = format!(
+            "reply op {:#04x} during {during}, expected {want:#04x}",
+            frame.op
+        );
+        self.broken = Some(reason.clone());
+        Err(RendezvousError::Protocol {
+            peer: self.server.to_string(),
+            reason,
+        })
+    }
+
+    /// Registers this connection as `rank` of a job of `world_size` ranks with `job_token`.
+    ///
+    /// The server answers at once. A world size other than the server's
+    /// ([`RendezvousError::WorldSizeMismatch`]), a rank out of range or a rank already
+    /// registered ([`RendezvousError::DuplicateRank`]) fail the whole job; a different token is
+    /// [`RendezvousError::JobTokenMismatch`] and leaves the job alone.
+    pub fn hello(
+        &mut self,
+        rank: usize,
+        world_size: usize,
+        job_token: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let too_big = |what: &str, v: usize| RendezvousError::InvalidArgument {
+            reason: format!("{what} {v} does not fit the protocol (at most {MAX_WORLD_SIZE})"),
+        };
+        if world_size > MAX_WORLD_SIZE {
+            return Err(too_big("world size", world_size));
+        }
+        if job_token.len() > MAX_TOKEN_LEN {
+            return Err(RendezvousError::TooLarge {
+                what: "job token".into(),
+                len: job_token.len(),
+                max: MAX_TOKEN_LEN,
+            });
+        }
+        let req = Request::Hello {
+            rank: u32::try_from(rank).map_err(|_| too_big("rank", rank))?,
+            world_size: u32::try_from(world_size).map_err(|_| too_big("world size", world_size))?,
+            token: job_token.to_owned(),
+        };
+        let during = format!("hello as rank {rank} of {world_size}");
+        let frame = self.call(&req, &during, timeout)?;
+        self.expect(&frame, op::OK, &during)?;
+        self.world_size = Some(world_size);
+        Ok(())
+    }
+
+    /// Waits until every rank has said hello. On timeout the error names the missing ranks.
+    pub fn wait_all(&mut self, timeout: Duration) -> Result<()> {
+        let req = Request::WaitAll {
+            timeout_ms: wire::millis(timeout),
+        };
+        let frame = self.call(&req, "waiting for all ranks", timeout)?;
+        self.expect(&frame, op::OK, "waiting for all ranks")
+    }
+
+    fn check_key(key: &str) -> Result<()> {
+        if key.len() > MAX_KEY_LEN {
+            return Err(RendezvousError::TooLarge {
+                what: format!("key {:?}...", key.chars().take(32).collect::<String>()),
+                len: key.len(),
+                max: MAX_KEY_LEN,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_value(what: &str, len: usize) -> Result<()> {
+        if len > MAX_VALUE_LEN {
+            return Err(RendezvousError::TooLarge {
+                what: what.to_owned(),
+                len,
+                max: MAX_VALUE_LEN,
+            });
+        }
+        Ok(())
+    }
+
+    /// Stores `value` under `key` (replacing any earlier value).
+    pub fn set(&mut self, key: &str, value: &[u8], timeout: Duration) -> Result<()> {
+        Self::check_key(key)?;
+        Self::check_value(&format!("value of key {key:?}"), value.len())?;
+        let req = Request::Set {
+            key: key.to_owned(),
+            value: value.to_vec(),
+        };
+        let during = format!("setting key {key:?}");
+        let frame = self.call(&req, &during, timeout)?;
+        self.expect(&frame, op::OK, &during)
+    }
+
+    /// The value of `key`, waiting up to `timeout` for some rank to set it.
+    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        Self::check_key(key)?;
+        let req = Request::Get {
+            key: key.to_owned(),
+            timeout_ms: wire::millis(timeout),
+        };
+        let during = format!("getting key {key:?}");
+        let frame = self.call(&req, &during, timeout)?;
+        self.expect(&frame, op::VALUE, &during)?;
+        Ok(frame.payload)
+    }
+
+    /// Contributes `value` to all-gather round `round` and returns every rank's contribution in
+    /// rank order once all have contributed. Every rank must use the same round numbers in the
+    /// same order; a timeout names the ranks that have not contributed.
+    pub fn all_gather(
+        &mut self,
+        round: u64,
+        value: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        Self::check_value("all-gather contribution", value.len())?;
+        let req = Request::Gather {
+            round,
+            timeout_ms: wire::millis(timeout),
+            value: value.to_vec(),
+        };
+        let during = format!("all-gather round {round}");
+        let frame = self.call(&req, &during, timeout)?;
+        self.expect(&frame, op::GATHERED, &during)?;
+        let values =
+            wire::decode_gathered(&frame.payload).map_err(|reason| RendezvousError::Protocol {
+                peer: self.server.to_string(),
+                reason: format!("malformed all-gather reply: {reason}"),
+            })?;
+        if let Some(n) = self.world_size {
+            if values.len() != n {
+                return Err(RendezvousError::Protocol {
+                    peer: self.server.to_string(),
+                    reason: format!(
+                        "all-gather reply has {} entries for {n} ranks",
+                        values.len()
+                    ),
+                });
+            }
+        }
+        Ok(values)
+    }
+
+    /// Fails the job for every rank with `reason` (clipped to 4 KiB) and `missing`, the ranks
+    /// it blames, if any.
+    pub fn abort(&mut self, reason: &str, missing: &[usize], timeout: Duration) -> Result<()> {
+        let mut end = reason.len().min(4096);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let req = Request::Abort {
+            missing: missing
+                .iter()
+                .take(MAX_WORLD_SIZE)
+                .filter_map(|&r| u32::try_from(r).ok())
+                .collect(),
+            reason: reason[..end].to_owned(),
+        };
+        let frame = self.call(&req, "abort", timeout)?;
+        self.expect(&frame, op::OK, "abort")
+    }
+}

@@ -1,0 +1,881 @@
+//! What a launcher (torchrun, Slurm) tells each process about the job, and which host it is on.
+
+use std::net::IpAddr;
+
+use super::error::{RendezvousError, Result};
+use super::MAX_TOKEN_LEN;
+
+pub use crate::config::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+
+/// The store port of a single-process job when no variable names one (it is never opened).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+/// Lowest port derived from `SLURM_JOB_ID` when no port variable is set.
+pub const SLURM_PORT_BASE: u16 = 15000;
+/// Number of ports derived from `SLURM_JOB_ID`: the port is
+/// `SLURM_PORT_BASE + SLURM_JOB_ID % SLURM_PORT_SPAN`, i.e. 15000..=29999, below Linux's
+/// default ephemeral range.
+pub const SLURM_PORT_SPAN: u16 = 15000;
+
+/// Most hosts a Slurm host list may expand to.
+const MAX_HOSTS: usize = 1 << 16;
+
+/// Where this process sits in the job: its rank, the job's size, its node and the store's address.
+///
+/// Build it with [`JobEnv::from_env`] (what torchrun or Slurm set), or in code with
+/// [`JobEnv::single_node`] / [`JobEnv::single_process`]. [`JobEnv::validate`] checks the
+/// invariants; [`crate::rendezvous::Rendezvous::connect`] calls it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobEnv {
+    /// This process's rank in the job, `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// This process's rank among the processes of its node, `0..local_world_size`.
+    pub local_rank: usize,
+    /// Number of processes on this node.
+    pub local_world_size: usize,
+    /// Index of this node in the job (torchrun's `GROUP_RANK`, Slurm's `SLURM_NODEID`).
+    pub node: usize,
+    /// Host name or address of rank 0's node, where the store listens.
+    pub master_addr: String,
+    /// The store's TCP port.
+    pub master_port: u16,
+    /// Identifies one launch of the job; every rank must have the same. The store rejects a
+    /// process with a different token (a process of another job that reached this port). From
+    /// `GPUCAST_JOB_TOKEN`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`,
+    /// else empty.
+    pub job_token: String,
+}
+
+/// Reads variables through a lookup function, treating empty values as unset.
+struct Vars<F> {
+    lookup: F,
+}
+
+impl<F: Fn(&str) -> Option<String>> Vars<F> {
+    fn get(&self, var: &str) -> Option<String> {
+        (self.lookup)(var)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The first of `vars` that is set, with its name.
+    fn first(&self, vars: &[&'static str]) -> Option<(&'static str, String)> {
+        vars.iter().find_map(|&var| self.get(var).map(|v| (var, v)))
+    }
+}
+
+fn invalid(var: &str, value: &str, reason: impl Into<String>) -> RendezvousError {
+    RendezvousError::InvalidEnv {
+        var: var.to_owned(),
+        value: value.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn parse_count(var: &str, value: &str) -> Result<usize> {
+    value
+        .parse::<usize>()
+        .map_err(|e| invalid(var, value, format!("not a non-negative integer ({e})")))
+}
+
+fn parse_port(var: &str, value: &str) -> Result<u16> {
+    match value.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(invalid(var, value, "not a TCP port number in 1..=65535")),
+    }
+}
+
+impl JobEnv {
+    /// Reads the job from the process environment; see [`JobEnv::from_lookup`].
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(crate::config::env_var)
+    }
+
+    /// Reads the job from variables given by `lookup` (empty values count as unset).
+    ///
+    /// torchrun's variables win over Slurm's; for each field the first variable set is used:
+    ///
+    /// | field | variables |
+    /// |---|---|
+    /// | `rank` | `RANK`, `SLURM_PROCID` |
+    /// | `world_size` | `WORLD_SIZE`, `SLURM_NTASKS`, `SLURM_NPROCS` |
+    /// | `local_rank` | `LOCAL_RANK`, `SLURM_LOCALID` |
+    /// | `node` | `GROUP_RANK`, `SLURM_NODEID` |
+    /// | `local_world_size` | `LOCAL_WORLD_SIZE`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` (both in Slurm's `4(x2),3` form, entry `node`), `SLURM_NTASKS_PER_NODE` |
+    /// | `master_addr` | `GPUCAST_MASTER_ADDR`, `MASTER_ADDR`, first host of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`, `SLURM_NODELIST` (host lists like `gpu[01-04,07],login1` are expanded) |
+    /// | `master_port` | `GPUCAST_MASTER_PORT`, `MASTER_PORT` (plus one when `TORCHELASTIC_USE_AGENT_STORE=True`, see below), else [`SLURM_PORT_BASE`]` + SLURM_JOB_ID % `[`SLURM_PORT_SPAN`] |
+    ///
+    /// Under torchrun the elastic agent hosts its own store on `MASTER_ADDR:MASTER_PORT` and
+    /// says so with `TORCHELASTIC_USE_AGENT_STORE=True`; gpucast then uses `MASTER_PORT + 1`
+    /// unless `GPUCAST_MASTER_PORT` is set.
+    ///
+    /// Defaults: a job whose `world_size` is 1 needs nothing but the rank and size; when the
+    /// job fits on one node (`local_world_size == world_size`) the node is 0 and the master
+    /// address `127.0.0.1`. Anything else missing is [`RendezvousError::MissingEnv`] naming the
+    /// variables; unparsable or inconsistent values (rank not below world size, local rank not
+    /// below local world size, port 0) are [`RendezvousError::InvalidEnv`] naming the variable.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let vars = Vars { lookup };
+        let missing = |what, vars: &[&'static str]| RendezvousError::MissingEnv {
+            what,
+            vars: vars.to_vec(),
+        };
+
+        const RANK: &[&str] = &["RANK", "SLURM_PROCID"];
+        const WORLD: &[&str] = &["WORLD_SIZE", "SLURM_NTASKS", "SLURM_NPROCS"];
+        const LOCAL_RANK: &[&str] = &["LOCAL_RANK", "SLURM_LOCALID"];
+        const NODE: &[&str] = &["GROUP_RANK", "SLURM_NODEID"];
+        const LOCAL_WORLD: &[&str] = &[
+            "LOCAL_WORLD_SIZE",
+            "SLURM_STEP_TASKS_PER_NODE",
+            "SLURM_TASKS_PER_NODE",
+            "SLURM_NTASKS_PER_NODE",
+        ];
+        const ADDR: &[&str] = &[
+            MASTER_ADDR_ENV,
+            "MASTER_ADDR",
+            "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST",
+            "SLURM_NODELIST",
+        ];
+        const PORT: &[&str] = &[MASTER_PORT_ENV, "MASTER_PORT", "SLURM_JOB_ID"];
+
+        let (rank_var, rank_value) = vars.first(RANK).ok_or_else(|| missing("rank", RANK))?;
+        let rank = parse_count(rank_var, &rank_value)?;
+        let (world_var, world_value) = vars
+            .first(WORLD)
+            .ok_or_else(|| missing("world size", WORLD))?;
+        let world_size = parse_count(world_var, &world_value)?;
+        if world_size == 0 {
+            return Err(invalid(
+                world_var,
+                &world_value,
+                "the world size must be at least 1",
+            ));
+        }
+        if rank >= world_size {
+            return Err(invalid(
+                rank_var,
+                &rank_value,
+                format!("rank {rank} is not below {world_var}={world_size}"),
+            ));
+        }
+        let single = world_size == 1;
+
+        let node = match vars.first(NODE) {
+            Some((var, value)) => Some((var, parse_count(var, &value)?)),
+            None => None,
+        };
+
+        let (local_world_var, local_world_size) = match vars.first(LOCAL_WORLD) {
+            Some((var @ ("SLURM_STEP_TASKS_PER_NODE" | "SLURM_TASKS_PER_NODE"), value)) => {
+                let (_, node) = node.ok_or_else(|| missing("node index", NODE))?;
+                let n =
+                    tasks_on_node(&value, node).map_err(|reason| invalid(var, &value, reason))?;
+                (var, n)
+            }
+            Some((var, value)) => (var, parse_count(var, &value)?),
+            None if single => ("WORLD_SIZE", 1),
+            None => return Err(missing("number of processes on this node", LOCAL_WORLD)),
+        };
+        if local_world_size == 0 || local_world_size > world_size {
+            return Err(invalid(
+                local_world_var,
+                &local_world_size.to_string(),
+                format!("the processes on this node must number 1..={world_size} ({world_var})"),
+            ));
+        }
+        let one_node = local_world_size == world_size;
+
+        let local_rank = match vars.first(LOCAL_RANK) {
+            Some((var, value)) => {
+                let local_rank = parse_count(var, &value)?;
+                if local_rank >= local_world_size {
+                    return Err(invalid(
+                        var,
+                        &value,
+                        format!(
+                            "local rank {local_rank} is not below {local_world_var}={local_world_size}"
+                        ),
+                    ));
+                }
+                local_rank
+            }
+            None if single => 0,
+            None => return Err(missing("local rank", LOCAL_RANK)),
+        };
+
+        let node = match node {
+            Some((_, n)) => n,
+            None if one_node => 0,
+            None => return Err(missing("node index", NODE)),
+        };
+
+        let master_addr = match vars.first(ADDR) {
+            Some((var @ (MASTER_ADDR_ENV | "MASTER_ADDR"), value)) => {
+                if value.chars().any(char::is_whitespace) {
+                    return Err(invalid(var, &value, "a host name has no white space"));
+                }
+                value
+            }
+            Some((var, value)) => {
+                first_host(&value).map_err(|reason| invalid(var, &value, reason))?
+            }
+            None if one_node => "127.0.0.1".to_owned(),
+            None => return Err(missing("master address", ADDR)),
+        };
+
+        let master_port = match vars.first(PORT) {
+            Some((var @ MASTER_PORT_ENV, value)) => parse_port(var, &value)?,
+            Some((var @ "MASTER_PORT", value)) => {
+                let port = parse_port(var, &value)?;
+                let agent_store = vars
+                    .get("TORCHELASTIC_USE_AGENT_STORE")
+                    .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
+                if agent_store {
+                    port.checked_add(1).ok_or_else(|| {
+                        invalid(
+                            var,
+                            &value,
+                            format!(
+                                "torchrun's agent holds this port and gpucast would use the \
+                                 next one, which does not exist; set {MASTER_PORT_ENV}"
+                            ),
+                        )
+                    })?
+                } else {
+                    port
+                }
+            }
+            Some((var, value)) => {
+                let job: u64 = value.parse().map_err(|_| {
+                    invalid(var, &value, "not a numeric job id to derive a port from")
+                })?;
+                let offset = job % u64::from(SLURM_PORT_SPAN);
+                // The offset is below SLURM_PORT_SPAN, a u16.
+                SLURM_PORT_BASE + u16::try_from(offset).unwrap_or(0)
+            }
+            None if single => DEFAULT_MASTER_PORT,
+            None => return Err(missing("master port", PORT)),
+        };
+
+        let job_token = if let Some(t) = vars.get(JOB_TOKEN_ENV) {
+            t
+        } else if let Some(t) = vars.get("TORCHELASTIC_RUN_ID") {
+            t
+        } else if let Some(job) = vars.get("SLURM_JOB_ID") {
+            match vars.get("SLURM_STEP_ID") {
+                Some(step) => format!("{job}.{step}"),
+                None => job,
+            }
+        } else {
+            String::new()
+        };
+        if job_token.len() > MAX_TOKEN_LEN {
+            return Err(invalid(
+                JOB_TOKEN_ENV,
+                &job_token,
+                format!("the job token is limited to {MAX_TOKEN_LEN} bytes"),
+            ));
+        }
+
+        let env = Self {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node,
+            master_addr,
+            master_port,
+            job_token,
+        };
+        Ok(env)
+    }
+
+    /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`.
+    pub fn single_node(rank: usize, world_size: usize, master_port: u16) -> Result<Self> {
+        let env = Self {
+            rank,
+            world_size,
+            local_rank: rank,
+            local_world_size: world_size,
+            node: 0,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port,
+            job_token: String::new(),
+        };
+        env.validate()?;
+        Ok(env)
+    }
+
+    /// A job of one process (no store is ever opened).
+    pub fn single_process() -> Self {
+        Self {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            node: 0,
+            master_addr: "127.0.0.1".to_owned(),
+            master_port: DEFAULT_MASTER_PORT,
+            job_token: String::new(),
+        }
+    }
+
+    /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=
+    /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
+    /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(RendezvousError::InvalidArgument { reason });
+        if self.world_size == 0 || self.world_size > super::MAX_WORLD_SIZE {
+            return bad(format!(
+                "world size {} is not in 1..={}",
+                self.world_size,
+                super::MAX_WORLD_SIZE
+            ));
+        }
+        if self.rank >= self.world_size {
+            return bad(format!(
+                "rank {} is not below the world size {}",
+                self.rank, self.world_size
+            ));
+        }
+        if self.local_world_size == 0 || self.local_world_size > self.world_size {
+            return bad(format!(
+                "local world size {} is not in 1..={}",
+                self.local_world_size, self.world_size
+            ));
+        }
+        if self.local_rank >= self.local_world_size {
+            return bad(format!(
+                "local rank {} is not below the local world size {}",
+                self.local_rank, self.local_world_size
+            ));
+        }
+        if self.master_addr.is_empty() {
+            return bad("the master address is empty".to_owned());
+        }
+        if self.master_port == 0 {
+            return bad("the master port is 0".to_owned());
+        }
+        if self.job_token.len() > MAX_TOKEN_LEN {
+            return bad(format!(
+                "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
+                self.job_token.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// `master_addr:master_port`, with brackets around an IPv6 address.
+    pub fn master(&self) -> String {
+        match self.master_addr.parse::<IpAddr>() {
+            Ok(IpAddr::V6(ip)) => format!("[{ip}]:{}", self.master_port),
+            _ => format!("{}:{}", self.master_addr, self.master_port),
+        }
+    }
+}
+
+/// The number of tasks on node `node` from Slurm's `SLURM_TASKS_PER_NODE` form, e.g.
+/// `4(x2),3` (nodes 0 and 1 run 4 tasks, node 2 runs 3).
+pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
+    let mut first = node;
+    for entry in spec.split(',') {
+        let entry = entry.trim();
+        let (count, repeat) = match entry.split_once('(') {
+            Some((count, rest)) => {
+                let reps = rest
+                    .strip_prefix('x')
+                    .and_then(|r| r.strip_suffix(')'))
+                    .ok_or_else(|| format!("malformed entry {entry:?} (expected like 4(x2))"))?;
+                let reps: usize = reps
+                    .parse()
+                    .map_err(|_| format!("malformed repeat count in {entry:?}"))?;
+                (count, reps)
+            }
+            None => (entry, 1),
+        };
+        let count: usize = count
+            .parse()
+            .map_err(|_| format!("malformed task count in {entry:?}"))?;
+        if first < repeat {
+            return Ok(count);
+        }
+        first -= repeat;
+    }
+    Err(format!("lists fewer nodes than node index {node} needs"))
+}
+
+/// One piece of a host pattern: literal text, or a bracketed set of numeric ranges.
+#[derive(Debug)]
+enum Piece {
+    Text(String),
+    /// Ranges `(low, high, width)`; `width` is the zero-padded width of `low`.
+    Ranges(Vec<(u64, u64, usize)>),
+}
+
+/// Splits a host list at the commas outside brackets.
+fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
+    let mut items = Vec::new();
+    let mut depth = 0usize;
+    let mut start = 0;
+    for (i, c) in list.char_indices() {
+        match c {
+            '[' if depth == 0 => depth = 1,
+            '[' => return Err("nested brackets".to_owned()),
+            ']' if depth == 1 => depth = 0,
+            ']' => return Err("unbalanced ']'".to_owned()),
+            ',' if depth == 0 => {
+                items.push(&list[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if depth != 0 {
+        return Err("unbalanced '['".to_owned());
+    }
+    items.push(&list[start..]);
+    if items.iter().any(|item| item.trim().is_empty()) {
+        return Err("empty host name".to_owned());
+    }
+    Ok(items)
+}
+
+fn parse_pattern(item: &str) -> Result<Vec<Piece>, String> {
+    let mut pieces = Vec::new();
+    let mut rest = item.trim();
+    while !rest.is_empty() {
+        match rest.find('[') {
+            None => {
+                pieces.push(Piece::Text(rest.to_owned()));
+                break;
+            }
+            Some(open) => {
+                if open > 0 {
+                    pieces.push(Piece::Text(rest[..open].to_owned()));
+                }
+                let close = rest[open..]
+                    .find(']')
+                    .map(|c| open + c)
+                    .ok_or_else(|| "unbalanced '['".to_owned())?;
+                let mut ranges = Vec::new();
+                for part in rest[open + 1..close].split(',') {
+                    let part = part.trim();
+                    let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+                    let num = |s: &str| {
+                        if s.is_empty() || s.len() > 18 || !s.bytes().all(|b| b.is_ascii_digit()) {
+                            Err(format!("malformed range {part:?} in {item:?}"))
+                        } else {
+                            s.parse::<u64>().map_err(|e| e.to_string())
+                        }
+                    };
+                    let (l, h) = (num(lo)?, num(hi)?);
+                    if l > h {
+                        return Err(format!("descending range {part:?} in {item:?}"));
+                    }
+                    ranges.push((l, h, lo.len()));
+                }
+                pieces.push(Piece::Ranges(ranges));
+                rest = &rest[close + 1..];
+            }
+        }
+    }
+    Ok(pieces)
+}
+
+/// Expands a Slurm host list such as `gpu[01-04,07],login1` (into `gpu01`, `gpu02`, `gpu03`,
+/// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
+/// product), keeping zero padding. At most 65536 hosts; a malformed list is
+/// [`RendezvousError::InvalidArgument`].
+pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
+    expand(list).map_err(|reason| RendezvousError::InvalidArgument {
+        reason: format!("host list {list:?}: {reason}"),
+    })
+}
+
+fn expand(list: &str) -> Result<Vec<String>, String> {
+    let mut hosts = Vec::new();
+    for item in split_top_level(list)? {
+        let mut expanded = vec![String::new()];
+        for piece in parse_pattern(item)? {
+            match piece {
+                Piece::Text(t) => expanded.iter_mut().for_each(|h| h.push_str(&t)),
+                Piece::Ranges(ranges) => {
+                    let count: u64 = ranges.iter().map(|(l, h, _)| h - l + 1).sum();
+                    let total = u64::try_from(expanded.len())
+                        .unwrap_or(u64::MAX)
+                        .saturating_mul(count)
+                        .saturating_add(u64::try_from(hosts.len()).unwrap_or(u64::MAX));
+                    if total > MAX_HOSTS as u64 {
+                        return Err(format!("expands to more than {MAX_HOSTS} hosts"));
+                    }
+                    let mut next = Vec::new();
+                    for prefix in &expanded {
+                        for &(l, h, width) in &ranges {
+                            for n in l..=h {
+                                next.push(format!("{prefix}{n:0width$}"));
+                            }
+                        }
+                    }
+                    expanded = next;
+                }
+            }
+        }
+        hosts.extend(expanded);
+    }
+    Ok(hosts)
+}
+
+/// The first host of a Slurm host list, without expanding the rest.
+pub(crate) fn first_host(list: &str) -> Result<String, String> {
+    let items = split_top_level(list)?;
+    let mut host = String::new();
+    for piece in parse_pattern(items[0])? {
+        match piece {
+            Piece::Text(t) => host.push_str(&t),
+            Piece::Ranges(ranges) => {
+                let (l, _, width) = ranges[0];
+                host.push_str(&format!("{l:0width$}"));
+            }
+        }
+    }
+    Ok(host)
+}
+
+fn read_trimmed(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty() && s != "uninitialized")
+}
+
+/// An identifier of the physical host this process runs on: processes with the same id share
+/// a node (and may use peer-to-peer links between their GPUs).
+///
+/// The value of `GPUCAST_HOST_ID` ([`HOST_ID_ENV`]) through `lookup` if set (so tests can
+/// pretend to be on different nodes); otherwise the host name (from
+/// `/proc/sys/kernel/hostname`, else `HOSTNAME` through `lookup`), then `/` and the contents
+/// of `/etc/machine-id` (else `/proc/sys/kernel/random/boot_id`) when readable. Processes in
+/// different containers on one machine usually get different ids (their host names differ),
+/// which errs on the safe side.
+pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
+    if let Some(id) = lookup(HOST_ID_ENV)
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+    {
+        return id;
+    }
+    let hostname = read_trimmed("/proc/sys/kernel/hostname")
+        .or_else(|| lookup("HOSTNAME").filter(|h| !h.trim().is_empty()))
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    match read_trimmed("/etc/machine-id")
+        .or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"))
+    {
+        Some(machine) => format!("{hostname}/{machine}"),
+        None => hostname,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<JobEnv> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        JobEnv::from_lookup(move |k| map.get(k).cloned())
+    }
+
+    const TORCHRUN: &[(&str, &str)] = &[
+        ("RANK", "5"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("LOCAL_WORLD_SIZE", "4"),
+        ("GROUP_RANK", "1"),
+        ("MASTER_ADDR", "node-a"),
+        ("MASTER_PORT", "29400"),
+        ("TORCHELASTIC_RUN_ID", "run-42"),
+    ];
+
+    #[test]
+    fn torchrun_variables() {
+        let e = env(TORCHRUN).unwrap();
+        assert_eq!(
+            e,
+            JobEnv {
+                rank: 5,
+                world_size: 8,
+                local_rank: 1,
+                local_world_size: 4,
+                node: 1,
+                master_addr: "node-a".into(),
+                master_port: 29400,
+                job_token: "run-42".into(),
+            }
+        );
+        assert_eq!(e.master(), "node-a:29400");
+    }
+
+    #[test]
+    fn torchrun_agent_store_moves_the_port_unless_overridden() {
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        assert_eq!(env(&vars).unwrap().master_port, 29401);
+        vars.push((MASTER_PORT_ENV, "31000"));
+        assert_eq!(env(&vars).unwrap().master_port, 31000);
+        let mut vars = TORCHRUN.to_vec();
+        vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        vars.retain(|(k, _)| *k != "MASTER_PORT");
+        vars.push(("MASTER_PORT", "65535"));
+        let err = env(&vars).unwrap_err();
+        assert!(
+            matches!(&err, RendezvousError::InvalidEnv { var, .. } if var == "MASTER_PORT"),
+            "{err}"
+        );
+    }
+
+    const SLURM: &[(&str, &str)] = &[
+        ("SLURM_PROCID", "9"),
+        ("SLURM_NTASKS", "11"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NODEID", "2"),
+        ("SLURM_TASKS_PER_NODE", "4(x2),3"),
+        ("SLURM_JOB_NODELIST", "gpu[01-04,07],login1"),
+        ("SLURM_JOB_ID", "123456"),
+    ];
+
+    #[test]
+    fn slurm_variables() {
+        let e = env(SLURM).unwrap();
+        assert_eq!(e.rank, 9);
+        assert_eq!(e.world_size, 11);
+        assert_eq!(e.local_rank, 1);
+        assert_eq!(e.local_world_size, 3);
+        assert_eq!(e.node, 2);
+        assert_eq!(e.master_addr, "gpu01");
+        assert_eq!(e.master_port, 15000 + 3456); // 123456 % 15000 = 3456
+        assert_eq!(e.job_token, "123456");
+    }
+
+    #[test]
+    fn slurm_precedence_and_overrides() {
+        let mut vars = SLURM.to_vec();
+        vars.push(("SLURM_STEP_NODELIST", "a[3-4]"));
+        vars.push(("SLURM_STEP_ID", "0"));
+        vars.push(("SLURM_NTASKS_PER_NODE", "4"));
+        let e = env(&vars).unwrap();
+        assert_eq!(e.master_addr, "a3");
+        assert_eq!(
+            e.local_world_size, 3,
+            "the per-node list names this node's count"
+        );
+        assert_eq!(e.job_token, "123456.0");
+        vars.push(("MASTER_ADDR", "head"));
+        vars.push(("MASTER_PORT", "4000"));
+        vars.push(("SLURM_STEP_TASKS_PER_NODE", "2(x3)"));
+        let e = env(&vars).unwrap();
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("head", 4000));
+        assert_eq!(e.local_world_size, 2);
+        vars.push((MASTER_ADDR_ENV, "10.0.0.1"));
+        assert_eq!(env(&vars).unwrap().master_addr, "10.0.0.1");
+    }
+
+    #[test]
+    fn missing_and_invalid_values_name_the_variable() {
+        match env(&[("WORLD_SIZE", "2")]) {
+            Err(RendezvousError::MissingEnv { what: "rank", vars }) => {
+                assert_eq!(vars, ["RANK", "SLURM_PROCID"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "2"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "-3")], "WORLD_SIZE"),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "0"),
+                    ("LOCAL_WORLD_SIZE", "3"),
+                ],
+                "LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "0"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                    ("MASTER_PORT", "0"),
+                ],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("LOCAL_RANK", "0"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                    ("MASTER_PORT", "70000"),
+                ],
+                "MASTER_PORT",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "4"),
+                    ("SLURM_LOCALID", "0"),
+                    ("SLURM_NODEID", "3"),
+                    ("SLURM_TASKS_PER_NODE", "2(x2)"),
+                ],
+                "SLURM_TASKS_PER_NODE",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "4"),
+                    ("SLURM_LOCALID", "0"),
+                    ("SLURM_NODEID", "0"),
+                    ("SLURM_NTASKS_PER_NODE", "2"),
+                    ("SLURM_JOB_NODELIST", "n[1-"),
+                ],
+                "SLURM_JOB_NODELIST",
+            ),
+            (
+                &[
+                    ("SLURM_PROCID", "0"),
+                    ("SLURM_NTASKS", "4"),
+                    ("SLURM_LOCALID", "0"),
+                    ("SLURM_NODEID", "0"),
+                    ("SLURM_NTASKS_PER_NODE", "2"),
+                    ("SLURM_JOB_NODELIST", "n[1-2]"),
+                    ("SLURM_JOB_ID", "abc"),
+                ],
+                "SLURM_JOB_ID",
+            ),
+        ];
+        for (vars, bad) in cases {
+            match env(vars) {
+                Err(RendezvousError::InvalidEnv { var, .. }) => assert_eq!(&var, bad, "{vars:?}"),
+                other => panic!("{vars:?}: expected InvalidEnv({bad}), got {other:?}"),
+            }
+        }
+        // Two nodes, no node list or address: the master cannot be guessed.
+        let err = env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "0"),
+            ("MASTER_PORT", "5000"),
+        ])
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RendezvousError::MissingEnv {
+                    what: "master address",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn defaults_for_one_process_and_one_node() {
+        let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
+        assert_eq!(e, JobEnv::single_process());
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_PORT", "7000"),
+        ])
+        .unwrap();
+        assert_eq!(e, JobEnv::single_node(1, 2, 7000).unwrap());
+        assert!(JobEnv::single_node(2, 2, 7000).is_err());
+        assert!(JobEnv::single_node(0, 2, 0).is_err());
+    }
+
+    #[test]
+    fn hostlists() {
+        assert_eq!(
+            expand_hostlist("gpu[01-04,07],login1").unwrap(),
+            ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "login1"]
+        );
+        assert_eq!(expand_hostlist("a,b").unwrap(), ["a", "b"]);
+        assert_eq!(expand_hostlist("n[8-10]").unwrap(), ["n8", "n9", "n10"]);
+        assert_eq!(
+            expand_hostlist("n[098-100]").unwrap(),
+            ["n098", "n099", "n100"]
+        );
+        assert_eq!(
+            expand_hostlist("r[1-2]-n[1,3].ib").unwrap(),
+            ["r1-n1.ib", "r1-n3.ib", "r2-n1.ib", "r2-n3.ib"]
+        );
+        for bad in [
+            "",
+            "a,,b",
+            "n[1-",
+            "n]",
+            "n[[1]]",
+            "n[3-1]",
+            "n[a-b]",
+            "n[]",
+            "n[1-99999999]",
+        ] {
+            assert!(expand_hostlist(bad).is_err(), "{bad:?} should be rejected");
+        }
+        assert_eq!(first_host("gpu[07-09],a").unwrap(), "gpu07");
+        assert_eq!(
+            first_host("x[1-100000000]").unwrap(),
+            "x1",
+            "no full expansion needed"
+        );
+        assert_eq!(first_host("head").unwrap(), "head");
+        assert!(first_host("n[1-").is_err());
+    }
+
+    #[test]
+    fn tasks_per_node_forms() {
+        let spec = "4(x2),3,2(x3)";
+        let want = [4, 4, 3, 2, 2, 2];
+        for (node, n) in want.iter().enumerate() {
+            assert_eq!(tasks_on_node(spec, node).unwrap(), *n);
+        }
+        assert!(tasks_on_node(spec, 6).is_err());
+        assert_eq!(tasks_on_node("8", 0).unwrap(), 8);
+        for bad in ["4(2)", "4(x)", "x", "4(x2", ""] {
+            assert!(tasks_on_node(bad, 0).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn host_id_prefers_the_override() {
+        assert_eq!(
+            host_id(|k| (k == HOST_ID_ENV).then(|| "fake-node-1".to_owned())),
+            "fake-node-1"
+        );
+        let real = host_id(|_| None);
+        assert!(!real.is_empty());
+        assert_eq!(real, host_id(|_| None), "stable within a boot");
+    }
+}

@@ -1,0 +1,251 @@
+//! The rendezvous module's error type.
+
+use std::fmt::Write as _;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Result with [`RendezvousError`].
+pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while processes of a job find each other and exchange bytes.
+///
+/// Each variant carries what was being done or waited for, and the addresses, ranks and
+/// variables involved. Errors that the store server reports ([`RendezvousError::WorldSizeMismatch`],
+/// [`RendezvousError::DuplicateRank`], [`RendezvousError::Timeout`],
+/// [`RendezvousError::JobFailed`], ...) travel over the wire and arrive as the same variant.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RendezvousError {
+    /// None of the environment variables that give a value is set.
+    #[error("cannot tell the {what}: none of {} is set", .vars.join(", "))]
+    MissingEnv {
+        /// What could not be determined (`"rank"`, `"world size"`, ...).
+        what: &'static str,
+        /// The variables that were looked up, in order of precedence.
+        vars: Vec<&'static str>,
+    },
+    /// An environment variable is set but its value is unusable.
+    #[error("environment variable {var}={value:?} is invalid: {reason}")]
+    InvalidEnv {
+        /// The variable's name.
+        var: String,
+        /// Its value.
+        value: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// An argument given in code is out of range or inconsistent.
+    #[error("invalid argument: {reason}")]
+    InvalidArgument {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Rank 0 could not listen because another socket already holds the port.
+    #[error(
+        "cannot host the rendezvous store on {addr}: the port is already in use (another job \
+         or process on this node holds it; under torchrun the agent's own store holds \
+         MASTER_PORT). Pick another port, e.g. with GPUCAST_MASTER_PORT"
+    )]
+    PortInUse {
+        /// The address rank 0 tried to listen on.
+        addr: SocketAddr,
+    },
+    /// Rank 0 could not listen on the store address for another reason.
+    #[error("cannot host the rendezvous store on {addr}: {source}")]
+    Bind {
+        /// The address rank 0 tried to listen on.
+        addr: SocketAddr,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// No connection to the store could be made before the deadline.
+    #[error(
+        "could not connect to the rendezvous store at {addr} within {waited:?} ({}); is rank 0 \
+         running, and do MASTER_ADDR and MASTER_PORT name its node and a reachable port?",
+        last_error_text(.last_error)
+    )]
+    ConnectTimeout {
+        /// The `host:port` that was tried.
+        addr: String,
+        /// How long connecting was retried.
+        waited: Duration,
+        /// The last OS error (refused, unreachable, name resolution, ...), if any.
+        #[source]
+        last_error: Option<io::Error>,
+    },
+    /// A connection to or from the store failed or was closed in the middle of an operation.
+    #[error("I/O error on the rendezvous connection with {peer} during {during}: {source}")]
+    Io {
+        /// The other end of the connection.
+        peer: String,
+        /// The operation in progress.
+        during: String,
+        /// The OS error (`UnexpectedEof` when the other end closed the connection).
+        source: io::Error,
+    },
+    /// The other end sent bytes that are not a valid frame or message.
+    #[error("rendezvous protocol error with {peer}: {reason}")]
+    Protocol {
+        /// The other end of the connection.
+        peer: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A key, value or token exceeds its limit.
+    #[error("{what} of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// What was too large (`"key"`, `"value"`, ...).
+        what: String,
+        /// Its size.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A rank was started with a different world size than rank 0.
+    #[error(
+        "rank {rank} was started with world size {client} but rank 0 (which hosts the store) \
+         with world size {server}; every rank of a job must agree on WORLD_SIZE"
+    )]
+    WorldSizeMismatch {
+        /// The rank that said hello.
+        rank: usize,
+        /// The world size that rank gave.
+        client: usize,
+        /// Rank 0's world size.
+        server: usize,
+    },
+    /// A rank is not below the world size.
+    #[error("rank {rank} is out of range for a world of {world_size} ranks (0..{world_size})")]
+    RankOutOfRange {
+        /// The rank.
+        rank: usize,
+        /// The world size.
+        world_size: usize,
+    },
+    /// Two processes claimed the same rank.
+    #[error("rank {rank} joined twice: {detail}")]
+    DuplicateRank {
+        /// The rank claimed twice.
+        rank: usize,
+        /// Which connections claimed it.
+        detail: String,
+    },
+    /// A process of another job (or launch) reached this job's store.
+    #[error(
+        "job token {client:?} does not match the store's {server:?}: this process belongs to \
+         another job or launch than rank 0 (check MASTER_PORT and the job ids)"
+    )]
+    JobTokenMismatch {
+        /// The token the connecting process gave.
+        client: String,
+        /// The store's token.
+        server: String,
+    },
+    /// The store refused a request for a reason of its own (too many connections, store full).
+    #[error("the rendezvous store refused the request: {reason}")]
+    Rejected {
+        /// Why.
+        reason: String,
+    },
+    /// A wait ran past its deadline.
+    #[error("timed out after {timeout:?} waiting for {what}{}", missing_text(.missing))]
+    Timeout {
+        /// What was waited for.
+        what: String,
+        /// The time limit that passed.
+        timeout: Duration,
+        /// The ranks that had not arrived or contributed, when known.
+        missing: Vec<usize>,
+    },
+    /// The job was marked failed (by the store or by a rank's abort); every later request fails
+    /// with the same reason.
+    #[error("the rendezvous failed: {reason}")]
+    JobFailed {
+        /// Why, as first reported.
+        reason: String,
+        /// Ranks named as missing by the failure, when it was a timeout somewhere.
+        missing: Vec<usize>,
+    },
+    /// The caller-supplied exchange (see [`crate::rendezvous::FnExchange`]) returned an error.
+    #[error("the caller's exchange failed: {message}")]
+    External {
+        /// The caller's error message.
+        message: String,
+    },
+    /// An exchange returned a result of the wrong shape.
+    #[error("the exchange returned a malformed all-gather: {reason}")]
+    BadGather {
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+impl RendezvousError {
+    /// The ranks this error names as missing (empty if none are known).
+    pub fn missing_ranks(&self) -> &[usize] {
+        match self {
+            Self::Timeout { missing, .. } | Self::JobFailed { missing, .. } => missing,
+            _ => &[],
+        }
+    }
+}
+
+fn last_error_text(e: &Option<io::Error>) -> String {
+    match e {
+        Some(e) => format!("last error: {e}"),
+        None => "no attempt could be made".to_owned(),
+    }
+}
+
+/// How many ranks a message lists before it abbreviates.
+const LISTED_RANKS: usize = 32;
+
+/// `[2, 5]`, or the first ranks and a count when there are many.
+pub(crate) fn rank_list(ranks: &[usize]) -> String {
+    let mut s = String::from("[");
+    for (i, r) in ranks.iter().take(LISTED_RANKS).enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{r}");
+    }
+    if ranks.len() > LISTED_RANKS {
+        let _ = write!(s, ", ... ({} in all)", ranks.len());
+    }
+    s.push(']');
+    s
+}
+
+fn missing_text(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!("; missing ranks: {}", rank_list(missing))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_missing_ranks() {
+        let e = RendezvousError::Timeout {
+            what: "hello from all 3 ranks".into(),
+            timeout: Duration::from_secs(2),
+            missing: vec![2],
+        };
+        assert_eq!(
+            e.to_string(),
+            "timed out after 2s waiting for hello from all 3 ranks; missing ranks: [2]"
+        );
+        assert_eq!(e.missing_ranks(), &[2]);
+        let many: Vec<usize> = (0..100).collect();
+        let s = rank_list(&many);
+        assert!(
+            s.starts_with("[0, 1, 2") && s.ends_with("(100 in all)]"),
+            "{s}"
+        );
+    }
+}

@@ -1,0 +1,533 @@
+//! The [`Exchange`] trait, the store-backed [`Rendezvous`] and the closure-backed
+//! [`FnExchange`].
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info};
+
+use super::client::StoreClient;
+use super::env::JobEnv;
+use super::error::{RendezvousError, Result};
+use super::server::{ServerOptions, StoreServer};
+
+/// How long a rank waits for the store to accept its abort after a local failure.
+const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
+/// Longest time rank 0 keeps the store up after a failed rendezvous, for ranks still coming.
+const FAILURE_LINGER: Duration = Duration::from_secs(30);
+
+/// What gpucast's initialisation needs from the processes of a job: who am I, how many are we,
+/// and an all-gather of small byte strings.
+///
+/// [`Rendezvous`] implements it over gpucast's own TCP store; [`FnExchange`] wraps a closure so
+/// that MPI or a framework's process group can drive it instead.
+pub trait Exchange {
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of processes.
+    fn world_size(&self) -> usize;
+
+    /// Every rank's `mine`, in rank order (this rank's own bytes at index `rank()`). Every rank
+    /// must call it the same number of times, in the same order; calls never mix.
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<()> {
+        self.all_gather(&[]).map(drop)
+    }
+
+    /// `bytes` of rank `root`, on every rank (other ranks' `bytes` are ignored).
+    fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
+        check_root(root, self.world_size())?;
+        let mine = if self.rank() == root { bytes } else { &[] };
+        let mut all = self.all_gather(mine)?;
+        let got = all.len();
+        all.get_mut(root)
+            .map(std::mem::take)
+            .ok_or_else(|| RendezvousError::BadGather {
+                reason: format!("{got} entries, none for root {root}"),
+            })
+    }
+}
+
+fn check_root(root: usize, world_size: usize) -> Result<()> {
+    if root >= world_size {
+        return Err(RendezvousError::InvalidArgument {
+            reason: format!("broadcast root {root} is out of range for {world_size} ranks"),
+        });
+    }
+    Ok(())
+}
+
+/// An [`Exchange`] driven by a caller-supplied all-gather closure (MPI's `Allgatherv`, a
+/// framework's process group, ...).
+///
+/// The closure gets this rank's bytes and returns every rank's, in rank order. Its errors
+/// become [`RendezvousError::External`] with their message; a result with the wrong number of
+/// entries, or whose own entry differs from what was passed, is [`RendezvousError::BadGather`].
+pub struct FnExchange<F> {
+    rank: usize,
+    world_size: usize,
+    gather: F,
+}
+
+impl<F> fmt::Debug for FnExchange<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FnExchange")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F> FnExchange<F> {
+    /// Wraps `gather` for rank `rank` of `world_size` (checked: `rank < world_size`).
+    pub fn new(rank: usize, world_size: usize, gather: F) -> Result<Self> {
+        if rank >= world_size {
+            return Err(RendezvousError::InvalidArgument {
+                reason: format!("rank {rank} is not below the world size {world_size}"),
+            });
+        }
+        Ok(Self {
+            rank,
+            world_size,
+            gather,
+        })
+    }
+}
+
+impl<F, E> Exchange for FnExchange<F>
+where
+    F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>,
+    E: fmt::Display,
+{
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let all = (self.gather)(mine).map_err(|e| RendezvousError::External {
+            message: e.to_string(),
+        })?;
+        if all.len() != self.world_size {
+            return Err(RendezvousError::BadGather {
+                reason: format!(
+                    "{} entries for a world of {} ranks",
+                    all.len(),
+                    self.world_size
+                ),
+            });
+        }
+        if all[self.rank] != mine {
+            return Err(RendezvousError::BadGather {
+                reason: format!(
+                    "entry {} ({} bytes) is not what rank {} contributed ({} bytes)",
+                    self.rank,
+                    all[self.rank].len(),
+                    self.rank,
+                    mine.len()
+                ),
+            });
+        }
+        Ok(all)
+    }
+}
+
+struct Session {
+    /// `None` for a job of one process.
+    client: Option<StoreClient>,
+    round: u64,
+}
+
+/// The processes of one job, connected through gpucast's TCP store.
+///
+/// Rank 0 hosts a [`StoreServer`] on the master port; every rank (rank 0 too) connects to it.
+/// All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
+/// [`Rendezvous::broadcast_from`]) are bounded by the timeout given to
+/// [`Rendezvous::connect`] (see [`Rendezvous::set_timeout`]). When a rank fails locally (a
+/// timeout, an oversize contribution), it aborts the job so that every other rank fails at
+/// once with the reason instead of waiting out its own timeout.
+///
+/// Keep rank 0's `Rendezvous` alive until the other ranks are done with theirs (end with a
+/// [`Rendezvous::barrier`]): dropping it stops the store.
+pub struct Rendezvous {
+    env: JobEnv,
+    timeout: Duration,
+    session: Mutex<Session>,
+    /// Declared last: dropped after rank 0's own connection.
+    server: Option<StoreServer>,
+}
+
+impl fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("rank", &self.env.rank)
+            .field("world_size", &self.env.world_size)
+            .field("master", &self.env.master())
+            .field("timeout", &self.timeout)
+            .field("server", &self.server)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The address rank 0 listens on: a loopback `MASTER_ADDR` of a one-node job is bound as is;
+/// otherwise the unspecified address of `MASTER_ADDR`'s family (all interfaces, like torch's
+/// TCPStore). Binding a host name's own address would break the common setup where the name
+/// resolves to 127.0.1.1 on its own node but to a routable address elsewhere.
+fn listen_addr(env: &JobEnv) -> SocketAddr {
+    let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map(Iterator::collect)
+        .unwrap_or_default();
+    let one_node = env.local_world_size == env.world_size;
+    if one_node && !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
+        return resolved[0];
+    }
+    let ip = match resolved.first() {
+        Some(a) if a.is_ipv6() => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+    };
+    SocketAddr::new(ip, env.master_port)
+}
+
+/// Where rank 0 reaches its own server.
+fn local_target(listening: SocketAddr) -> SocketAddr {
+    let ip = match listening.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, listening.port())
+}
+
+/// Connects and says hello, reconnecting while the failure is on the connection (a server
+/// that refused because it was busy, a connection reset) and time is left.
+fn connect_and_hello(
+    host: &str,
+    port: u16,
+    env: &JobEnv,
+    deadline: Instant,
+) -> Result<StoreClient> {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut client = StoreClient::connect(host, port, left)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        match client.hello(env.rank, env.world_size, &env.job_token, left) {
+            Ok(()) => return Ok(client),
+            Err(e @ (RendezvousError::Io { .. } | RendezvousError::Rejected { .. })) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(e);
+                }
+                debug!(error = %e, "rendezvous: hello failed, reconnecting");
+                thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// After a local failure, tells the store so that every rank fails now. Best effort.
+fn abort_after(client: &mut StoreClient, rank: usize, e: &RendezvousError) {
+    if matches!(
+        e,
+        RendezvousError::JobFailed { .. }
+            | RendezvousError::Io { .. }
+            | RendezvousError::Protocol { .. }
+    ) {
+        return;
+    }
+    let reason = e.to_string();
+    if let Err(abort_err) = client.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
+        debug!(rank, error = %abort_err, "rendezvous: abort not delivered");
+    }
+}
+
+impl Rendezvous {
+    /// Finds the other processes of the job described by `env`, within `timeout`.
+    ///
+    /// Rank 0 starts the store (see [`StoreServer`]) on `MASTER_PORT`: on `MASTER_ADDR` itself
+    /// when that is a loopback address and the job has one node, else on the unspecified
+    /// address of `MASTER_ADDR`'s family (all interfaces). Every rank connects (retrying until
+    /// the deadline, since rank 0 may start last), says hello, and waits until all
+    /// `world_size` ranks have.
+    ///
+    /// Errors: [`RendezvousError::PortInUse`] on rank 0 if the port is taken;
+    /// [`RendezvousError::ConnectTimeout`] if the store cannot be reached;
+    /// [`RendezvousError::Timeout`] naming the missing ranks if not all arrive in time;
+    /// [`RendezvousError::WorldSizeMismatch`] / [`RendezvousError::DuplicateRank`] /
+    /// [`RendezvousError::RankOutOfRange`] for the offending process and
+    /// [`RendezvousError::JobFailed`] for all others. After a failure, rank 0 keeps the store
+    /// up until every rank has heard of it, the deadline passes or 30 s have passed, whichever
+    /// comes first, so that ranks still starting learn the reason instead of retrying a closed
+    /// port until their own timeout. A job of one process opens no socket.
+    pub fn connect(env: &JobEnv, timeout: Duration) -> Result<Self> {
+        env.validate()?;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        if env.world_size == 1 {
+            return Ok(Self {
+                env: env.clone(),
+                timeout,
+                session: Mutex::new(Session {
+                    client: None,
+                    round: 0,
+                }),
+                server: None,
+            });
+        }
+        let server = if env.rank == 0 {
+            let options = ServerOptions::new(env.world_size, env.job_token.clone());
+            Some(StoreServer::bind(listen_addr(env), options)?)
+        } else {
+            None
+        };
+        let (host, port) = match &server {
+            Some(s) => (
+                local_target(s.local_addr()).ip().to_string(),
+                s.local_addr().port(),
+            ),
+            None => (env.master_addr.clone(), env.master_port),
+        };
+        let joined = connect_and_hello(&host, port, env, deadline).and_then(|mut client| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match client.wait_all(left) {
+                Ok(()) => Ok(client),
+                Err(e) => {
+                    abort_after(&mut client, env.rank, &e);
+                    Err(e)
+                }
+            }
+        });
+        match joined {
+            Ok(client) => {
+                info!(
+                    rank = env.rank,
+                    world_size = env.world_size,
+                    master = %env.master(),
+                    elapsed = ?start.elapsed(),
+                    "rendezvous complete"
+                );
+                Ok(Self {
+                    env: env.clone(),
+                    timeout,
+                    session: Mutex::new(Session {
+                        client: Some(client),
+                        round: 0,
+                    }),
+                    server,
+                })
+            }
+            Err(e) => {
+                if let Some(server) = &server {
+                    server.fail_with(
+                        format!("rank 0 could not complete the rendezvous: {e}"),
+                        e.missing_ranks().to_vec(),
+                    );
+                    server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Number of processes in the job.
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// The job description this rendezvous was made from.
+    pub fn env(&self) -> &JobEnv {
+        &self.env
+    }
+
+    /// The time limit of each collective call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Changes the time limit of each later collective call.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The store's address as rank 0 listens on it (`None` on other ranks and for one process).
+    pub fn server_addr(&self) -> Option<SocketAddr> {
+        self.server.as_ref().map(StoreServer::local_addr)
+    }
+
+    fn session(&self) -> MutexGuard<'_, Session> {
+        self.session.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
+    /// same sequence of collective calls. Contributions are limited to
+    /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`].
+    pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut session = self.session();
+        let round = session.round;
+        session.round += 1;
+        let Some(client) = session.client.as_mut() else {
+            return Ok(vec![mine.to_vec()]);
+        };
+        let result = client.all_gather(round, mine, self.timeout);
+        if let Err(e) = &result {
+            abort_after(client, self.env.rank, e);
+        }
+        result
+    }
+
+    /// Returns once every rank has called it (a round of [`Rendezvous::all_gather`]).
+    pub fn barrier(&self) -> Result<()> {
+        self.all_gather(&[]).map(drop)
+    }
+
+    /// `bytes` of rank `root` on every rank (other ranks' `bytes` are ignored).
+    pub fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
+        Exchange::broadcast_from(self, root, bytes)
+    }
+
+    /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
+    /// so that the others stop waiting.
+    pub fn abort(&self, reason: &str) -> Result<()> {
+        let mut session = self.session();
+        match session.client.as_mut() {
+            Some(client) => client.abort(reason, &[], self.timeout),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Exchange for Rendezvous {
+    fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Rendezvous::all_gather(self, mine)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fn_exchange_maps_results_and_errors() {
+        // Four ranks simulated by a closure that knows the others' bytes.
+        let ex = FnExchange::new(2, 4, |mine: &[u8]| -> Result<Vec<Vec<u8>>, String> {
+            Ok((0..4u8)
+                .map(|r| if r == 2 { mine.to_vec() } else { vec![r; 3] })
+                .collect())
+        })
+        .unwrap();
+        assert_eq!((ex.rank(), ex.world_size()), (2, 4));
+        let all = ex.all_gather(b"me").unwrap();
+        assert_eq!(all[2], b"me");
+        assert_eq!(all[0], [0, 0, 0]);
+        ex.barrier().unwrap();
+        assert_eq!(ex.broadcast_from(1, b"ignored").unwrap(), [1, 1, 1]);
+        assert!(matches!(
+            ex.broadcast_from(4, b""),
+            Err(RendezvousError::InvalidArgument { .. })
+        ));
+
+        let failing = FnExchange::new(0, 2, |_: &[u8]| -> Result<Vec<Vec<u8>>, std::io::Error> {
+            Err(std::io::Error::other("MPI_Allgather returned 5"))
+        })
+        .unwrap();
+        match failing.all_gather(b"x") {
+            Err(RendezvousError::External { message }) => {
+                assert_eq!(message, "MPI_Allgather returned 5");
+            }
+            other => panic!("{other:?}"),
+        }
+
+        let short = FnExchange::new(0, 3, |m: &[u8]| -> Result<_, String> {
+            Ok(vec![m.to_vec()])
+        })
+        .unwrap();
+        assert!(matches!(
+            short.all_gather(b"x"),
+            Err(RendezvousError::BadGather { .. })
+        ));
+        let wrong_self = FnExchange::new(0, 1, |_: &[u8]| -> Result<_, String> {
+            Ok(vec![b"y".to_vec()])
+        })
+        .unwrap();
+        assert!(matches!(
+            wrong_self.all_gather(b"x"),
+            Err(RendezvousError::BadGather { .. })
+        ));
+        assert!(
+            FnExchange::new(3, 3, |_: &[u8]| -> Result<Vec<Vec<u8>>, String> {
+                Ok(vec![])
+            })
+            .is_err()
+        );
+
+        // Usable as a trait object.
+        let dyn_ex: &dyn Exchange = &ex;
+        assert_eq!(dyn_ex.all_gather(b"d").unwrap().len(), 4);
+    }
+
+    #[test]
+    fn rendezvous_can_be_shared_between_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Rendezvous>();
+        send_sync::<StoreServer>();
+        send_sync::<StoreClient>();
+        send_sync::<RendezvousError>();
+    }
+
+    #[test]
+    fn one_process_needs_no_network() {
+        let rdv = Rendezvous::connect(&JobEnv::single_process(), Duration::from_secs(1)).unwrap();
+        assert_eq!(rdv.all_gather(b"solo").unwrap(), vec![b"solo".to_vec()]);
+        rdv.barrier().unwrap();
+        assert_eq!(rdv.broadcast_from(0, b"b").unwrap(), b"b");
+        assert!(rdv.server_addr().is_none());
+    }
+
+    #[test]
+    fn listen_address_policy() {
+        let local = JobEnv::single_node(0, 2, 4242).unwrap();
+        assert_eq!(listen_addr(&local), "127.0.0.1:4242".parse().unwrap());
+        let mut multi = local.clone();
+        multi.local_world_size = 1;
+        assert_eq!(listen_addr(&multi), "0.0.0.0:4242".parse().unwrap());
+        let mut v6 = multi.clone();
+        v6.master_addr = "::1".into();
+        assert_eq!(listen_addr(&v6), "[::]:4242".parse().unwrap());
+        let mut routable = local;
+        routable.master_addr = "192.0.2.7".into();
+        assert_eq!(listen_addr(&routable), "0.0.0.0:4242".parse().unwrap());
+        assert_eq!(
+            local_target("0.0.0.0:5".parse().unwrap()),
+            "127.0.0.1:5".parse().unwrap()
+        );
+        assert_eq!(
+            local_target("[::]:5".parse().unwrap()),
+            "[::1]:5".parse().unwrap()
+        );
+    }
+}
