@@ -429,9 +429,16 @@ impl EmptyKernel {
     }
 
     fn launch(&self, clique: &Clique) -> Result<()> {
+        let streams: Vec<_> = (0..clique.len())
+            .map(|r| clique.stream(r).clone())
+            .collect();
+        self.launch_on(&streams)
+    }
+
+    fn launch_on(&self, streams: &[Arc<CudaStream>]) -> Result<()> {
         for (r, f) in self.funcs.iter().enumerate() {
             // SAFETY: a live context of the clique.
-            unsafe { result::ctx::set_current(clique.context(r).cu_ctx()) }?;
+            unsafe { result::ctx::set_current(streams[r].context().cu_ctx()) }?;
             // SAFETY: the empty kernel takes no parameters.
             unsafe {
                 result::launch_kernel(
@@ -439,7 +446,7 @@ impl EmptyKernel {
                     (1, 1, 1),
                     (32, 1, 1),
                     0,
-                    clique.stream(r).cu_stream(),
+                    streams[r].cu_stream(),
                     &mut [],
                 )
             }?;
@@ -526,9 +533,14 @@ fn graph_op(
 ) -> gpucast::Result<()> {
     let off = set * bytes;
     match path {
-        "launch-floor" => floor
-            .launch(c.clique())
-            .map_err(|e| gpucast::Error::InvalidList(e.to_string())),
+        "launch-floor" => {
+            let streams: Vec<_> = (0..floor.funcs.len())
+                .map(|r| c.stream(r).clone())
+                .collect();
+            floor
+                .launch_on(&streams)
+                .map_err(|e| gpucast::Error::InvalidList(e.to_string()))
+        }
         "copy-engine" => Err(gpucast::Error::InvalidList(
             "cuMemcpyPeerAsync cannot be captured".into(),
         )),

@@ -108,6 +108,9 @@ pub enum Error {
         /// Bytes per element.
         element_size: usize,
     },
+    /// An argument that does not fit the call (e.g. an input on a process without the root).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
     /// Two tensor lists of a fused broadcast have different lengths, or a list is malformed.
     #[error("invalid tensor list: {0}")]
     InvalidList(String),
@@ -174,6 +177,10 @@ pub enum Error {
     /// capturing thread (it would wait for the capture to end, which waits for it).
     #[error("a clique call was made inside its own capture closure: queue broadcasts through the closure's `Capture` argument instead")]
     CaptureInProgress,
+    /// Finding the other processes of the job, or exchanging data with them at
+    /// initialisation, failed (a rank missing, a mismatch, a timeout: see the cause).
+    #[error("rendezvous: {0}")]
+    Rendezvous(std::sync::Arc<crate::rendezvous::RendezvousError>),
     /// Compiling the P2P kernel with NVRTC failed.
     #[error("NVRTC could not compile the P2P kernel for {arch}: {message}")]
     Compile {
@@ -203,5 +210,11 @@ impl Error {
     pub(crate) fn cuda(during: impl Into<String>) -> impl FnOnce(DriverError) -> Error {
         let during = during.into();
         move |source| Error::Cuda { during, source }
+    }
+}
+
+impl From<crate::rendezvous::RendezvousError> for Error {
+    fn from(e: crate::rendezvous::RendezvousError) -> Error {
+        Error::Rendezvous(std::sync::Arc::new(e))
     }
 }

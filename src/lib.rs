@@ -77,8 +77,8 @@ mod tensor;
 mod topology;
 
 pub use clique::{
-    device_count, Capture, Clique, CliqueBuilder, CliqueGraph, OutputLists, RawBroadcast,
-    UncheckedCapture,
+    device_count, Capture, Clique, CliqueBuilder, CliqueGraph, Communicator, CommunicatorBuilder,
+    OutputLists, RawBroadcast, UncheckedCapture, DEFAULT_INIT_TIMEOUT,
 };
 pub use config::{
     env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds,

@@ -24,13 +24,15 @@ pub(crate) enum Step {
 }
 
 /// Plans a call of tensors of `bytes[i]` bytes on `nranks` ranks. Zero-length tensors are
-/// skipped; P2P steps come first, then NCCL groups.
+/// skipped; P2P steps come first, then NCCL groups. Without `fuse`, every P2P tensor gets a
+/// launch of its own.
 pub(crate) fn plan(
     bytes: &[usize],
     path: Path,
     p2p: std::result::Result<(), &Error>,
     thresholds: &Thresholds,
     nranks: usize,
+    fuse: bool,
 ) -> Result<Vec<Step>> {
     let mut p2p_tensors = Vec::new();
     let mut nccl_tensors = Vec::new();
@@ -42,7 +44,8 @@ pub(crate) fn plan(
         }
     }
     let mut steps = Vec::new();
-    for chunk in p2p_tensors.chunks(LIST_MAX) {
+    let per_list = if fuse { LIST_MAX } else { 1 };
+    for chunk in p2p_tensors.chunks(per_list) {
         steps.push(match chunk {
             [(tensor, route)] => Step::P2pOne {
                 tensor: *tensor,
@@ -137,7 +140,7 @@ mod tests {
             packet_max_bytes: 100,
         };
         let sizes = [10usize, 0, 5000, 1000, 1001, 3];
-        let steps = plan(&sizes, Path::Auto, Ok(()), &t, 2).unwrap();
+        let steps = plan(&sizes, Path::Auto, Ok(()), &t, 2, true).unwrap();
         assert_eq!(
             steps,
             vec![
@@ -155,13 +158,17 @@ mod tests {
         assert_eq!((r.nccl_tensors, r.nccl_bytes, r.nccl_groups), (2, 6001, 1));
 
         let no = Error::P2pUnavailable("no NVRTC".into());
-        let all_nccl = plan(&sizes, Path::Auto, Err(&no), &t, 2).unwrap();
+        let all_nccl = plan(&sizes, Path::Auto, Err(&no), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&all_nccl), (vec![], vec![0, 2, 3, 4, 5]));
-        let forced = plan(&sizes, Path::P2p, Ok(()), &t, 2).unwrap();
+        let forced = plan(&sizes, Path::P2p, Ok(()), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&forced), (vec![0, 2, 3, 4, 5], vec![]));
-        assert!(plan(&sizes, Path::P2p, Err(&no), &t, 2).is_err());
-        assert!(plan(&[], Path::Auto, Ok(()), &t, 2).unwrap().is_empty());
-        assert!(plan(&[0, 0], Path::P2p, Ok(()), &t, 2).unwrap().is_empty());
+        assert!(plan(&sizes, Path::P2p, Err(&no), &t, 2, true).is_err());
+        assert!(plan(&[], Path::Auto, Ok(()), &t, 2, true)
+            .unwrap()
+            .is_empty());
+        assert!(plan(&[0, 0], Path::P2p, Ok(()), &t, 2, true)
+            .unwrap()
+            .is_empty());
     }
 
     #[test]
@@ -171,21 +178,21 @@ mod tests {
             packet_max_bytes: 100,
         };
         assert_eq!(
-            plan(&[64], Path::Auto, Ok(()), &t, 2).unwrap(),
+            plan(&[64], Path::Auto, Ok(()), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 0,
                 route: Route::P2pPacket
             }]
         );
         assert_eq!(
-            plan(&[0, 101], Path::P2p, Ok(()), &t, 2).unwrap(),
+            plan(&[0, 101], Path::P2p, Ok(()), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 1,
                 route: Route::P2pPull
             }]
         );
         assert_eq!(
-            plan(&[101], Path::Nccl, Ok(()), &t, 2).unwrap(),
+            plan(&[101], Path::Nccl, Ok(()), &t, 2, true).unwrap(),
             vec![Step::NcclGroup { tensors: vec![0] }]
         );
     }
@@ -194,22 +201,42 @@ mod tests {
     fn launches_respect_list_and_group_limits() {
         let t = Thresholds::for_gpus(8);
         let many = vec![8usize; 1000];
-        let p = plan(&many, Path::P2p, Ok(()), &t, 8).unwrap();
+        let p = plan(&many, Path::P2p, Ok(()), &t, 8, true).unwrap();
         assert_eq!(p.len(), 1000usize.div_ceil(LIST_MAX));
         for s in &p {
             assert!(matches!(s, Step::P2pList { tensors } if tensors.len() <= LIST_MAX));
         }
         assert_eq!(tensors_of(&p).0, (0..1000).collect::<Vec<_>>());
         // 1000 = 8 lists of 120 and one of 40: no lone list.
-        let n = plan(&many, Path::Nccl, Ok(()), &t, 8).unwrap();
+        let n = plan(&many, Path::Nccl, Ok(()), &t, 8, true).unwrap();
         for s in &n {
             assert!(
                 matches!(s, Step::NcclGroup { tensors } if tensors.len() * 8 <= NCCL_GROUP_MAX_OPS)
             );
         }
         assert_eq!(tensors_of(&n).1, (0..1000).collect::<Vec<_>>());
+        // Unfused, every P2P tensor is a launch of its own with its own protocol.
+        let t = Thresholds {
+            p2p_max_bytes: usize::MAX,
+            packet_max_bytes: 100,
+        };
+        let unfused = plan(&[10, 500, 0], Path::P2p, Ok(()), &t, 2, false).unwrap();
+        assert_eq!(
+            unfused,
+            vec![
+                Step::P2pOne {
+                    tensor: 0,
+                    route: Route::P2pPacket
+                },
+                Step::P2pOne {
+                    tensor: 1,
+                    route: Route::P2pPull
+                }
+            ]
+        );
+        let t = Thresholds::for_gpus(8);
         // A last chunk of one P2P tensor becomes a single launch.
-        let p = plan(&vec![8usize; LIST_MAX + 1], Path::P2p, Ok(()), &t, 2).unwrap();
+        let p = plan(&vec![8usize; LIST_MAX + 1], Path::P2p, Ok(()), &t, 2, true).unwrap();
         assert!(matches!(p.last(), Some(Step::P2pOne { tensor, .. }) if *tensor == LIST_MAX));
     }
 }

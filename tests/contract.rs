@@ -496,7 +496,7 @@ fn a_call_inside_the_capture_closure_is_an_error() {
     let mut outputs = clique.alloc_outputs::<u32>(64).unwrap();
     let mut inner = None;
     let r = clique.capture(|c| {
-        inner = Some(c.clique().synchronize());
+        inner = Some(clique.synchronize());
         c.broadcast(0, &input, &mut outputs)
     });
     assert!(

@@ -47,6 +47,17 @@ pub(crate) struct BufferInfo {
     pub dtype: DType,
 }
 
+/// The ranks a process drives and their place in the job.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ranks<'a> {
+    /// Device and context of each local rank.
+    pub places: &'a [Place],
+    /// The job rank of each local rank.
+    pub globals: &'a [usize],
+    /// Ranks in the job.
+    pub world: usize,
+}
+
 /// The element count and byte size of a validated broadcast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Shape {
@@ -55,18 +66,23 @@ pub(crate) struct Shape {
     pub dtype: DType,
 }
 
-/// Checks one broadcast against ranks at `places`. `input` is `None` in place (the root's
-/// entry of `outputs` is then the source). `tensor` names the tensor in errors of fused calls.
+/// Checks one broadcast against the local ranks. `input` is the root's source (only where
+/// the root is local, out of place); `None` in place (the root's entry of `outputs` is the
+/// source) or where the root is in another process. `tensor` names the tensor in errors of
+/// fused calls.
 pub(crate) fn check_broadcast(
-    places: &[Place],
+    ranks: &Ranks<'_>,
     root: usize,
     input: Option<BufferInfo>,
     outputs: &[BufferInfo],
     tensor: Option<usize>,
 ) -> Result<Shape> {
-    let n = places.len();
-    if root >= n {
-        return Err(Error::RootOutOfRange { root, size: n });
+    let n = ranks.places.len();
+    if root >= ranks.world {
+        return Err(Error::RootOutOfRange {
+            root,
+            size: ranks.world,
+        });
     }
     let label = |what: &str| match tensor {
         Some(t) => format!("tensor {t} {what}"),
@@ -83,11 +99,30 @@ pub(crate) fn check_broadcast(
             got: outputs.len(),
         });
     }
-    let reference = input.unwrap_or(outputs[root]);
-    if let Some(inp) = input {
-        check_place(&label("input"), root, places[root], inp.place)?;
+    if n == 0 {
+        return Err(Error::OutputCount {
+            what: "buffers",
+            expected: 1,
+            got: 0,
+        });
     }
-    for (rank, out) in outputs.iter().enumerate() {
+    let root_local = ranks.globals.iter().position(|&g| g == root);
+    let reference = match (input, root_local) {
+        (Some(inp), Some(local)) => {
+            check_place(&label("input"), root, ranks.places[local], inp.place)?;
+            inp
+        }
+        (Some(_), None) => {
+            return Err(Error::InvalidArgument(format!(
+                "{} was given, but the root (rank {root}) belongs to another process: only the root's process passes an input",
+                label("an input")
+            )))
+        }
+        (None, Some(local)) => outputs[local],
+        (None, None) => outputs[0],
+    };
+    for (local, out) in outputs.iter().enumerate() {
+        let rank = ranks.globals[local];
         let what = || {
             label(&if input.is_some() {
                 format!("output {rank}")
@@ -95,7 +130,7 @@ pub(crate) fn check_broadcast(
                 format!("buffer {rank}")
             })
         };
-        check_place(&what(), rank, places[rank], out.place)?;
+        check_place(&what(), rank, ranks.places[local], out.place)?;
         if out.dtype != reference.dtype {
             return Err(Error::InvalidList(format!(
                 "{} holds {}, the source holds {}",
@@ -151,15 +186,18 @@ fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result
 /// has one output per tensor. Returns each tensor's shape.
 /// Errors name the tensor (`tensor 2 output 1`) unless the call is a single broadcast.
 pub(crate) fn check_many(
-    places: &[Place],
+    ranks: &Ranks<'_>,
     root: usize,
     inputs: Option<&[BufferInfo]>,
     outputs: &[Vec<BufferInfo>],
     single: bool,
 ) -> Result<Vec<Shape>> {
-    let n = places.len();
-    if root >= n {
-        return Err(Error::RootOutOfRange { root, size: n });
+    let n = ranks.places.len();
+    if root >= ranks.world {
+        return Err(Error::RootOutOfRange {
+            root,
+            size: ranks.world,
+        });
     }
     if outputs.len() != n {
         return Err(Error::OutputCount {
@@ -168,7 +206,8 @@ pub(crate) fn check_many(
             got: outputs.len(),
         });
     }
-    let count = inputs.map_or(outputs[root].len(), <[_]>::len);
+    let root_local = ranks.globals.iter().position(|&g| g == root);
+    let count = inputs.map_or(outputs[root_local.unwrap_or(0)].len(), <[_]>::len);
     for (rank, list) in outputs.iter().enumerate() {
         if list.len() != count {
             return Err(Error::InvalidList(format!(
@@ -188,7 +227,7 @@ pub(crate) fn check_many(
             column.clear();
             column.extend(outputs.iter().map(|list| list[t]));
             let tensor = (!single).then_some(t);
-            check_broadcast(places, root, inputs.map(|i| i[t]), &column, tensor)
+            check_broadcast(ranks, root, inputs.map(|i| i[t]), &column, tensor)
         })
         .collect()
 }
@@ -232,6 +271,15 @@ mod tests {
         ctx: 50,
     };
 
+    /// All ranks local, as in a clique.
+    fn clique(places: &[Place]) -> Ranks<'_> {
+        Ranks {
+            places,
+            globals: &[0, 1, 2, 3, 4, 5, 6, 7][..places.len()],
+            world: places.len(),
+        }
+    }
+
     fn buf(place: Place, len: usize) -> BufferInfo {
         BufferInfo {
             place,
@@ -244,20 +292,20 @@ mod tests {
     fn broadcast_arguments() {
         let places = [A, B];
         let outs = [buf(A, 10), buf(B, 10)];
-        let shape = check_broadcast(&places, 1, Some(buf(B, 10)), &outs, None).unwrap();
+        let shape = check_broadcast(&clique(&places), 1, Some(buf(B, 10)), &outs, None).unwrap();
         assert_eq!((shape.count, shape.bytes), (10, 40));
         assert_eq!(
-            check_broadcast(&places, 0, None, &outs, None)
+            check_broadcast(&clique(&places), 0, None, &outs, None)
                 .unwrap()
                 .count,
             10
         );
         assert!(matches!(
-            check_broadcast(&places, 2, Some(buf(A, 10)), &outs, None),
+            check_broadcast(&clique(&places), 2, Some(buf(A, 10)), &outs, None),
             Err(Error::RootOutOfRange { root: 2, size: 2 })
         ));
         assert!(matches!(
-            check_broadcast(&places, 0, Some(buf(A, 10)), &outs[..1], None),
+            check_broadcast(&clique(&places), 0, Some(buf(A, 10)), &outs[..1], None),
             Err(Error::OutputCount {
                 expected: 2,
                 got: 1,
@@ -265,12 +313,12 @@ mod tests {
             })
         ));
         assert!(matches!(
-            check_broadcast(&places, 0, Some(buf(B, 10)), &outs, None),
+            check_broadcast(&clique(&places), 0, Some(buf(B, 10)), &outs, None),
             Err(Error::WrongDevice { ref what, expected: 3, found: 5, .. }) if what == "input"
         ));
         assert!(matches!(
             check_broadcast(
-                &places,
+                &clique(&places),
                 0,
                 Some(buf(A, 10)),
                 &[buf(A, 10), buf(A, 10)],
@@ -279,7 +327,13 @@ mod tests {
             Err(Error::WrongDevice { rank: 1, .. })
         ));
         assert!(matches!(
-            check_broadcast(&places, 0, Some(buf(A, 10)), &[buf(A, 10), buf(B, 9)], None),
+            check_broadcast(
+                &clique(&places),
+                0,
+                Some(buf(A, 10)),
+                &[buf(A, 10), buf(B, 9)],
+                None
+            ),
             Err(Error::LengthMismatch {
                 expected: 10,
                 got: 9,
@@ -287,10 +341,16 @@ mod tests {
             })
         ));
         assert!(matches!(
-            check_broadcast(&places, 1, None, &[buf(A, 9), buf(B, 10)], None),
+            check_broadcast(&clique(&places), 1, None, &[buf(A, 9), buf(B, 10)], None),
             Err(Error::LengthMismatch { ref what, .. }) if what == "buffer 0"
         ));
-        let zero = check_broadcast(&places, 0, Some(buf(A, 0)), &[buf(A, 0), buf(B, 0)], None);
+        let zero = check_broadcast(
+            &clique(&places),
+            0,
+            Some(buf(A, 0)),
+            &[buf(A, 0), buf(B, 0)],
+            None,
+        );
         assert_eq!(zero.unwrap().bytes, 0);
     }
 
@@ -301,7 +361,7 @@ mod tests {
             ctx: 51,
         };
         let e = check_broadcast(
-            &[A, B],
+            &clique(&[A, B]),
             0,
             Some(buf(A, 4)),
             &[buf(A, 4), buf(other, 4)],
@@ -322,7 +382,7 @@ mod tests {
             len: usize::MAX / 4,
             dtype: DType::F64,
         };
-        let e = check_broadcast(&[A], 0, Some(huge), &[huge], None).unwrap_err();
+        let e = check_broadcast(&clique(&[A]), 0, Some(huge), &[huge], None).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -340,7 +400,7 @@ mod tests {
             dtype: DType::U8,
         };
         assert!(matches!(
-            check_broadcast(&[A], 0, Some(half), &[half], None),
+            check_broadcast(&clique(&[A]), 0, Some(half), &[half], None),
             Ok(Shape { .. })
         ));
         let over = BufferInfo {
@@ -348,9 +408,49 @@ mod tests {
             ..half
         };
         assert!(matches!(
-            check_broadcast(&[A], 0, Some(over), &[over], None),
+            check_broadcast(&clique(&[A]), 0, Some(over), &[over], None),
             Err(Error::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn one_rank_of_a_job() {
+        // Rank 2 of 4, alone in its process.
+        let places = [B];
+        let me = Ranks {
+            places: &places,
+            globals: &[2],
+            world: 4,
+        };
+        // In place from a remote root: the buffer is the reference.
+        assert_eq!(
+            check_broadcast(&me, 0, None, &[buf(B, 7)], None)
+                .unwrap()
+                .count,
+            7
+        );
+        // Out of place on the root.
+        assert_eq!(
+            check_broadcast(&me, 2, Some(buf(B, 7)), &[buf(B, 7)], None)
+                .unwrap()
+                .count,
+            7
+        );
+        // An input on a process without the root is an error.
+        assert!(matches!(
+            check_broadcast(&me, 1, Some(buf(B, 7)), &[buf(B, 7)], None),
+            Err(Error::InvalidArgument(ref m)) if m.contains("rank 1")
+        ));
+        assert!(matches!(
+            check_broadcast(&me, 4, None, &[buf(B, 7)], None),
+            Err(Error::RootOutOfRange { root: 4, size: 4 })
+        ));
+        assert!(matches!(
+            check_broadcast(&me, 0, None, &[buf(A, 7)], None),
+            Err(Error::WrongDevice { rank: 2, .. })
+        ));
+        let lists = vec![vec![buf(B, 3), buf(B, 4)]];
+        assert_eq!(check_many(&me, 3, None, &lists, false).unwrap().len(), 2);
     }
 
     #[test]
@@ -360,8 +460,14 @@ mod tests {
             len: 10,
             dtype: DType::F16,
         };
-        let e =
-            check_broadcast(&[A, B], 0, Some(buf(A, 10)), &[buf(A, 10), half], None).unwrap_err();
+        let e = check_broadcast(
+            &clique(&[A, B]),
+            0,
+            Some(buf(A, 10)),
+            &[buf(A, 10), half],
+            None,
+        )
+        .unwrap_err();
         assert!(matches!(e, Error::InvalidList(ref m) if m.contains("f16") && m.contains("f32")));
     }
 
@@ -370,33 +476,38 @@ mod tests {
         let places = [A, B];
         let ins = [buf(A, 4), buf(A, 0), buf(A, 7)];
         let outs = vec![ins.to_vec(), vec![buf(B, 4), buf(B, 0), buf(B, 7)]];
-        let shapes = check_many(&places, 0, Some(&ins), &outs, false).unwrap();
+        let shapes = check_many(&clique(&places), 0, Some(&ins), &outs, false).unwrap();
         assert_eq!(
             shapes.iter().map(|s| s.bytes).collect::<Vec<_>>(),
             vec![16, 0, 28]
         );
-        assert_eq!(check_many(&places, 0, None, &outs, false).unwrap().len(), 3);
+        assert_eq!(
+            check_many(&clique(&places), 0, None, &outs, false)
+                .unwrap()
+                .len(),
+            3
+        );
         let short = vec![ins.to_vec(), vec![buf(B, 4)]];
         assert!(matches!(
-            check_many(&places, 0, Some(&ins), &short, false),
+            check_many(&clique(&places), 0, Some(&ins), &short, false),
             Err(Error::InvalidList(ref m)) if m.contains("rank 1 has 1 tensors")
         ));
         let bad = vec![ins.to_vec(), vec![buf(B, 4), buf(B, 0), buf(B, 6)]];
         assert!(matches!(
-            check_many(&places, 0, Some(&ins), &bad, false),
+            check_many(&clique(&places), 0, Some(&ins), &bad, false),
             Err(Error::LengthMismatch { ref what, .. }) if what == "tensor 2 output 1"
         ));
         let one = vec![vec![buf(A, 4)], vec![buf(B, 5)]];
         assert!(matches!(
-            check_many(&places, 0, Some(&ins[..1]), &one, true),
+            check_many(&clique(&places), 0, Some(&ins[..1]), &one, true),
             Err(Error::LengthMismatch { ref what, .. }) if what == "output 1"
         ));
         assert!(matches!(
-            check_many(&places, 0, Some(&ins), &outs[..1], false),
+            check_many(&clique(&places), 0, Some(&ins), &outs[..1], false),
             Err(Error::OutputCount { .. })
         ));
         assert!(matches!(
-            check_many(&places, 2, Some(&ins), &outs, false),
+            check_many(&clique(&places), 2, Some(&ins), &outs, false),
             Err(Error::RootOutOfRange { .. })
         ));
     }

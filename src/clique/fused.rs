@@ -1,13 +1,7 @@
 //! Many tensors in one fused call.
 
-use std::sync::Arc;
-
-use cudarc::driver::CudaStream;
-
-use super::access::{self, Foreign};
-use super::{args, Clique};
-use crate::config::{BroadcastOptions, MAX_GPUS};
-use crate::engine::Item;
+use super::Clique;
+use crate::config::BroadcastOptions;
 use crate::error::Result;
 use crate::plan::FusedReport;
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
@@ -64,75 +58,6 @@ impl Clique {
         outputs: &mut OutputLists<'_, '_>,
         options: &BroadcastOptions,
     ) -> Result<FusedReport> {
-        let in_infos: Option<Vec<_>> =
-            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
-        let out_infos: Vec<Vec<_>> = outputs
-            .iter()
-            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
-            .collect();
-        let shapes = args::check_many(&self.places, root, in_infos.as_deref(), &out_infos, false)?;
-        let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = self.plan(&bytes, options)?;
-        let report = FusedReport::of(&steps, &bytes);
-        if steps.is_empty() {
-            return Ok(report);
-        }
-        let mut engine = self.engine.lock()?;
-        let in_streams: Vec<Arc<CudaStream>> = inputs
-            .unwrap_or_default()
-            .iter()
-            .map(|t| t.stream().clone())
-            .collect();
-        let out_streams: Vec<Vec<Arc<CudaStream>>> = outputs
-            .iter()
-            .map(|l| l.iter().map(|t| t.stream().clone()).collect())
-            .collect();
-        let mut foreign = Foreign::default();
-        for s in &in_streams {
-            foreign.note(root, s, self.stream(root));
-        }
-        for (rank, list) in out_streams.iter().enumerate() {
-            for s in list {
-                foreign.note(rank, s, self.stream(rank));
-            }
-        }
-        let count = shapes.len();
-        let mut srcs = vec![0u64; count];
-        let mut reads = Vec::with_capacity(in_streams.len());
-        for (t, (input, s)) in inputs
-            .unwrap_or_default()
-            .iter()
-            .zip(&in_streams)
-            .enumerate()
-        {
-            let (ptr, g) = input.read_ptr(s);
-            srcs[t] = ptr;
-            reads.push(g);
-        }
-        let mut dsts = vec![[0u64; MAX_GPUS]; count];
-        let mut writes = Vec::with_capacity(count * self.len());
-        for (rank, (list, streams)) in outputs.iter_mut().zip(&out_streams).enumerate() {
-            for (t, (out, s)) in list.iter_mut().zip(streams).enumerate() {
-                let (ptr, g) = out.write_ptr(s);
-                dsts[t][rank] = ptr;
-                writes.push(g);
-            }
-        }
-        let items: Vec<Item> = (0..count)
-            .map(|t| Item {
-                src: if inputs.is_some() {
-                    srcs[t]
-                } else {
-                    dsts[t][root]
-                },
-                dsts: dsts[t],
-                count: shapes[t].count,
-                dtype: shapes[t].dtype,
-            })
-            .collect();
-        // SAFETY: validated against the clique's ranks; the borrows and guards keep every
-        // buffer alive and ordered for the queued work (see `access`).
-        foreign.around(&mut engine, |e| unsafe { e.run(root, &items, &steps) })?;
-        Ok(report)
+        self.core.many(root, inputs, outputs, options)
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::access::{self, Foreign};
-use super::{args, Clique};
+use super::{args, Clique, Core};
 use crate::config::{BroadcastOptions, MAX_GPUS};
 use crate::engine::{EngineGuard, GraphExec, Item};
 use crate::error::Result;
@@ -14,18 +14,18 @@ use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// The part of a capture that both capture forms share: the locked engine in capture mode.
 struct Session<'c> {
-    clique: &'c Clique,
+    core: &'c Core,
     engine: EngineGuard<'c>,
     active: bool,
 }
 
 impl<'c> Session<'c> {
-    fn begin(clique: &'c Clique) -> Result<Session<'c>> {
-        let mut engine = clique.engine.lock()?;
+    fn begin(core: &'c Core) -> Result<Session<'c>> {
+        let mut engine = core.engine.lock()?;
         engine.begin_capture()?;
         engine.set_capturing(true);
         Ok(Session {
-            clique,
+            core,
             engine,
             active: true,
         })
@@ -47,22 +47,18 @@ impl<'c> Session<'c> {
         options: &BroadcastOptions,
         single: bool,
     ) -> Result<FusedReport> {
-        let clique = self.clique;
+        let core = self.core;
         let in_infos: Option<Vec<_>> =
             inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
         let out_infos: Vec<Vec<_>> = outputs
             .iter()
             .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
             .collect();
-        let shapes = args::check_many(
-            &clique.places,
-            root,
-            in_infos.as_deref(),
-            &out_infos,
-            single,
-        )?;
+        let shapes =
+            args::check_many(&core.ranks(), root, in_infos.as_deref(), &out_infos, single)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = clique.plan(&bytes, options)?;
+        let steps = core.plan(&bytes, options)?;
+        let root_local = core.globals.iter().position(|&g| g == root);
         let report = FusedReport::of(&steps, &bytes);
         // Addresses are read through the side stream and the guards forgotten: inside a capture
         // cudarc's waits must not land on the capturing streams. Launches order the buffers.
@@ -75,22 +71,23 @@ impl<'c> Session<'c> {
                 dtype: s.dtype,
             })
             .collect();
-        for (rank, list) in outputs.iter_mut().enumerate() {
-            let side = clique.engine.side_stream(rank);
+        for (local, list) in outputs.iter_mut().enumerate() {
+            let side = core.engine.side_stream(local);
             for (t, out) in list.iter_mut().enumerate() {
                 let (ptr, guard) = out.write_ptr(side);
                 std::mem::forget(guard);
-                items[t].dsts[rank] = ptr;
+                items[t].dsts[local] = ptr;
             }
         }
         for (t, item) in items.iter_mut().enumerate() {
-            item.src = match inputs {
-                Some(i) => {
-                    let (ptr, guard) = i[t].read_ptr(clique.engine.side_stream(root));
+            item.src = match (inputs, root_local) {
+                (Some(i), Some(local)) => {
+                    let (ptr, guard) = i[t].read_ptr(core.engine.side_stream(local));
                     std::mem::forget(guard);
                     ptr
                 }
-                None => item.dsts[root],
+                (None, Some(local)) => item.dsts[local],
+                _ => 0,
             };
         }
         // SAFETY: validated against the clique; the capture's contract (borrowed for the
@@ -106,7 +103,7 @@ impl Drop for Session<'_> {
     fn drop(&mut self) {
         if self.active {
             self.engine.set_capturing(false);
-            self.engine.abandon_capture(self.clique.len());
+            self.engine.abandon_capture(self.core.len());
         }
     }
 }
@@ -124,9 +121,9 @@ pub struct Capture<'c, 'buf> {
 }
 
 impl<'c, 'buf> Capture<'c, 'buf> {
-    /// The clique being captured (for its streams, sizes and routes).
-    pub fn clique(&self) -> &'c Clique {
-        self.session.clique
+    /// The stream of local rank `local` (it is being captured).
+    pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
+        self.session.core.stream(local)
     }
 
     /// Captures [`Clique::broadcast`] of `input` into `outputs` (one per rank).
@@ -207,8 +204,13 @@ impl<'c, 'buf> Capture<'c, 'buf> {
         let report =
             self.session
                 .enqueue(root, inputs.as_deref(), &mut outputs, options, single)?;
-        self.reads
-            .extend(inputs.into_iter().flatten().map(|t| (root, t)));
+        let root_local = self.session.core.globals.iter().position(|&g| g == root);
+        self.reads.extend(
+            inputs
+                .into_iter()
+                .flatten()
+                .map(|t| (root_local.unwrap_or(0), t)),
+        );
         for (rank, list) in outputs.into_iter().enumerate() {
             self.writes.extend(list.into_iter().map(|b| (rank, b)));
         }
@@ -223,9 +225,9 @@ pub struct UncheckedCapture<'c> {
 }
 
 impl<'c> UncheckedCapture<'c> {
-    /// The clique being captured.
-    pub fn clique(&self) -> &'c Clique {
-        self.session.clique
+    /// The stream of local rank `local` (it is being captured).
+    pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
+        self.session.core.stream(local)
     }
 
     /// Captures [`Clique::broadcast_with`] of `input` into `outputs` (one per rank).
@@ -290,7 +292,7 @@ impl<'c> UncheckedCapture<'c> {
 /// # Ok(()) }
 /// ```
 pub struct CliqueGraph<'c, 'buf> {
-    clique: &'c Clique,
+    core: &'c Core,
     execs: Vec<GraphExec>,
     reads: Vec<(usize, &'buf dyn DeviceTensor)>,
     writes: Vec<(usize, &'buf mut dyn DeviceTensorMut)>,
@@ -318,20 +320,7 @@ impl Clique {
     where
         F: FnOnce(&mut Capture<'c, 'buf>) -> Result<()>,
     {
-        let mut cap = Capture {
-            session: Session::begin(self)?,
-            reads: Vec::new(),
-            writes: Vec::new(),
-        };
-        let body = f(&mut cap);
-        let execs = cap.session.finish();
-        body?;
-        Ok(CliqueGraph {
-            clique: self,
-            execs: execs?,
-            reads: std::mem::take(&mut cap.reads),
-            writes: std::mem::take(&mut cap.writes),
-        })
+        self.core.capture(f)
     }
 
     /// [`Clique::capture`] without tying the graph to the captured buffers, for buffers that
@@ -347,6 +336,44 @@ impl Clique {
     where
         F: FnOnce(&mut UncheckedCapture<'c>) -> Result<()>,
     {
+        // SAFETY: the same contract.
+        unsafe { self.core.capture_unchecked(f) }
+    }
+}
+
+impl Core {
+    /// See [`Clique::capture`].
+    pub(crate) fn capture<'c, 'buf, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'buf>>
+    where
+        F: FnOnce(&mut Capture<'c, 'buf>) -> Result<()>,
+    {
+        let mut cap = Capture {
+            session: Session::begin(self)?,
+            reads: Vec::new(),
+            writes: Vec::new(),
+        };
+        let body = f(&mut cap);
+        let execs = cap.session.finish();
+        body?;
+        Ok(CliqueGraph {
+            core: self,
+            execs: execs?,
+            reads: std::mem::take(&mut cap.reads),
+            writes: std::mem::take(&mut cap.writes),
+        })
+    }
+
+    /// See [`Clique::capture_unchecked`].
+    ///
+    /// # Safety
+    /// As for `Clique::capture_unchecked`.
+    pub(crate) unsafe fn capture_unchecked<'c, F>(
+        &'c self,
+        f: F,
+    ) -> Result<CliqueGraph<'c, 'static>>
+    where
+        F: FnOnce(&mut UncheckedCapture<'c>) -> Result<()>,
+    {
         let mut cap = UncheckedCapture {
             session: Session::begin(self)?,
         };
@@ -354,7 +381,7 @@ impl Clique {
         let execs = cap.session.finish();
         body?;
         Ok(CliqueGraph {
-            clique: self,
+            core: self,
             execs: execs?,
             reads: Vec::new(),
             writes: Vec::new(),
@@ -367,8 +394,8 @@ impl CliqueGraph<'_, '_> {
     /// ordered after the captured buffers' earlier work and before their later work, as an
     /// eager call is.
     pub fn launch(&mut self) -> Result<()> {
-        let clique = self.clique;
-        let mut engine = clique.engine.lock()?;
+        let core = self.core;
+        let mut engine = core.engine.lock()?;
         let read_streams: Vec<Arc<CudaStream>> =
             self.reads.iter().map(|(_, t)| t.stream().clone()).collect();
         let write_streams: Vec<Arc<CudaStream>> = self
@@ -377,11 +404,11 @@ impl CliqueGraph<'_, '_> {
             .map(|(_, t)| t.stream().clone())
             .collect();
         let mut foreign = Foreign::default();
-        for ((rank, _), s) in self.reads.iter().zip(&read_streams) {
-            foreign.note(*rank, s, clique.stream(*rank));
+        for ((local, _), s) in self.reads.iter().zip(&read_streams) {
+            foreign.note(*local, s, core.stream(*local));
         }
-        for ((rank, _), s) in self.writes.iter().zip(&write_streams) {
-            foreign.note(*rank, s, clique.stream(*rank));
+        for ((local, _), s) in self.writes.iter().zip(&write_streams) {
+            foreign.note(*local, s, core.stream(*local));
         }
         let _reads: Vec<_> = self
             .reads
@@ -401,6 +428,6 @@ impl CliqueGraph<'_, '_> {
 
     /// Uploads each graph to its device ahead of the first launch.
     pub fn upload(&self) -> Result<()> {
-        self.clique.engine.lock()?.upload_graphs(&self.execs)
+        self.core.engine.lock()?.upload_graphs(&self.execs)
     }
 }

@@ -7,6 +7,8 @@
 
 mod access;
 pub(crate) mod args;
+mod communicator;
+mod core;
 mod fused;
 mod graph;
 mod setup;
@@ -17,15 +19,13 @@ use std::time::Duration;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::config::{BroadcastOptions, Path, Requested, Route, Thresholds, MAX_GPUS};
+use crate::config::{BroadcastOptions, Path, Requested, Route, Thresholds};
 use crate::dtype::{DType, Element};
-use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::plan::{self, Step};
 use crate::topology::Topology;
-use access::Foreign;
-use args::Place;
+pub(crate) use core::Core;
 
+pub use communicator::{Communicator, CommunicatorBuilder, DEFAULT_INIT_TIMEOUT};
 pub use fused::OutputLists;
 pub use graph::{Capture, CliqueGraph, UncheckedCapture};
 pub use setup::device_count;
@@ -100,21 +100,27 @@ impl CliqueBuilder {
             (None, None) => setup::Devices::All,
         };
         let built = setup::create(devices, &self.requested)?;
-        let places = (0..built.engine.len())
+        let n = built.engine.len();
+        let places = (0..n)
             .map(|r| access::place_of(built.engine.stream(r)))
             .collect();
         let clique = Clique {
             ordinals: built.topology.ordinals().to_vec(),
-            engine: built.engine,
+            core: Core {
+                engine: built.engine,
+                places,
+                globals: (0..n).collect(),
+                world: n,
+                p2p: built.p2p,
+                fuse: true,
+            },
             topology: built.topology,
-            places,
-            p2p: built.p2p,
         };
         tracing::info!(
             devices = ?clique.ordinals,
             nccl = ?crate::nccl::nccl_version().ok(),
             nccl_library = ?crate::nccl::NcclLib::get().map(|l| l.path.as_str()).ok(),
-            p2p = clique.p2p.is_ok(),
+            p2p = clique.core.p2p.is_ok(),
             thresholds = ?clique.thresholds(),
             "clique created\n{}", clique.topology
         );
@@ -162,11 +168,9 @@ impl CliqueBuilder {
 /// group aborts the communicators ([`Error::CommunicatorsAborted`] from then on). Dropping a
 /// clique never hangs.
 pub struct Clique {
-    engine: Engine,
+    core: Core,
     topology: Topology,
     ordinals: Vec<usize>,
-    places: Vec<Place>,
-    p2p: std::result::Result<(), Error>,
 }
 
 impl Clique {
@@ -211,7 +215,7 @@ impl Clique {
     /// # Panics
     /// If `rank >= self.len()`.
     pub fn context(&self, rank: usize) -> &Arc<CudaContext> {
-        &self.engine.rank(rank).ctx
+        &self.core.engine.rank(rank).ctx
     }
 
     /// The stream on which rank `rank`'s part of every broadcast runs. Allocate buffers and run
@@ -220,7 +224,7 @@ impl Clique {
     /// # Panics
     /// If `rank >= self.len()`.
     pub fn stream(&self, rank: usize) -> &Arc<CudaStream> {
-        self.engine.stream(rank)
+        self.core.stream(rank)
     }
 
     /// Which pairs have peer access and over what link.
@@ -230,23 +234,23 @@ impl Clique {
 
     /// The thresholds `Auto` uses.
     pub fn thresholds(&self) -> Thresholds {
-        self.engine.settings().thresholds
+        self.core.engine.settings().thresholds
     }
 
     /// The default path of this clique's broadcasts.
     pub fn path(&self) -> Path {
-        self.engine.settings().path
+        self.core.path()
     }
 
     /// The bound on every wait.
     pub fn timeout(&self) -> Duration {
-        self.engine.settings().timeout
+        self.core.engine.settings().timeout
     }
 
     /// `Ok` if the P2P kernel can run on this clique, otherwise the error a forced P2P call
     /// returns ([`Error::P2pUnavailable`], or [`Error::LibraryMissing`] without NVRTC).
     pub fn p2p_available(&self) -> Result<()> {
-        self.p2p.clone()
+        self.core.p2p.clone()
     }
 
     /// Launch the P2P kernel on every GPU at once, from one worker thread per GPU after the
@@ -255,44 +259,18 @@ impl Clique {
     /// eager broadcasts of small tensors; idle workers spin for 200 us after each broadcast,
     /// then sleep.
     pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
-        self.engine.lock()?.set_parallel_launch(on);
+        self.core.engine.lock()?.set_parallel_launch(on);
         Ok(())
     }
 
     /// Whether P2P launches go through the per-GPU threads (see [`Clique::set_parallel_launch`]).
     pub fn parallel_launch(&self) -> Result<bool> {
-        Ok(self.engine.lock()?.parallel_launch())
+        Ok(self.core.engine.lock()?.parallel_launch())
     }
 
     /// The route a broadcast of `bytes` bytes would take with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        crate::config::choose(
-            options.path.unwrap_or(self.path()),
-            bytes,
-            self.p2p.as_ref().map(|_| ()),
-            &self.engine.settings().thresholds_for(options),
-        )
-    }
-
-    /// The launch step of a single broadcast of `bytes` bytes, `None` for nothing to do (the
-    /// plan of one tensor, without its allocations).
-    fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
-        Ok(match self.route(bytes, options)? {
-            Route::Empty => None,
-            Route::Nccl => Some(Step::NcclGroup { tensors: vec![0] }),
-            route => Some(Step::P2pOne { tensor: 0, route }),
-        })
-    }
-
-    /// The launch plan of tensors of `bytes[i]` bytes with `options`.
-    fn plan(&self, bytes: &[usize], options: &BroadcastOptions) -> Result<Vec<Step>> {
-        plan::plan(
-            bytes,
-            options.path.unwrap_or(self.path()),
-            self.p2p.as_ref().map(|_| ()),
-            &self.engine.settings().thresholds_for(options),
-            self.len(),
-        )
+        self.core.route(bytes, options)
     }
 
     /// Broadcasts `input` (on the root's GPU) into `outputs[i]` on every rank `i`, the root's
@@ -327,35 +305,7 @@ impl Clique {
         I: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
-        let input_info = access::info_of::<T, I>(input);
-        let shape = args::check_broadcast(&self.places, root, Some(input_info), &infos, None)?;
-        let Some(step) = self.single_step(shape.bytes, options)? else {
-            return Ok(());
-        };
-        let mut engine = self.engine.lock()?;
-        let in_stream = input.stream().clone();
-        let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
-        let mut foreign = Foreign::default();
-        foreign.note(root, &in_stream, self.stream(root));
-        for (rank, s) in out_streams.iter().enumerate() {
-            foreign.note(rank, s, self.stream(rank));
-        }
-        let (src, _read) = input.device_ptr(&in_stream);
-        let mut dsts = [0u64; MAX_GPUS];
-        let mut writes = Vec::with_capacity(outputs.len());
-        for (rank, (out, s)) in outputs.iter_mut().zip(&out_streams).enumerate() {
-            let (ptr, w) = out.device_ptr_mut(s);
-            dsts[rank] = ptr;
-            writes.push(w);
-        }
-        let item = access::item(src, &dsts[..self.len()], shape.count, shape.dtype);
-        // SAFETY: validation proved every buffer is on its rank's device and context and
-        // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
-        // guards (dropped after the work is queued) keep them alive for the queued work.
-        foreign.around(&mut engine, |e| unsafe {
-            e.run(root, &[item], std::slice::from_ref(&step))
-        })
+        self.core.broadcast(root, Some(input), outputs, options)
     }
 
     /// In-place broadcast: `buffers[root]` is the source and every other rank's buffer
@@ -379,30 +329,8 @@ impl Clique {
         T: Element,
         B: DevicePtrMut<T>,
     {
-        let infos: Vec<_> = buffers.iter().map(access::info_of::<T, B>).collect();
-        let shape = args::check_broadcast(&self.places, root, None, &infos, None)?;
-        let Some(step) = self.single_step(shape.bytes, options)? else {
-            return Ok(());
-        };
-        let mut engine = self.engine.lock()?;
-        let streams = access::streams_of(buffers.iter().map(|b| b.stream()));
-        let mut foreign = Foreign::default();
-        for (rank, s) in streams.iter().enumerate() {
-            foreign.note(rank, s, self.stream(rank));
-        }
-        let mut dsts = [0u64; MAX_GPUS];
-        let mut writes = Vec::with_capacity(buffers.len());
-        for (rank, (buf, s)) in buffers.iter_mut().zip(&streams).enumerate() {
-            let (ptr, w) = buf.device_ptr_mut(s);
-            dsts[rank] = ptr;
-            writes.push(w);
-        }
-        let item = access::item(dsts[root], &dsts[..self.len()], shape.count, shape.dtype);
-        // SAFETY: as in `broadcast_with`; the root's buffer is both source and destination,
-        // which every path handles (NCCL in place; the kernels skip the root's self-copy).
-        foreign.around(&mut engine, |e| unsafe {
-            e.run(root, &[item], std::slice::from_ref(&step))
-        })
+        self.core
+            .broadcast(root, None::<&CudaSlice<T>>, buffers, options)
     }
 
     /// Broadcasts raw device addresses: for code that keeps its own `CUdeviceptr`s and streams
@@ -427,133 +355,34 @@ impl Clique {
         b: &RawBroadcast<'_>,
         options: &BroadcastOptions,
     ) -> Result<()> {
-        let n = self.len();
-        if b.root >= n {
-            return Err(Error::RootOutOfRange {
-                root: b.root,
-                size: n,
-            });
-        }
-        for (what, got) in [("destinations", b.dsts.len()), ("streams", b.streams.len())] {
-            if got != n {
-                return Err(Error::OutputCount {
-                    what,
-                    expected: n,
-                    got,
-                });
-            }
-        }
-        let bytes = b
-            .count
-            .checked_mul(b.dtype.size())
-            .filter(|&x| isize::try_from(x).is_ok())
-            .ok_or_else(|| Error::TooLarge {
-                what: "raw broadcast".into(),
-                elements: b.count,
-                element_size: b.dtype.size(),
-            })?;
-        for (rank, &s) in b.streams.iter().enumerate() {
-            let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: the caller guarantees a live stream; `ctx` is an out pointer.
-            unsafe { cudarc::driver::sys::cuStreamGetCtx(s, &mut ctx) }
-                .result()
-                .map_err(Error::cuda(format!("reading the context of stream {rank}")))?;
-            if ctx as usize != self.places[rank].ctx {
-                return Err(Error::ForeignContext {
-                    what: format!("stream {rank}"),
-                    rank,
-                    ordinal: self.places[rank].ordinal,
-                });
-            }
-        }
-        let Some(step) = self.single_step(bytes, options)? else {
-            return Ok(());
-        };
-        let mut engine = self.engine.lock()?;
-        let mut foreign = Foreign::default();
-        for (rank, &s) in b.streams.iter().enumerate() {
-            foreign.note_raw(rank, s, self.stream(rank));
-        }
-        let item = access::item(b.src, b.dsts, b.count, b.dtype);
-        // SAFETY: per this function's contract.
-        foreign.around(&mut engine, |e| unsafe {
-            e.run(b.root, &[item], std::slice::from_ref(&step))
-        })
+        // SAFETY: the same contract.
+        unsafe { self.core.broadcast_raw(b, options) }
     }
 
     /// One zeroed output buffer of `len` elements per rank, each on its rank's stream: what
     /// [`Clique::broadcast`] needs for an input of `len` elements.
     pub fn alloc_outputs<T: Element>(&self, len: usize) -> Result<Vec<CudaSlice<T>>> {
-        (0..self.len())
-            .map(|rank| {
-                self.stream(rank)
-                    .alloc_zeros::<T>(len)
-                    .map_err(Error::cuda(format!("allocating an output on rank {rank}")))
-            })
-            .collect()
+        self.core.alloc_outputs(len)
     }
 
     /// Blocks until every broadcast queued so far has finished on every GPU, then reports any
     /// asynchronous failure: a P2P timeout (after which the signal areas are reset) or an NCCL
     /// error.
     pub fn synchronize(&self) -> Result<()> {
-        self.engine.lock()?.synchronize()
+        self.core.synchronize()
     }
 
     /// Makes each clique stream wait for the work queued so far on `streams[rank]` (one per
     /// rank, on that rank's device): broadcasts queued afterwards see what it produced.
     pub fn wait_for(&self, streams: &[&CudaStream]) -> Result<()> {
-        self.check_streams(streams)?;
-        let mut engine = self.engine.lock()?;
-        for (rank, s) in streams.iter().enumerate() {
-            if s.cu_stream() != self.stream(rank).cu_stream() {
-                engine.stream_waits_for(rank, s.cu_stream())?;
-            }
-        }
-        Ok(())
+        self.core.wait_for(streams)
     }
 
     /// Records one event per rank after the work queued so far on the clique's streams. Make
     /// your stream wait on `events[rank]` (`stream.wait(&events[rank])`) before it reads that
     /// rank's output.
     pub fn record(&self) -> Result<Vec<CudaEvent>> {
-        let _engine = self.engine.lock()?;
-        (0..self.len())
-            .map(|rank| {
-                self.stream(rank)
-                    .record_event(None)
-                    .map_err(Error::cuda(format!("recording an event on rank {rank}")))
-            })
-            .collect()
-    }
-
-    fn check_streams(&self, streams: &[&CudaStream]) -> Result<()> {
-        if streams.len() != self.len() {
-            return Err(Error::OutputCount {
-                what: "streams",
-                expected: self.len(),
-                got: streams.len(),
-            });
-        }
-        for (rank, s) in streams.iter().enumerate() {
-            let found = access::place_of(s);
-            if found.ordinal != self.places[rank].ordinal {
-                return Err(Error::WrongDevice {
-                    what: format!("stream {rank}"),
-                    rank,
-                    expected: self.places[rank].ordinal,
-                    found: found.ordinal,
-                });
-            }
-            if found.ctx != self.places[rank].ctx {
-                return Err(Error::ForeignContext {
-                    what: format!("stream {rank}"),
-                    rank,
-                    ordinal: found.ordinal,
-                });
-            }
-        }
-        Ok(())
+        self.core.record()
     }
 
     /// Copies `bytes` bytes from the root's `src` into every other rank's `dsts[rank]` with the
@@ -572,7 +401,7 @@ impl Clique {
         dsts: &[u64],
         bytes: usize,
     ) -> Result<()> {
-        let _engine = self.engine.lock()?;
+        let _engine = self.core.engine.lock()?;
         for (rank, &dst) in dsts.iter().enumerate().take(self.len()) {
             if rank == root {
                 continue;

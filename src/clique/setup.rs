@@ -10,6 +10,8 @@ use super::args;
 use crate::config::{Env, Requested, Settings, MAX_GPUS};
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
+use crate::nccl::Comms;
+use crate::p2p::P2p;
 use crate::topology::{Link, Topology};
 
 const CUDA_HINT: &str =
@@ -136,27 +138,30 @@ pub(crate) fn create(devices: Devices, requested: &Requested) -> Result<Built> {
             for (rank, s) in streams.into_iter().enumerate() {
                 let ctx = s.context().clone();
                 require_primary(rank, &ctx)?;
-                ranks.push(Rank::new(ctx, Some(s))?);
+                ranks.push(Rank::new(rank, ctx, Some(s))?);
             }
         }
         _ => {
-            for &o in &ordinals {
+            for (rank, &o) in ordinals.iter().enumerate() {
                 let ctx = CudaContext::new(o)
                     .map_err(Error::cuda(format!("creating a context on device {o}")))?;
-                ranks.push(Rank::new(ctx, None)?);
+                ranks.push(Rank::new(rank, ctx, None)?);
             }
         }
     }
     let ctxs: Vec<Arc<CudaContext>> = ranks.iter().map(|r| r.ctx.clone()).collect();
     let topology = enable_peer_access(&ordinals, &ctxs)?;
-    let p2p = topology.p2p_support().map_err(Error::P2pUnavailable);
-    let engine = Engine::new(ranks, settings, p2p.clone())?;
-    // What the engine could build is what counts (NVRTC may be missing).
-    let p2p = engine.lock()?.p2p().map(|_| ());
+    let comms = Comms::init_all(&ordinals)?;
+    let p2p = topology
+        .p2p_support()
+        .map_err(Error::P2pUnavailable)
+        .and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
+    let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
+    let engine = Engine::new(ranks, settings, comms, p2p)?;
     Ok(Built {
         engine,
         topology,
-        p2p,
+        p2p: status,
     })
 }
 

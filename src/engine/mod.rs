@@ -26,8 +26,8 @@ use streams::EngineStream;
 
 /// One rank this process drives.
 pub(crate) struct Rank {
-    /// CUDA ordinal of its device.
-    pub ordinal: usize,
+    /// Its rank in the job (its index in a clique).
+    pub global: usize,
     /// The device's primary context.
     pub ctx: Arc<CudaContext>,
     /// The stream every broadcast of this rank runs on.
@@ -38,14 +38,18 @@ pub(crate) struct Rank {
 }
 
 impl Rank {
-    /// A rank on `ctx` with `stream` (the caller's) or a new stream.
-    pub(crate) fn new(ctx: Arc<CudaContext>, stream: Option<Arc<CudaStream>>) -> Result<Rank> {
+    /// Job rank `global` on `ctx` with `stream` (the caller's) or a new stream.
+    pub(crate) fn new(
+        global: usize,
+        ctx: Arc<CudaContext>,
+        stream: Option<Arc<CudaStream>>,
+    ) -> Result<Rank> {
         let stream = match stream {
             Some(s) => EngineStream::Callers(s),
             None => EngineStream::create(&ctx)?,
         };
         Ok(Rank {
-            ordinal: ctx.ordinal(),
+            global,
             side: EngineStream::create(&ctx)?,
             stream,
             ctx,
@@ -98,24 +102,21 @@ pub(crate) struct EngineGuard<'e> {
 }
 
 impl Engine {
-    /// Builds the NCCL communicators and (when `p2p_ok`) the P2P state for `ranks`. Peer access
-    /// must be enabled already.
+    /// An engine over `ranks` with their NCCL communicators and P2P state (or the reason
+    /// there is none).
     pub(crate) fn new(
         ranks: Vec<Rank>,
         settings: Settings,
-        p2p_ok: std::result::Result<(), Error>,
+        comms: Comms,
+        p2p: std::result::Result<P2p, Error>,
     ) -> Result<Engine> {
         streams::sweep();
-        let ordinals: Vec<usize> = ranks.iter().map(|r| r.ordinal).collect();
-        let comms = Comms::init_all(&ordinals)?;
-        let ctxs: Vec<Arc<CudaContext>> = ranks.iter().map(|r| r.ctx.clone()).collect();
-        let p2p = p2p_ok.and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
         if let Err(why) = &p2p {
             tracing::warn!(reason = %why, "P2P path unavailable: Auto will use NCCL");
         }
-        let events = ctxs
+        let events = ranks
             .iter()
-            .map(|c| c.new_event(None))
+            .map(|r| r.ctx.new_event(None))
             .collect::<std::result::Result<_, _>>()
             .map_err(Error::cuda("creating the ordering events"))?;
         Ok(Engine {
@@ -220,6 +221,19 @@ impl EngineGuard<'_> {
             return Ok(());
         }
         self.drain()?;
+        // Across processes every process would have to reset its signal area at the same
+        // point: until a coordinated reset exists, the P2P path closes after a timeout.
+        if self.state.p2p.as_ref().is_ok_and(P2p::across_processes) {
+            let why = error.clone().unwrap_or_else(|| {
+                Error::P2pUnavailable("a launch reached only some ranks".into())
+            });
+            self.state.p2p = Err(Error::P2pUnavailable(format!(
+                "the P2P path of this communicator closed after a failure across processes \
+                 ({why}); NCCL still works, create a new communicator to use P2P again"
+            )));
+            self.state.desynced = false;
+            return Err(why);
+        }
         if let Ok(p2p) = &self.state.p2p {
             p2p.recover()?;
         }
@@ -295,10 +309,14 @@ impl EngineGuard<'_> {
                         .map(|&t| {
                             let it = &items[t];
                             (0..n)
-                                .map(|rank| RankOp {
-                                    send: if rank == root { it.src } else { it.dsts[rank] },
-                                    recv: it.dsts[rank],
-                                    stream: streams[rank],
+                                .map(|local| RankOp {
+                                    send: if self.engine.ranks[local].global == root {
+                                        it.src
+                                    } else {
+                                        it.dsts[local]
+                                    },
+                                    recv: it.dsts[local],
+                                    stream: streams[local],
                                 })
                                 .collect()
                         })

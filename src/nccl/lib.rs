@@ -24,6 +24,47 @@ type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> RawResult;
 type GetErrorStringFn = unsafe extern "C" fn(RawResult) -> *const c_char;
 type GetLastErrorFn = unsafe extern "C" fn(ncclComm_t) -> *const c_char;
 type CommInitAllFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, *const c_int) -> RawResult;
+type GetUniqueIdFn = unsafe extern "C" fn(*mut UniqueId) -> RawResult;
+type CommInitRankConfigFn =
+    unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int, *mut Config) -> RawResult;
+
+/// `ncclUniqueId`: 128 opaque bytes that rank 0 makes and every rank of a job receives.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct UniqueId(pub [u8; 128]);
+
+/// `ncclConfig_t` as NCCL 2.17 defined it; later releases accept it (they read `size` and
+/// `version` and default the fields they added).
+#[repr(C)]
+pub(crate) struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    pub blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+impl Config {
+    /// `NCCL_CONFIG_INITIALIZER`: every field undefined, so NCCL picks its defaults.
+    pub(crate) fn new() -> Config {
+        const UNDEF: c_int = c_int::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 2_17_00,
+            blocking: UNDEF,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
 type CommFn = unsafe extern "C" fn(ncclComm_t) -> RawResult;
 type CommAsyncErrorFn = unsafe extern "C" fn(ncclComm_t, *mut RawResult) -> RawResult;
 type GroupFn = unsafe extern "C" fn() -> RawResult;
@@ -46,6 +87,8 @@ pub(crate) struct NcclLib {
     get_error_string: GetErrorStringFn,
     get_last_error: GetLastErrorFn,
     pub(crate) comm_init_all: CommInitAllFn,
+    pub(crate) get_unique_id: GetUniqueIdFn,
+    pub(crate) comm_init_rank_config: CommInitRankConfigFn,
     pub(crate) comm_destroy: CommFn,
     pub(crate) comm_abort: CommFn,
     pub(crate) comm_get_async_error: CommAsyncErrorFn,
@@ -97,6 +140,8 @@ impl NcclLib {
             get_error_string: sym!("ncclGetErrorString"),
             get_last_error: sym!("ncclGetLastError"),
             comm_init_all: sym!("ncclCommInitAll"),
+            get_unique_id: sym!("ncclGetUniqueId"),
+            comm_init_rank_config: sym!("ncclCommInitRankConfig"),
             comm_destroy: sym!("ncclCommDestroy"),
             comm_abort: sym!("ncclCommAbort"),
             comm_get_async_error: sym!("ncclCommGetAsyncError"),

@@ -9,7 +9,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
 
 use crate::error::{Error, Result};
 pub use lib::nccl_version;
-pub(crate) use lib::NcclLib;
+pub(crate) use lib::{Config, NcclLib, UniqueId};
 
 /// One communicator handle. NCCL allows a communicator to be used from any thread, one call at
 /// a time: it is `Send`, and `Comms` is only reached under the engine's lock.
@@ -53,6 +53,75 @@ impl Comms {
             lib,
             comms: raw.into_iter().map(Comm).collect(),
         })
+    }
+
+    /// A fresh unique id (on the job's rank 0), to be shared with every rank.
+    pub(crate) fn unique_id() -> Result<UniqueId> {
+        let lib = NcclLib::get()?;
+        let mut id = UniqueId([0; 128]);
+        // SAFETY: `id` is a valid out pointer of ncclUniqueId's size.
+        let code = unsafe { (lib.get_unique_id)(&mut id) };
+        lib.check(code, std::ptr::null_mut(), || "ncclGetUniqueId".into())?;
+        Ok(id)
+    }
+
+    /// One communicator per local rank of a job of `world` ranks that shares `id`:
+    /// `ranks[i]` is (global rank, context) of local rank i. Blocks until every rank of the
+    /// job has joined (`ncclCommInitRankConfig`, in one group for several local ranks).
+    pub(crate) fn init_ranks(
+        id: &UniqueId,
+        world: usize,
+        ranks: &[(usize, &cudarc::driver::CudaContext)],
+    ) -> Result<Comms> {
+        let lib = NcclLib::get()?;
+        let n = c_int::try_from(world).expect("world sizes are validated");
+        let mut raw = vec![std::ptr::null_mut(); ranks.len()];
+        let grouped = ranks.len() > 1;
+        if grouped {
+            // SAFETY: no preconditions.
+            let code = unsafe { (lib.group_start)() };
+            lib.check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
+        }
+        let mut status = Ok(());
+        for ((global, ctx), slot) in ranks.iter().zip(&mut raw) {
+            // NCCL takes the device from the calling thread's current context.
+            if let Err(e) = ctx.bind_to_thread() {
+                status = Err(Error::Cuda {
+                    during: "binding a context for NCCL".into(),
+                    source: e,
+                });
+                break;
+            }
+            let mut config = Config::new();
+            config.blocking = 1;
+            let rank = c_int::try_from(*global).expect("ranks are validated");
+            // SAFETY: `slot` is an out pointer, `id` the job's id, `config` a valid config.
+            let code = unsafe { (lib.comm_init_rank_config)(slot, n, *id, rank, &mut config) };
+            if let Err(e) = lib.check(code, std::ptr::null_mut(), || {
+                format!("ncclCommInitRankConfig for rank {global} of {world}")
+            }) {
+                status = Err(e);
+                break;
+            }
+        }
+        if grouped {
+            // SAFETY: matches the ncclGroupStart above.
+            let code = unsafe { (lib.group_end)() };
+            status = status.and(lib.check(code, std::ptr::null_mut(), || {
+                "ncclGroupEnd after ncclCommInitRankConfig".into()
+            }));
+        }
+        let comms = Comms {
+            lib,
+            comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
+        };
+        match status {
+            Ok(()) => Ok(comms),
+            Err(e) => {
+                comms.abort();
+                Err(e)
+            }
+        }
     }
 
     /// Enqueues, inside one NCCL group, a broadcast of every `(count, dtype, ops)` entry, where

@@ -5,7 +5,9 @@
 
 pub(crate) mod abi;
 pub(crate) mod compile;
+mod ipc;
 mod launcher;
+mod shared;
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -16,7 +18,9 @@ use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 
 use crate::config::{Route, MAX_GPUS};
 use crate::error::{Error, Result};
+use crate::rendezvous::Exchange;
 use abi::{layout, ListEntry, ListParams, Params};
+use shared::SharedMemory;
 
 /// One GPU's share of the P2P path.
 struct RankKernels {
@@ -25,9 +29,11 @@ struct RankKernels {
     packet: CudaFunction,
     pull: CudaFunction,
     pull_list: CudaFunction,
-    /// Flags + packet inbox ([`layout::TOTAL_BYTES`]), plain `cuMemAlloc` memory that every peer
-    /// maps through peer access.
+    /// Flags + packet inbox ([`layout::TOTAL_BYTES`]): plain `cuMemAlloc` memory that every peer
+    /// reaches through peer access (one process), or the head of this rank's shared memory.
     signal: CUdeviceptr,
+    /// Whether `signal` is a `cuMemAlloc` allocation of its own (freed on drop).
+    plain: bool,
     /// This rank's error slot, as the device sees it.
     error_dev: u64,
 }
@@ -57,11 +63,32 @@ impl HostSlots {
     }
 }
 
+/// Across processes, peers cannot read the root's own buffers: the root copies a pull
+/// message into its staging buffer (shared memory every peer has mapped) and peers read that.
+struct Staging {
+    /// Every rank's staging buffer, as mapped in this process.
+    ptrs: [u64; MAX_GPUS],
+    /// Bytes of each.
+    bytes: usize,
+    /// This rank's allocation and the peers' mappings; released on drop.
+    _memory: Vec<SharedMemory>,
+}
+
+/// Bytes of each rank's staging buffer across processes; longer pull messages go in chunks.
+const STAGING_BYTES: usize = 32 << 20;
+
 /// The P2P path of one engine: kernels, signal areas and launch threads.
 pub(crate) struct P2p {
     ranks: Vec<RankKernels>,
+    /// The job rank of each local rank.
+    global: Vec<u32>,
+    /// Ranks taking part (the job).
+    nranks: u32,
     errors: HostSlots,
+    /// Every rank's signal area, by job rank, as this process addresses it.
     signals: [u64; MAX_GPUS],
+    /// Across processes: the staging buffers.
+    staging: Option<Staging>,
     timeout_ns: u64,
     /// Worker threads that launch on ranks 1.. while the caller launches on rank 0.
     launcher: Option<launcher::Launcher>,
@@ -72,10 +99,166 @@ pub(crate) struct P2p {
 }
 
 impl P2p {
-    /// Compiles (or reuses) the kernels, loads them on every GPU, allocates and zeroes the
-    /// signal areas and the error slots. Peer access must already be enabled between all pairs.
+    /// One process, every rank local: compiles (or reuses) the kernels, loads them on every
+    /// GPU, allocates and zeroes the signal areas and the error slots. Peer access must already
+    /// be enabled between all pairs.
     pub(crate) fn new(ctxs: &[Arc<CudaContext>], timeout: Duration, parallel: bool) -> Result<P2p> {
         let n = ctxs.len();
+        let global = (0..n).map(|r| u32::try_from(r).expect("<= 8")).collect();
+        let mut p2p = P2p::with_kernels(ctxs, global, n, timeout)?;
+        for (local, r) in p2p.ranks.iter_mut().enumerate() {
+            r.ctx
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: plain device allocation in the current (rank's) context; freed in Drop.
+            let signal = unsafe { result::malloc_sync(layout::TOTAL_BYTES) }.map_err(
+                Error::cuda(format!("allocating the signal area on rank {local}")),
+            )?;
+            r.signal = signal;
+            r.plain = true;
+            p2p.signals[local] = signal;
+        }
+        if n > 1 {
+            let raw: Vec<_> = ctxs.iter().map(|c| c.cu_ctx()).collect();
+            match launcher::Launcher::new(&raw) {
+                Ok(l) => p2p.launcher = Some(l),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no launch threads: launching from the caller's thread")
+                }
+            }
+        }
+        p2p.set_parallel_launch(parallel);
+        p2p.zero_signals_sync()?;
+        Ok(p2p)
+    }
+
+    /// One rank per process on one host: rank `rank` of `world` on `ctx`. Allocates this rank's
+    /// signal area and staging buffer in shareable memory, hands it to the other processes and
+    /// maps theirs, through `peers` and a Unix socket per process, once. Every rank of the job
+    /// must call it together; every rank gets an error if any rank fails.
+    pub(crate) fn new_ipc(
+        ctx: &Arc<CudaContext>,
+        rank: usize,
+        world: usize,
+        peers: &dyn Exchange,
+        timeout: Duration,
+        deadline: std::time::Instant,
+    ) -> Result<P2p> {
+        let signal_bytes = layout::TOTAL_BYTES.next_multiple_of(2 << 20);
+        let local = (|| -> Result<_> {
+            let rank32 = u32::try_from(rank).expect("world <= 8");
+            let p2p = P2p::with_kernels(std::slice::from_ref(ctx), vec![rank32], world, timeout)?;
+            let memory = SharedMemory::alloc(ctx, signal_bytes + STAGING_BYTES)?;
+            let fd = memory.export()?;
+            let server = ipc::Server::bind()?;
+            Ok((p2p, memory, fd, server))
+        })();
+        // Round 1: every rank's socket card and allocation size, or nothing after a failure.
+        let card = match &local {
+            Ok((_, memory, _, server)) => {
+                let mut c = (memory.size() as u64).to_le_bytes().to_vec();
+                c.extend(server.card().encode());
+                c
+            }
+            Err(_) => Vec::new(),
+        };
+        let cards = peers.all_gather(&card)?;
+        if let Some(bad) = cards.iter().position(Vec::is_empty) {
+            return Err(match local {
+                Err(e) => e,
+                Ok(_) => Error::P2pUnavailable(format!(
+                    "rank {bad} could not set up shared memory for P2P"
+                )),
+            });
+        }
+        let (mut p2p, memory, fd, server) = local?;
+        // The descriptors: serve ours to every peer while fetching theirs.
+        let mut fetched: Vec<(usize, std::os::fd::OwnedFd, usize)> = Vec::new();
+        let header = u32::try_from(rank).expect("world <= 8").to_le_bytes();
+        let outcome = std::thread::scope(|scope| -> Result<()> {
+            let served = scope
+                .spawn(|| server.serve(&header, std::slice::from_ref(&fd), world - 1, deadline));
+            let mut first_error = None;
+            for (peer, c) in cards.iter().enumerate() {
+                if peer == rank {
+                    continue;
+                }
+                let got = (|| -> Result<_> {
+                    let size =
+                        usize::try_from(u64::from_le_bytes(c[..8].try_into().expect("8 bytes")))
+                            .map_err(|_| {
+                                Error::P2pUnavailable("a peer's size does not fit".into())
+                            })?;
+                    let card = ipc::Card::decode(&c[8..])?;
+                    let (head, mut fds) = ipc::fetch(&card, 1, deadline)?;
+                    if head != u32::try_from(peer).expect("world <= 8").to_le_bytes() {
+                        return Err(Error::P2pUnavailable(format!(
+                            "the socket of rank {peer} answered for another rank"
+                        )));
+                    }
+                    Ok((fds.pop().expect("one descriptor"), size))
+                })();
+                match got {
+                    Ok((fd, size)) => fetched.push((peer, fd, size)),
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+            let served = served.join().unwrap_or_else(|_| {
+                Err(Error::P2pUnavailable(
+                    "the descriptor server panicked".into(),
+                ))
+            });
+            match first_error {
+                Some(e) => Err(e),
+                None => served,
+            }
+        });
+        drop(fd);
+        drop(server);
+        let mut mapped = vec![memory];
+        let outcome = outcome.and_then(|()| {
+            for (peer, fd, size) in fetched {
+                let m = SharedMemory::import(ctx, fd, size)?;
+                p2p.signals[peer] = m.ptr();
+                mapped.push(m);
+                let _ = peer;
+            }
+            let own = mapped[0].ptr();
+            p2p.signals[rank] = own;
+            p2p.ranks[0].signal = own;
+            p2p.zero_signals_sync()
+        });
+        // Round 2: everyone mapped everything (and zeroed its own area) before any kernel runs.
+        let flags = peers.all_gather(&[u8::from(outcome.is_ok())])?;
+        outcome?;
+        if let Some(bad) = flags.iter().position(|f| f.first() != Some(&1)) {
+            return Err(Error::P2pUnavailable(format!(
+                "rank {bad} could not map its peers' shared memory"
+            )));
+        }
+        // Each rank's staging buffer follows its signal area; the mappings are in rank order
+        // of `signals`.
+        let mut ptrs = [0u64; MAX_GPUS];
+        for (r, p) in ptrs.iter_mut().enumerate().take(world) {
+            *p = p2p.signals[r] + signal_bytes as u64;
+        }
+        p2p.staging = Some(Staging {
+            ptrs,
+            bytes: STAGING_BYTES,
+            _memory: mapped,
+        });
+        Ok(p2p)
+    }
+
+    /// The kernels of every local context and the host error slots; no signal area yet.
+    fn with_kernels(
+        ctxs: &[Arc<CudaContext>],
+        global: Vec<u32>,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<P2p> {
         ctxs[0]
             .bind_to_thread()
             .map_err(Error::cuda("binding a context"))?;
@@ -89,16 +272,19 @@ impl P2p {
         .map_err(Error::cuda("allocating the host-mapped error slots"))?;
         // Built up in place so that an error part-way frees what was allocated (Drop).
         let mut p2p = P2p {
-            ranks: Vec::with_capacity(n),
+            ranks: Vec::with_capacity(ctxs.len()),
+            global,
+            nranks: u32::try_from(world).expect("world <= 8"),
             errors: HostSlots(host.cast::<u64>()),
             signals: [0; MAX_GPUS],
+            staging: None,
             timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             launcher: None,
             parallel: false,
             handoff_limit: timeout,
         };
         p2p.errors.clear();
-        for (rank, ctx) in ctxs.iter().enumerate() {
+        for (local, ctx) in ctxs.iter().enumerate() {
             let (major, minor) = ctx
                 .compute_capability()
                 .map_err(Error::cuda("reading the compute capability"))?;
@@ -106,12 +292,12 @@ impl P2p {
             let module =
                 ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))
                     .map_err(Error::cuda(format!(
-                        "loading the P2P kernels on rank {rank}"
+                        "loading the P2P kernels on rank {local}"
                     )))?;
             let load = |name| {
                 module
                     .load_function(name)
-                    .map_err(Error::cuda(format!("finding {name} on rank {rank}")))
+                    .map_err(Error::cuda(format!("finding {name} on rank {local}")))
             };
             let (packet, pull, pull_list) = (
                 load(compile::PACKET_KERNEL)?,
@@ -121,43 +307,28 @@ impl P2p {
             let mut error_dev: CUdeviceptr = 0;
             ctx.bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
-            // SAFETY: `host` is a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64 and
-            // rank < MAX_GPUS; `error_dev` is an out pointer.
+            // SAFETY: the host slots are a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64
+            // and local < MAX_GPUS; `error_dev` is an out pointer.
             unsafe {
                 sys::cuMemHostGetDevicePointer_v2(
                     &mut error_dev,
-                    p2p.errors.0.add(rank).cast::<c_void>(),
+                    p2p.errors.0.add(local).cast::<c_void>(),
                     0,
                 )
                 .result()
             }
             .map_err(Error::cuda("mapping the error slot"))?;
-            // SAFETY: plain device allocation in the current (rank's) context; freed in Drop.
-            let signal = unsafe { result::malloc_sync(layout::TOTAL_BYTES) }.map_err(
-                Error::cuda(format!("allocating the signal area on rank {rank}")),
-            )?;
-            p2p.signals[rank] = signal;
             p2p.ranks.push(RankKernels {
                 ctx: ctx.clone(),
                 _module: module,
                 packet,
                 pull,
                 pull_list,
-                signal,
+                signal: 0,
+                plain: false,
                 error_dev,
             });
         }
-        if n > 1 {
-            let raw: Vec<_> = ctxs.iter().map(|c| c.cu_ctx()).collect();
-            match launcher::Launcher::new(&raw) {
-                Ok(l) => p2p.launcher = Some(l),
-                Err(e) => {
-                    tracing::warn!(error = %e, "no launch threads: launching from the caller's thread")
-                }
-            }
-        }
-        p2p.set_parallel_launch(parallel);
-        p2p.zero_signals_sync()?;
         Ok(p2p)
     }
 
@@ -188,7 +359,7 @@ impl P2p {
             error_slot: 0,
             timeout_ns: self.timeout_ns,
             rank: 0,
-            nranks: u32::try_from(self.ranks.len()).expect("<= 8"),
+            nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
             unit: 1,
             head: 0,
@@ -198,8 +369,71 @@ impl P2p {
         }
     }
 
-    /// Launches the kernel of `route` (packet or pull) on every rank: the root copies `bytes`
-    /// bytes from `src`, and rank i writes them to `dsts[i]`.
+    /// Launches the kernel of `route` (packet or pull) on every local rank: the root (a job
+    /// rank) copies `bytes` bytes from `src`, and local rank i writes them to `dsts[i]`. Across
+    /// processes a pull goes through the root's staging buffer, in chunks of its size.
+    ///
+    /// # Safety
+    /// As for [`P2p::launch_kernels`]; across processes, peers never read `src` itself.
+    pub(crate) unsafe fn launch(
+        &mut self,
+        route: Route,
+        root: usize,
+        src: u64,
+        bytes: usize,
+        dsts: &[u64],
+        streams: &[CUstream],
+    ) -> Result<()> {
+        let Some(st) = self.staging.as_ref().filter(|_| route == Route::P2pPull) else {
+            // SAFETY: per this function's contract.
+            return unsafe { self.launch_kernels(route, root, src, bytes, dsts, streams) };
+        };
+        let (staged, chunk_max) = (st.ptrs[root], st.bytes);
+        let mut off = 0;
+        while off < bytes {
+            let len = (bytes - off).min(chunk_max);
+            let mut chunk_dsts = [0u64; MAX_GPUS];
+            for (local, r) in self.ranks.iter().enumerate() {
+                if self.global[local] as usize == root {
+                    r.ctx
+                        .bind_to_thread()
+                        .map_err(Error::cuda("binding a context"))?;
+                    // SAFETY: `src + off` holds `len` bytes (contract) and the staging buffer
+                    // at least `chunk_max`; queued on the root's stream before its kernel, and
+                    // the previous chunk's kernel, which waits for every peer, precedes it.
+                    unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(staged, src + off as u64, len, streams[local])
+                    }
+                    .result()
+                    .map_err(Error::cuda("staging a P2P message"))?;
+                    // In place, the root's buffer already holds the data: its kernel skips
+                    // the copy when its destination is the source.
+                    chunk_dsts[local] = if dsts[local] == src {
+                        staged
+                    } else {
+                        dsts[local] + off as u64
+                    };
+                } else {
+                    chunk_dsts[local] = dsts[local] + off as u64;
+                }
+            }
+            // SAFETY: per this function's contract, for this chunk.
+            unsafe {
+                self.launch_kernels(
+                    route,
+                    root,
+                    staged,
+                    len,
+                    &chunk_dsts[..self.ranks.len()],
+                    streams,
+                )
+            }?;
+            off += len;
+        }
+        Ok(())
+    }
+
+    /// Launches the kernel of `route` (packet or pull) on every local rank, reading `src`.
     ///
     /// # Safety
     /// `src` holds `bytes` readable bytes on the root's device (readable by every peer for the
@@ -207,7 +441,7 @@ impl P2p {
     /// live stream of rank i's context. All of it stays valid until the streams pass this point.
     /// Every P2P launch of this engine goes through `&mut self`, so all ranks see them in one
     /// order.
-    pub(crate) unsafe fn launch(
+    unsafe fn launch_kernels(
         &mut self,
         route: Route,
         root: usize,
@@ -231,7 +465,7 @@ impl P2p {
             params,
         }; MAX_GPUS];
         for (rank, r) in self.ranks.iter().enumerate() {
-            params.rank = u32::try_from(rank).expect("<= 8");
+            params.rank = self.global[rank];
             params.dst = dsts[rank];
             params.error_slot = r.error_dev;
             let func: CUfunction = if route == Route::P2pPacket {
@@ -316,13 +550,17 @@ impl P2p {
             error_slot: 0,
             timeout_ns: self.timeout_ns,
             rank: 0,
-            nranks: u32::try_from(self.ranks.len()).expect("<= 8"),
+            nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
             count: u32::try_from(count).expect("<= LIST_MAX"),
             entries: [ListEntry::default(); abi::LIST_MAX],
         };
+        assert!(
+            self.staging.is_none(),
+            "fused P2P lists run in one process only"
+        );
         for (rank, r) in self.ranks.iter().enumerate() {
-            params.rank = u32::try_from(rank).expect("<= 8");
+            params.rank = self.global[rank];
             params.error_slot = r.error_dev;
             for (e, &(src, dst, bytes)) in params.entries.iter_mut().zip(&copies[rank]) {
                 let a = abi::co_alignment(src, dst, bytes as u64);
@@ -356,10 +594,16 @@ impl P2p {
 
     /// The first timeout any rank's kernel reported, if any (does not wait for the GPUs).
     pub(crate) fn take_error(&self) -> Option<Error> {
-        (0..self.ranks.len()).find_map(|rank| {
-            let record = self.errors.read(rank);
-            (record != 0).then(|| decode_timeout(rank, record, self.timeout_ns))
+        (0..self.ranks.len()).find_map(|local| {
+            let record = self.errors.read(local);
+            (record != 0)
+                .then(|| decode_timeout(self.global[local] as usize, record, self.timeout_ns))
         })
+    }
+
+    /// Whether the ranks are in several processes (recovery then needs every process).
+    pub(crate) fn across_processes(&self) -> bool {
+        self.staging.is_some()
     }
 
     /// After a timeout or a cancelled launch: the caller has drained every stream; zero the
@@ -421,7 +665,7 @@ impl Drop for P2p {
     fn drop(&mut self) {
         // Stop the launch threads first: they hold the contexts current.
         self.launcher = None;
-        for r in &self.ranks {
+        for r in self.ranks.iter().filter(|r| r.plain) {
             if r.ctx.bind_to_thread().is_ok() {
                 // SAFETY: allocated by `malloc_sync` in this context; no kernel uses it any more.
                 if let Err(e) = unsafe { result::free_sync(r.signal) } {

@@ -1,0 +1,436 @@
+//! One rank of a job that runs one process per GPU (torchrun, Slurm, MPI): the communicator.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use super::{access, setup, CliqueGraph, Core, UncheckedCapture};
+use crate::config::{
+    BroadcastOptions, Env, Path, Requested, Route, Settings, Thresholds, MAX_GPUS,
+};
+use crate::dtype::Element;
+use crate::engine::{Engine, Rank};
+use crate::error::{Error, Result};
+use crate::nccl::{Comms, UniqueId};
+use crate::p2p::P2p;
+use crate::plan::FusedReport;
+use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
+use crate::tensor::DeviceTensorMut;
+
+/// Default bound on finding the other ranks and setting up NCCL and P2P with them.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Builds a [`Communicator`]: who this rank is, how it finds the others, and the same settings
+/// as [`super::CliqueBuilder`] (which every rank must choose alike).
+#[derive(Default)]
+pub struct CommunicatorBuilder {
+    job: Option<JobEnv>,
+    device: Option<usize>,
+    exchange: Option<Box<dyn Exchange + Send + Sync>>,
+    init_timeout: Option<Duration>,
+    requested: Requested,
+}
+
+impl std::fmt::Debug for CommunicatorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommunicatorBuilder")
+            .field("job", &self.job)
+            .field("device", &self.device)
+            .field("exchange", &self.exchange.as_ref().map(|_| "caller's"))
+            .field("init_timeout", &self.init_timeout)
+            .field("requested", &self.requested)
+            .finish()
+    }
+}
+
+impl CommunicatorBuilder {
+    /// Who this process is in the job (default: [`JobEnv::from_env`], what torchrun or Slurm
+    /// set).
+    pub fn job(mut self, job: JobEnv) -> Self {
+        self.job = Some(job);
+        self
+    }
+
+    /// The CUDA device of this rank (default: its local rank, as torchrun assigns GPUs).
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// Exchange initialisation data through the caller's all-gather (MPI, a framework's process
+    /// group) instead of gpucast's TCP store. Its rank and size define the job.
+    pub fn exchange(mut self, exchange: impl Exchange + Send + Sync + 'static) -> Self {
+        self.exchange = Some(Box::new(exchange));
+        self
+    }
+
+    /// Bound on the whole initialisation: the rendezvous, NCCL's and P2P's setup (default 300 s).
+    pub fn init_timeout(mut self, timeout: Duration) -> Self {
+        self.init_timeout = Some(timeout);
+        self
+    }
+
+    /// Default path of every broadcast (default [`Path::Auto`]).
+    pub fn path(mut self, path: Path) -> Self {
+        self.requested.path = Some(path);
+        self
+    }
+
+    /// `Auto` takes the P2P kernel for messages of at most this many bytes.
+    pub fn p2p_threshold(mut self, bytes: usize) -> Self {
+        self.requested.p2p_threshold = Some(bytes);
+        self
+    }
+
+    /// The P2P kernel uses its packet protocol up to this many bytes, the pull protocol above.
+    pub fn packet_threshold(mut self, bytes: usize) -> Self {
+        self.requested.packet_threshold = Some(bytes);
+        self
+    }
+
+    /// Longest any wait of a broadcast may take before it is reported as [`Error::Timeout`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.requested.timeout = Some(timeout);
+        self
+    }
+
+    /// Joins the job: every rank of it must call this.
+    pub fn build(self) -> Result<Communicator> {
+        Communicator::create(self)
+    }
+}
+
+/// One rank of a job that runs one process per GPU.
+///
+/// Every rank builds one ([`Communicator::from_env`] under torchrun or Slurm, or
+/// [`Communicator::builder`] with the caller's exchange), then every rank calls the same
+/// broadcasts in the same order, each with its own buffer: the root's buffer is the source,
+/// the others receive it (as `torch.distributed.broadcast`). Ranks on one host (the same
+/// [`crate::rendezvous::host_id`]) use gpucast's P2P kernel over shared memory that they map
+/// once at initialisation, with no exchange per call; a job across hosts uses NCCL.
+///
+/// Ordering, threads and failures are as for [`super::Clique`]: every buffer may be dropped or
+/// reused as soon as a call returns, calls go through one lock, every P2P wait is bounded.
+/// Every rank must pass buffers of the same length and type and use the same settings (the
+/// settings are checked at initialisation; a length that differs between ranks is caught only
+/// as a timeout). After a P2P timeout across processes the communicator's P2P path closes (NCCL
+/// keeps working): create a new communicator to use it again.
+pub struct Communicator {
+    core: Core,
+    job: JobEnv,
+    host: String,
+    same_host: bool,
+    init_time: Duration,
+}
+
+/// What every rank tells the others first: its host, its settings, its device.
+fn card(host: &str, settings: &Settings, ordinal: usize) -> Vec<u8> {
+    format!(
+        "{host}\n{:?}|{}|{}|{:?}\n{ordinal}",
+        settings.path,
+        settings.thresholds.p2p_max_bytes,
+        settings.thresholds.packet_max_bytes,
+        settings.timeout
+    )
+    .into_bytes()
+}
+
+impl Communicator {
+    /// Joins the job described by the environment torchrun or Slurm set (`RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, ...), on GPU `LOCAL_RANK`,
+    /// through a TCP store that rank 0 hosts.
+    pub fn from_env() -> Result<Communicator> {
+        Communicator::builder().build()
+    }
+
+    /// A builder for other settings.
+    pub fn builder() -> CommunicatorBuilder {
+        CommunicatorBuilder::default()
+    }
+
+    fn create(b: CommunicatorBuilder) -> Result<Communicator> {
+        let started = Instant::now();
+        let init_timeout = b.init_timeout.unwrap_or(DEFAULT_INIT_TIMEOUT);
+        if init_timeout.is_zero() {
+            return Err(Error::InvalidSetting {
+                name: "init_timeout",
+                reason: "must be longer than zero".into(),
+            });
+        }
+        let deadline = started + init_timeout;
+        let job = match b.job {
+            Some(j) => j,
+            None => JobEnv::from_env()?,
+        };
+        let env = Env::read()?;
+        let settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
+        let exchange: Box<dyn Exchange + Send + Sync> = match b.exchange {
+            Some(x) => x,
+            None => Box::new(Rendezvous::connect(&job, init_timeout)?),
+        };
+        let (rank, world) = (exchange.rank(), exchange.world_size());
+        if rank != job.rank || world != job.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "the exchange says rank {rank} of {world}, the job rank {} of {}",
+                job.rank, job.world_size
+            )));
+        }
+        let ordinal = b.device.unwrap_or(job.local_rank);
+        let available = setup::device_count()?;
+        if ordinal >= available {
+            return Err(Error::DeviceOutOfRange { ordinal, available });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(Error::cuda(format!(
+            "creating a context on device {ordinal}"
+        )))?;
+
+        // Round 1: hosts, settings and devices.
+        let host = host_id(crate::config::env_var);
+        let cards = exchange.all_gather(&card(&host, &settings, ordinal))?;
+        let mine = card(&host, &settings, ordinal);
+        let line = |c: &[u8], i: usize| {
+            String::from_utf8_lossy(c)
+                .split('\n')
+                .nth(i)
+                .unwrap_or_default()
+                .to_string()
+        };
+        for (r, c) in cards.iter().enumerate() {
+            if line(c, 1) != line(&mine, 1) {
+                return Err(Error::InvalidSetting {
+                    name: "settings",
+                    reason: format!(
+                        "rank {r} uses {}, rank {rank} uses {}: every rank must choose the same path, thresholds and timeout",
+                        line(c, 1),
+                        line(&mine, 1)
+                    ),
+                });
+            }
+        }
+        let same_host = cards.iter().all(|c| line(c, 0) == host);
+
+        // Round 2: NCCL's id from rank 0, then the communicator.
+        let id = if rank == 0 {
+            Comms::unique_id()?.0.to_vec()
+        } else {
+            Vec::new()
+        };
+        let id = exchange.broadcast_from(0, &id)?;
+        let id = UniqueId(
+            id.try_into()
+                .map_err(|_| Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into()))?,
+        );
+        let comms = Comms::init_ranks(&id, world, &[(rank, &ctx)])?;
+
+        // Rounds 3 and 4 (on one host): shared memory for the P2P kernel.
+        let p2p = if !same_host {
+            Err(Error::P2pUnavailable(
+                "the ranks are on several hosts: P2P runs within one host only".into(),
+            ))
+        } else if world > MAX_GPUS {
+            Err(Error::P2pUnavailable(format!(
+                "{world} ranks on one host: the P2P kernel takes at most {MAX_GPUS}"
+            )))
+        } else if world == 1 {
+            P2p::new(std::slice::from_ref(&ctx), settings.timeout, false)
+        } else {
+            P2p::new_ipc(
+                &ctx,
+                rank,
+                world,
+                exchange.as_ref(),
+                settings.timeout,
+                deadline,
+            )
+        };
+        let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
+        let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, comms, p2p)?;
+        let place = access::place_of(engine.stream(0));
+        let init_time = started.elapsed();
+        tracing::info!(
+            rank,
+            world,
+            device = ordinal,
+            %host,
+            same_host,
+            p2p = status.is_ok(),
+            init_ms = init_time.as_secs_f64() * 1e3,
+            "communicator created"
+        );
+        Ok(Communicator {
+            core: Core {
+                engine,
+                places: vec![place],
+                globals: vec![rank],
+                world,
+                p2p: status,
+                fuse: world == 1,
+            },
+            job,
+            host,
+            same_host,
+            init_time,
+        })
+    }
+
+    /// This process's rank in the job.
+    pub fn rank(&self) -> usize {
+        self.core.globals[0]
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.core.world
+    }
+
+    /// This process's rank among the ranks of its node.
+    pub fn local_rank(&self) -> usize {
+        self.job.local_rank
+    }
+
+    /// The index of this process's node.
+    pub fn node(&self) -> usize {
+        self.job.node
+    }
+
+    /// The host id this rank reported (`GPUCAST_HOST_ID` or the machine's).
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// Whether every rank of the job is on this host.
+    pub fn single_host(&self) -> bool {
+        self.same_host
+    }
+
+    /// How long the initialisation took (rendezvous, NCCL, P2P).
+    pub fn init_time(&self) -> Duration {
+        self.init_time
+    }
+
+    /// CUDA ordinal of this rank's device.
+    pub fn device(&self) -> usize {
+        self.core.places[0].ordinal
+    }
+
+    /// This rank's CUDA context (the device's primary context).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.core.engine.rank(0).ctx
+    }
+
+    /// The stream every broadcast of this rank runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.core.stream(0)
+    }
+
+    /// `Ok` if the P2P kernel can run, otherwise the error a forced P2P call returns.
+    pub fn p2p_available(&self) -> Result<()> {
+        self.core.p2p.clone()
+    }
+
+    /// The thresholds `Auto` uses.
+    pub fn thresholds(&self) -> Thresholds {
+        self.core.engine.settings().thresholds
+    }
+
+    /// The route a broadcast of `bytes` bytes would take with `options`.
+    pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.core.route(bytes, options)
+    }
+
+    /// Broadcasts, in place, rank `root`'s `buffer` into every other rank's `buffer`.
+    pub fn broadcast<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        root: usize,
+        buffer: &mut B,
+    ) -> Result<()> {
+        self.broadcast_with(root, buffer, &BroadcastOptions::default())
+    }
+
+    /// [`Communicator::broadcast`] with per-call options.
+    pub fn broadcast_with<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        root: usize,
+        buffer: &mut B,
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        self.core.broadcast(
+            root,
+            None::<&CudaSlice<T>>,
+            std::slice::from_mut(buffer),
+            options,
+        )
+    }
+
+    /// Out of place: the root passes `Some(input)` and receives a copy in `output` too; every
+    /// other rank passes `None` and receives into `output`.
+    pub fn broadcast_from<T, I, O>(
+        &self,
+        root: usize,
+        input: Option<&I>,
+        output: &mut O,
+        options: &BroadcastOptions,
+    ) -> Result<()>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        self.core
+            .broadcast(root, input, std::slice::from_mut(output), options)
+    }
+
+    /// Many tensors in place in one call: `buffers[t]` is tensor `t` (the root's are the
+    /// sources). Every rank passes the same list of lengths and types.
+    pub fn broadcast_many(
+        &self,
+        root: usize,
+        buffers: Vec<&mut dyn DeviceTensorMut>,
+        options: &BroadcastOptions,
+    ) -> Result<FusedReport> {
+        self.core.many(root, None, &mut [buffers], options)
+    }
+
+    /// Captures broadcasts into a CUDA graph (see [`super::Clique::capture`]); inside, use
+    /// `c.broadcast_in_place(root, std::slice::from_mut(&mut buffer))`.
+    pub fn capture<'c, 'buf, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'buf>>
+    where
+        F: FnOnce(&mut super::Capture<'c, 'buf>) -> Result<()>,
+    {
+        self.core.capture(f)
+    }
+
+    /// [`Communicator::capture`] without tying the graph to the buffers.
+    ///
+    /// # Safety
+    /// As for [`super::Clique::capture_unchecked`].
+    pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'static>>
+    where
+        F: FnOnce(&mut UncheckedCapture<'c>) -> Result<()>,
+    {
+        // SAFETY: the same contract.
+        unsafe { self.core.capture_unchecked(f) }
+    }
+
+    /// A zeroed buffer of `len` elements on this rank's stream.
+    pub fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
+        Ok(self.core.alloc_outputs(len)?.remove(0))
+    }
+
+    /// Blocks until this rank's broadcasts so far have finished, then reports any asynchronous
+    /// failure.
+    pub fn synchronize(&self) -> Result<()> {
+        self.core.synchronize()
+    }
+
+    /// Makes this rank's stream wait for the work queued so far on `stream`.
+    pub fn wait_for(&self, stream: &CudaStream) -> Result<()> {
+        self.core.wait_for(&[stream])
+    }
+
+    /// An event after the work queued so far on this rank's stream.
+    pub fn record(&self) -> Result<CudaEvent> {
+        Ok(self.core.record()?.remove(0))
+    }
+}

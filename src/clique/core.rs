@@ -1,0 +1,364 @@
+//! What a clique and a one-rank-per-process communicator share: an engine over the ranks this
+//! process drives, where those ranks sit in the job, and the broadcasts themselves.
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+use super::access::{self, Foreign};
+use super::args::{self, Place, Ranks};
+use crate::config::{BroadcastOptions, Path, Route, MAX_GPUS};
+use crate::dtype::Element;
+use crate::engine::{Engine, Item};
+use crate::error::{Error, Result};
+use crate::plan::{self, FusedReport, Step};
+use crate::tensor::DeviceTensor;
+
+use super::fused::OutputLists;
+use super::RawBroadcast;
+
+/// The engine of the local ranks and their place in the job.
+pub(crate) struct Core {
+    pub(crate) engine: Engine,
+    /// Device and context of each local rank.
+    pub(crate) places: Vec<Place>,
+    /// The job rank of each local rank.
+    pub(crate) globals: Vec<usize>,
+    /// Ranks in the job.
+    pub(crate) world: usize,
+    /// Whether the P2P kernel can run, or the error a forced P2P call returns.
+    pub(crate) p2p: std::result::Result<(), Error>,
+    /// Whether P2P tensors of one call may share a launch (not across processes, where peers
+    /// read the root's tensors from a staging buffer one at a time).
+    pub(crate) fuse: bool,
+}
+
+impl Core {
+    pub(crate) fn ranks(&self) -> Ranks<'_> {
+        Ranks {
+            places: &self.places,
+            globals: &self.globals,
+            world: self.world,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.places.len()
+    }
+
+    pub(crate) fn stream(&self, local: usize) -> &std::sync::Arc<CudaStream> {
+        self.engine.stream(local)
+    }
+
+    pub(crate) fn path(&self) -> Path {
+        self.engine.settings().path
+    }
+
+    pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        crate::config::choose(
+            options.path.unwrap_or(self.path()),
+            bytes,
+            self.p2p.as_ref().map(|_| ()),
+            &self.engine.settings().thresholds_for(options),
+        )
+    }
+
+    /// The launch step of a single broadcast, `None` for nothing to do.
+    fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
+        Ok(match self.route(bytes, options)? {
+            Route::Empty => None,
+            Route::Nccl => Some(Step::NcclGroup { tensors: vec![0] }),
+            route => Some(Step::P2pOne { tensor: 0, route }),
+        })
+    }
+
+    /// The launch plan of tensors of `bytes[i]` bytes with `options`.
+    pub(crate) fn plan(&self, bytes: &[usize], options: &BroadcastOptions) -> Result<Vec<Step>> {
+        plan::plan(
+            bytes,
+            options.path.unwrap_or(self.path()),
+            self.p2p.as_ref().map(|_| ()),
+            &self.engine.settings().thresholds_for(options),
+            self.world,
+            self.fuse,
+        )
+    }
+
+    /// One broadcast: `input` is the root's source when the root is a local rank and the call
+    /// is out of place, `None` in place (the root's entry of `outputs` is the source) or on a
+    /// process without the root; `outputs` holds one buffer per local rank.
+    pub(crate) fn broadcast<T, I, O>(
+        &self,
+        root: usize,
+        input: Option<&I>,
+        outputs: &mut [O],
+        options: &BroadcastOptions,
+    ) -> Result<()>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
+        let input_info = input.map(access::info_of::<T, I>);
+        let shape = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)?;
+        let Some(step) = self.single_step(shape.bytes, options)? else {
+            return Ok(());
+        };
+        let root_local = self.globals.iter().position(|&g| g == root);
+        let mut engine = self.engine.lock()?;
+        let in_stream = input.map(|i| i.stream().clone());
+        let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
+        let mut foreign = Foreign::default();
+        if let (Some(s), Some(local)) = (&in_stream, root_local) {
+            foreign.note(local, s, self.stream(local));
+        }
+        for (local, s) in out_streams.iter().enumerate() {
+            foreign.note(local, s, self.stream(local));
+        }
+        let read = match (input, &in_stream) {
+            (Some(i), Some(s)) => Some(i.device_ptr(s)),
+            _ => None,
+        };
+        let mut dsts = [0u64; MAX_GPUS];
+        let mut writes = Vec::with_capacity(outputs.len());
+        for (local, (out, s)) in outputs.iter_mut().zip(&out_streams).enumerate() {
+            let (ptr, w) = out.device_ptr_mut(s);
+            dsts[local] = ptr;
+            writes.push(w);
+        }
+        let src = match (&read, root_local) {
+            (Some((ptr, _)), _) => *ptr,
+            (None, Some(local)) => dsts[local],
+            (None, None) => 0,
+        };
+        let item = access::item(src, &dsts[..self.len()], shape.count, shape.dtype);
+        // SAFETY: validation proved every buffer is on its rank's device and context and
+        // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
+        // guards (dropped after the work is queued) keep them alive for the queued work. In
+        // place, the root's buffer is both source and destination, which every path handles.
+        foreign.around(&mut engine, |e| unsafe {
+            e.run(root, &[item], std::slice::from_ref(&step))
+        })
+    }
+
+    /// See [`super::Clique::broadcast_raw`].
+    ///
+    /// # Safety
+    /// As for `Clique::broadcast_raw`.
+    pub(crate) unsafe fn broadcast_raw(
+        &self,
+        b: &RawBroadcast<'_>,
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        let n = self.len();
+        if b.root >= self.world {
+            return Err(Error::RootOutOfRange {
+                root: b.root,
+                size: self.world,
+            });
+        }
+        for (what, got) in [("destinations", b.dsts.len()), ("streams", b.streams.len())] {
+            if got != n {
+                return Err(Error::OutputCount {
+                    what,
+                    expected: n,
+                    got,
+                });
+            }
+        }
+        let bytes = b
+            .count
+            .checked_mul(b.dtype.size())
+            .filter(|&x| isize::try_from(x).is_ok())
+            .ok_or_else(|| Error::TooLarge {
+                what: "raw broadcast".into(),
+                elements: b.count,
+                element_size: b.dtype.size(),
+            })?;
+        for (local, &s) in b.streams.iter().enumerate() {
+            let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: the caller guarantees a live stream; `ctx` is an out pointer.
+            unsafe { cudarc::driver::sys::cuStreamGetCtx(s, &mut ctx) }
+                .result()
+                .map_err(Error::cuda(format!(
+                    "reading the context of stream {local}"
+                )))?;
+            if ctx as usize != self.places[local].ctx {
+                return Err(Error::ForeignContext {
+                    what: format!("stream {local}"),
+                    rank: self.globals[local],
+                    ordinal: self.places[local].ordinal,
+                });
+            }
+        }
+        let Some(step) = self.single_step(bytes, options)? else {
+            return Ok(());
+        };
+        let mut engine = self.engine.lock()?;
+        let mut foreign = Foreign::default();
+        for (local, &s) in b.streams.iter().enumerate() {
+            foreign.note_raw(local, s, self.stream(local));
+        }
+        let item = access::item(b.src, b.dsts, b.count, b.dtype);
+        // SAFETY: per this function's contract.
+        foreign.around(&mut engine, |e| unsafe {
+            e.run(b.root, &[item], std::slice::from_ref(&step))
+        })
+    }
+
+    /// A fused call; see [`super::Clique::broadcast_many`]. `inputs` is `None` in place or on a
+    /// process without the root.
+    pub(crate) fn many(
+        &self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: &mut OutputLists<'_, '_>,
+        options: &BroadcastOptions,
+    ) -> Result<FusedReport> {
+        let in_infos: Option<Vec<_>> =
+            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
+        let out_infos: Vec<Vec<_>> = outputs
+            .iter()
+            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
+            .collect();
+        let shapes = args::check_many(&self.ranks(), root, in_infos.as_deref(), &out_infos, false)?;
+        let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
+        let steps = self.plan(&bytes, options)?;
+        let report = FusedReport::of(&steps, &bytes);
+        if steps.is_empty() {
+            return Ok(report);
+        }
+        let root_local = self.globals.iter().position(|&g| g == root);
+        let mut engine = self.engine.lock()?;
+        let in_streams: Vec<_> = inputs
+            .unwrap_or_default()
+            .iter()
+            .map(|t| t.stream().clone())
+            .collect();
+        let out_streams: Vec<Vec<_>> = outputs
+            .iter()
+            .map(|l| l.iter().map(|t| t.stream().clone()).collect())
+            .collect();
+        let mut foreign = Foreign::default();
+        if let Some(local) = root_local {
+            for s in &in_streams {
+                foreign.note(local, s, self.stream(local));
+            }
+        }
+        for (local, list) in out_streams.iter().enumerate() {
+            for s in list {
+                foreign.note(local, s, self.stream(local));
+            }
+        }
+        let count = shapes.len();
+        let mut srcs = vec![0u64; count];
+        let mut reads = Vec::with_capacity(in_streams.len());
+        for (t, (input, s)) in inputs
+            .unwrap_or_default()
+            .iter()
+            .zip(&in_streams)
+            .enumerate()
+        {
+            let (ptr, g) = input.read_ptr(s);
+            srcs[t] = ptr;
+            reads.push(g);
+        }
+        let mut dsts = vec![[0u64; MAX_GPUS]; count];
+        let mut writes = Vec::with_capacity(count * self.len());
+        for (local, (list, streams)) in outputs.iter_mut().zip(&out_streams).enumerate() {
+            for (t, (out, s)) in list.iter_mut().zip(streams).enumerate() {
+                let (ptr, g) = out.write_ptr(s);
+                dsts[t][local] = ptr;
+                writes.push(g);
+            }
+        }
+        let items: Vec<Item> = (0..count)
+            .map(|t| Item {
+                src: match (inputs.is_some(), root_local) {
+                    (true, _) => srcs[t],
+                    (false, Some(local)) => dsts[t][local],
+                    (false, None) => 0,
+                },
+                dsts: dsts[t],
+                count: shapes[t].count,
+                dtype: shapes[t].dtype,
+            })
+            .collect();
+        // SAFETY: validated against the ranks; the borrows and guards keep every buffer alive
+        // and ordered for the queued work (see `access`).
+        foreign.around(&mut engine, |e| unsafe { e.run(root, &items, &steps) })?;
+        Ok(report)
+    }
+
+    /// Blocks until every broadcast queued so far has finished on every local GPU.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.engine.lock()?.synchronize()
+    }
+
+    pub(crate) fn wait_for(&self, streams: &[&CudaStream]) -> Result<()> {
+        self.check_streams(streams)?;
+        let mut engine = self.engine.lock()?;
+        for (local, s) in streams.iter().enumerate() {
+            if s.cu_stream() != self.stream(local).cu_stream() {
+                engine.stream_waits_for(local, s.cu_stream())?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn record(&self) -> Result<Vec<CudaEvent>> {
+        let _engine = self.engine.lock()?;
+        (0..self.len())
+            .map(|local| {
+                self.stream(local)
+                    .record_event(None)
+                    .map_err(Error::cuda(format!(
+                        "recording an event on rank {}",
+                        self.globals[local]
+                    )))
+            })
+            .collect()
+    }
+
+    fn check_streams(&self, streams: &[&CudaStream]) -> Result<()> {
+        if streams.len() != self.len() {
+            return Err(Error::OutputCount {
+                what: "streams",
+                expected: self.len(),
+                got: streams.len(),
+            });
+        }
+        for (local, s) in streams.iter().enumerate() {
+            let found = access::place_of(s);
+            let rank = self.globals[local];
+            if found.ordinal != self.places[local].ordinal {
+                return Err(Error::WrongDevice {
+                    what: format!("stream {local}"),
+                    rank,
+                    expected: self.places[local].ordinal,
+                    found: found.ordinal,
+                });
+            }
+            if found.ctx != self.places[local].ctx {
+                return Err(Error::ForeignContext {
+                    what: format!("stream {local}"),
+                    rank,
+                    ordinal: found.ordinal,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn alloc_outputs<T: Element>(&self, len: usize) -> Result<Vec<CudaSlice<T>>> {
+        (0..self.len())
+            .map(|local| {
+                self.stream(local)
+                    .alloc_zeros::<T>(len)
+                    .map_err(Error::cuda(format!(
+                        "allocating an output on rank {}",
+                        self.globals[local]
+                    )))
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,190 @@
+//! Device memory that the other processes of a host can map: virtual-memory-management
+//! allocations (`cuMemCreate`) with POSIX file-descriptor handles. The owner exports a file
+//! descriptor once; a peer process that receives it (over a Unix socket, `ipc`) imports and
+//! maps it into its own address space. Every mapping is unmapped and released on drop.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
+use cudarc::driver::CudaContext;
+
+use crate::error::{Error, Result};
+
+/// An allocation of this process (exportable) or a mapping of a peer's.
+pub(crate) struct SharedMemory {
+    ctx: Arc<CudaContext>,
+    handle: CUmemGenericAllocationHandle,
+    va: CUdeviceptr,
+    size: usize,
+}
+
+fn properties(ordinal: usize) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct for which all-zero is valid (every enum has a zero variant);
+    // the fields that matter are set below.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location = sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: i32::try_from(ordinal).expect("ordinals are small"),
+    };
+    prop
+}
+
+/// The size `bytes` rounds up to for a VMM allocation on `ordinal`.
+pub(crate) fn rounded_size(ctx: &CudaContext, bytes: usize) -> Result<usize> {
+    let prop = properties(ctx.ordinal());
+    let mut granularity = 0usize;
+    // SAFETY: valid property struct and out pointer.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .map_err(Error::cuda("reading the VMM allocation granularity"))?;
+    Ok(bytes.next_multiple_of(granularity.max(1)))
+}
+
+impl SharedMemory {
+    /// `bytes` (rounded up to the granularity) of exportable memory on `ctx`'s device, mapped
+    /// here with read-write access for that device.
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<SharedMemory> {
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
+        let size = rounded_size(ctx, bytes)?;
+        let prop = properties(ctx.ordinal());
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out pointer and properties; released in `Drop` (or below on error).
+        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }
+            .result()
+            .map_err(Error::cuda(format!(
+                "allocating {size} bytes of shareable memory on device {}",
+                ctx.ordinal()
+            )))?;
+        SharedMemory::map(ctx, handle, size)
+    }
+
+    /// Maps a peer's allocation received as `fd` (which is closed once imported) for this
+    /// process's device `ctx`.
+    pub(crate) fn import(ctx: &Arc<CudaContext>, fd: OwnedFd, size: usize) -> Result<SharedMemory> {
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
+        let mut handle: CUmemGenericAllocationHandle = 0;
+        // SAFETY: `fd` is an open descriptor exported by cuMemExportToShareableHandle in a peer;
+        // the driver reads it during the call and the descriptor is closed when `fd` drops.
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        }
+        .result()
+        .map_err(Error::cuda("importing a peer process's memory"))?;
+        drop(fd);
+        SharedMemory::map(ctx, handle, size)
+    }
+
+    /// Reserves an address range, maps `handle` there and grants `ctx`'s device access; on
+    /// failure releases what it took.
+    fn map(
+        ctx: &Arc<CudaContext>,
+        handle: CUmemGenericAllocationHandle,
+        size: usize,
+    ) -> Result<SharedMemory> {
+        let mut va: CUdeviceptr = 0;
+        // SAFETY: valid out pointer; a fresh reservation of `size` bytes.
+        let reserved = unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }.result();
+        if let Err(e) = reserved {
+            // SAFETY: `handle` is ours and unused.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            return Err(Error::Cuda {
+                during: "reserving addresses for shared memory".into(),
+                source: e,
+            });
+        }
+        let mem = SharedMemory {
+            ctx: ctx.clone(),
+            handle,
+            va,
+            size,
+        };
+        // SAFETY: `va` is a reservation of `size` bytes and `handle` an allocation of as many.
+        unsafe { sys::cuMemMap(va, size, 0, handle, 0) }
+            .result()
+            .map_err(Error::cuda("mapping shared memory"))
+            .inspect_err(|_| mem.forget_mapping())?;
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: i32::try_from(ctx.ordinal()).expect("ordinals are small"),
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `va` is mapped with `size` bytes; one valid descriptor.
+        unsafe { sys::cuMemSetAccess(va, size, &desc, 1) }
+            .result()
+            .map_err(Error::cuda(format!(
+                "granting device {} access to shared memory",
+                ctx.ordinal()
+            )))?;
+        Ok(mem)
+    }
+
+    /// Frees a reservation that was never mapped (error path of `map`).
+    fn forget_mapping(&self) {
+        // SAFETY: unmapped reservation and unused handle, both ours.
+        unsafe {
+            let _ = sys::cuMemAddressFree(self.va, self.size);
+            let _ = sys::cuMemRelease(self.handle);
+        }
+    }
+
+    /// A file descriptor that a peer process can import (the caller closes it).
+    pub(crate) fn export(&self) -> Result<OwnedFd> {
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the handle is a live POSIX-fd-exportable allocation; `fd` is an out pointer.
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                std::ptr::addr_of_mut!(fd).cast(),
+                self.handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }
+        .result()
+        .map_err(Error::cuda("exporting shared memory"))?;
+        // SAFETY: the driver returned a fresh descriptor that this process now owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// The mapped address in this process.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.va
+    }
+
+    /// The mapped size.
+    pub(crate) fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for SharedMemory {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: our mapping and handle; no kernel uses them any more (the engine drains its
+        // streams, or leaks the P2P state, before dropping them).
+        unsafe {
+            let _ = sys::cuMemUnmap(self.va, self.size);
+            let _ = sys::cuMemAddressFree(self.va, self.size);
+            let _ = sys::cuMemRelease(self.handle);
+        }
+    }
+}
