@@ -1,0 +1,391 @@
+//! One process per GPU (ignored without 2 GPUs): each test starts this binary once per rank,
+//! with the environment torchrun would set, and every rank checks its own data bit for bit.
+//! All ranks draw the data from one shared seed, so each knows what the root sent.
+//!
+//! `cargo test --release --test procs -- --include-ignored --test-threads 1`
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gpucast::cudarc::driver::{CudaSlice, CudaStream};
+use gpucast::half::bf16;
+use gpucast::{BroadcastOptions, Communicator, DeviceTensorMut, Element, Error, Path};
+use rand::{Rng, SeedableRng};
+
+const WORLD: usize = 2;
+
+/// Starts `WORLD` ranks of `case` with torchrun's variables (plus `extra`, which may depend on
+/// the rank) and waits for all of them, killing them after `limit`.
+fn run_ranks(case: &str, limit: Duration, extra: impl Fn(usize) -> Vec<(String, String)>) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let seed: u64 = rand::rng().random();
+    eprintln!("case {case}: seed {seed}, store port {port}");
+    let mut children: Vec<(usize, Child)> = (0..WORLD)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args(["--exact", "child", "--include-ignored", "--nocapture"])
+                .env("PROCS_CASE", case)
+                .env("PROCS_SEED", seed.to_string())
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", WORLD.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", WORLD.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("NCCL_NVLS_ENABLE", "0")
+                .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+                .env("NVSHMEM_DISABLE_NVLS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra(rank) {
+                cmd.env(k, v);
+            }
+            (rank, cmd.spawn().expect("spawn a rank"))
+        })
+        .collect();
+    let start = Instant::now();
+    let mut failed = Vec::new();
+    while !children.is_empty() {
+        let mut i = 0;
+        while i < children.len() {
+            if let Some(status) = children[i].1.try_wait().unwrap() {
+                let (rank, child) = children.remove(i);
+                let out = child.wait_with_output().unwrap();
+                let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr);
+                let summary: Vec<&str> = text
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("RANK") || l.contains("panicked") || l.contains("Error")
+                    })
+                    .collect();
+                eprintln!("rank {rank}: {status}\n{}", summary.join("\n"));
+                if !status.success() {
+                    failed.push((rank, text));
+                }
+            } else {
+                i += 1;
+            }
+        }
+        if start.elapsed() > limit {
+            for (rank, c) in &mut children {
+                let _ = c.kill();
+                failed.push((*rank, "killed: no result within the limit".into()));
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some((rank, text)) = failed.first() {
+        panic!("case {case}: rank {rank} failed:\n{text}");
+    }
+}
+
+/// The rank side: dispatches on `PROCS_CASE` (a plain run of this test does nothing).
+#[test]
+#[ignore = "run by the other tests of this file, once per rank"]
+fn child() {
+    let Ok(case) = std::env::var("PROCS_CASE") else {
+        return;
+    };
+    let seed: u64 = std::env::var("PROCS_SEED").unwrap().parse().unwrap();
+    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("joining the job: {e}"));
+    println!(
+        "RANK {} of {}: device {}, host {}, single host {}, P2P {:?}, init {:.0} ms",
+        comm.rank(),
+        comm.world_size(),
+        comm.device(),
+        comm.host(),
+        comm.single_host(),
+        comm.p2p_available().map_err(|e| e.to_string()),
+        comm.init_time().as_secs_f64() * 1e3
+    );
+    match case.as_str() {
+        "paths" => paths(&comm, seed),
+        "many_small" => many_small(&comm, seed),
+        "fused" => fused(&comm, seed),
+        "graphs" => graphs(&comm, seed),
+        "nodes" => nodes(&comm, seed),
+        other => panic!("unknown case {other}"),
+    }
+    comm.synchronize().unwrap();
+    println!("RANK {} done", comm.rank());
+}
+
+/// The same random data on every rank.
+fn shared_data<T: Element>(n: usize, seed: u64) -> Vec<T> {
+    random_vec(n, &mut rand::rngs::StdRng::seed_from_u64(seed))
+}
+
+fn poison<T: Element>(stream: &std::sync::Arc<CudaStream>, n: usize, rank: usize) -> CudaSlice<T> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xbad ^ rank as u64);
+    stream.clone_htod(&random_vec::<T>(n, &mut rng)).unwrap()
+}
+
+fn one<T: Element>(
+    comm: &Communicator,
+    root: usize,
+    n: usize,
+    path: Path,
+    in_place: bool,
+    seed: u64,
+) {
+    let s = comm.stream();
+    let data: Vec<T> = shared_data(n, seed);
+    let mut out = poison::<T>(s, n, comm.rank());
+    let opts = BroadcastOptions::path(path);
+    let what = format!(
+        "rank {} {} n={n} root={root} {path:?} in_place={in_place}",
+        comm.rank(),
+        T::DTYPE
+    );
+    if in_place {
+        if comm.rank() == root {
+            s.memcpy_htod(&data, &mut out).unwrap();
+        }
+        comm.broadcast_with(root, &mut out, &opts)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    } else {
+        let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
+        comm.broadcast_from(root, input.as_ref(), &mut out, &opts)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+    assert_bytes_eq(s, &out, &data, &what);
+}
+
+fn paths(comm: &Communicator, seed: u64) {
+    let mut k = 0u64;
+    // The largest sizes are longer than the 32 MiB staging buffer: the staged pull runs in
+    // chunks.
+    for n in [0usize, 1, 3, 4095, 70_000, 300_001, 10 << 20] {
+        for root in 0..comm.world_size() {
+            for path in [Path::Auto, Path::P2p, Path::Nccl] {
+                for in_place in [false, true] {
+                    k += 1;
+                    let s = seed ^ k;
+                    match k % 4 {
+                        0 => one::<f32>(comm, root, n, path, in_place, s),
+                        1 => one::<bf16>(comm, root, n, path, in_place, s),
+                        2 => one::<u8>(comm, root, n * 4 + 1, path, in_place, s),
+                        _ => one::<i64>(comm, root, n, path, in_place, s),
+                    }
+                }
+            }
+        }
+    }
+    // The chunked staging path on a size that is not a multiple of the chunk.
+    one::<u8>(comm, 1, (40 << 20) + 3, Path::P2p, false, seed ^ 0xc0ffee);
+    one::<u8>(comm, 0, (40 << 20) + 3, Path::P2p, true, seed ^ 0xc0ffef);
+}
+
+/// 10,000 back-to-back small broadcasts, roots and sizes varying, into a ring of outputs that is
+/// checked every 500 operations.
+fn many_small(comm: &Communicator, seed: u64) {
+    let s = comm.stream();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    const RING: usize = 64;
+    let max = 64 << 10;
+    let mut ring: Vec<CudaSlice<u8>> = (0..RING).map(|_| poison(s, max, comm.rank())).collect();
+    let mut expect: Vec<Option<Vec<u8>>> = vec![None; RING];
+    let mut inputs: Vec<CudaSlice<u8>> = Vec::new();
+    for i in 0..10_000 {
+        let root = rng.random_range(0..comm.world_size());
+        let len = rng.random_range(1..=max);
+        let path = if rng.random_bool(0.5) {
+            Path::P2p
+        } else {
+            Path::Auto
+        };
+        let data: Vec<u8> = random_vec(len, &mut rng);
+        let slot = i % RING;
+        let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
+        comm.broadcast_from(
+            root,
+            input.as_ref(),
+            &mut ring[slot].slice_mut(..len),
+            &BroadcastOptions::path(path),
+        )
+        .unwrap_or_else(|e| panic!("op {i}: {e}"));
+        inputs.extend(input);
+        if inputs.len() > 32 {
+            inputs.clear();
+        }
+        expect[slot] = Some(data);
+        if i % 500 == 499 {
+            comm.synchronize()
+                .unwrap_or_else(|e| panic!("after op {i}: {e}"));
+            for (slot, e) in expect.iter().enumerate() {
+                if let Some(d) = e {
+                    let got: Vec<u8> = s.clone_dtoh(&ring[slot].slice(..d.len())).unwrap();
+                    assert!(got == *d, "rank {} op ~{i} slot {slot}", comm.rank());
+                }
+            }
+        }
+    }
+}
+
+fn fused(comm: &Communicator, seed: u64) {
+    let s = comm.stream();
+    for (k, path) in [Path::Auto, Path::P2p, Path::Nccl].into_iter().enumerate() {
+        for root in 0..comm.world_size() {
+            let sizes = [1usize, 0, 999, 70_000, 500_000, 17];
+            let datas: Vec<Vec<u32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(t, &n)| shared_data(n, seed ^ (k * 100 + root * 10 + t) as u64))
+                .collect();
+            let mut bufs: Vec<CudaSlice<u32>> = datas
+                .iter()
+                .map(|d| {
+                    if comm.rank() == root {
+                        s.clone_htod(d).unwrap()
+                    } else {
+                        poison(s, d.len(), comm.rank())
+                    }
+                })
+                .collect();
+            let list: Vec<&mut dyn DeviceTensorMut> = bufs
+                .iter_mut()
+                .map(|b| b as &mut dyn DeviceTensorMut)
+                .collect();
+            let report = comm
+                .broadcast_many(root, list, &BroadcastOptions::path(path))
+                .unwrap();
+            assert_eq!(report.tensors, sizes.len());
+            for (t, d) in datas.iter().enumerate() {
+                assert_bytes_eq(
+                    s,
+                    &bufs[t],
+                    d,
+                    &format!("fused {path:?} root {root} tensor {t}"),
+                );
+            }
+        }
+    }
+}
+
+/// Graph capture in each process: static buffers rewritten between replays, then a safe
+/// capture whose graph borrows its buffer.
+fn graphs(comm: &Communicator, seed: u64) {
+    let s = comm.stream();
+    for path in [Path::P2p, Path::Nccl] {
+        for n in [1000usize, 300_000] {
+            let mut buf: CudaSlice<u8> = poison(s, n, comm.rank());
+            // SAFETY: `buf` outlives the graph and is only written on this rank's stream.
+            let mut graph = unsafe {
+                comm.capture_unchecked(|c| {
+                    c.broadcast_in_place_with(
+                        1,
+                        std::slice::from_mut(&mut buf),
+                        &BroadcastOptions::path(path),
+                    )
+                })
+            }
+            .unwrap();
+            for replay in 0..4u64 {
+                let data: Vec<u8> = shared_data(n, seed ^ replay ^ (n as u64));
+                if comm.rank() == 1 {
+                    s.memcpy_htod(&data, &mut buf).unwrap();
+                }
+                graph.launch().unwrap();
+                comm.synchronize().unwrap();
+                assert_bytes_eq(
+                    s,
+                    &buf,
+                    &data,
+                    &format!("graph {path:?} n={n} replay {replay}"),
+                );
+            }
+            drop(graph);
+        }
+    }
+    let data: Vec<i32> = shared_data(5000, seed);
+    let mut buf = if comm.rank() == 0 {
+        s.clone_htod(&data).unwrap()
+    } else {
+        poison(s, 5000, comm.rank())
+    };
+    let mut graph = comm
+        .capture(|c| c.broadcast_in_place(0, std::slice::from_mut(&mut buf)))
+        .unwrap();
+    graph.launch().unwrap();
+    graph.launch().unwrap();
+    drop(graph);
+    assert_bytes_eq(s, &buf, &data, "safe graph");
+}
+
+/// Each process plays its own node: NCCL over sockets, no P2P between the "nodes".
+fn nodes(comm: &Communicator, seed: u64) {
+    assert!(!comm.single_host(), "GPUCAST_HOST_ID differs per rank");
+    assert!(matches!(
+        comm.p2p_available(),
+        Err(Error::P2pUnavailable(_))
+    ));
+    assert_eq!(
+        comm.route(1024, &BroadcastOptions::default()).unwrap(),
+        gpucast::Route::Nccl
+    );
+    let mut k = 0;
+    for n in [1usize, 4097, 1 << 20] {
+        for root in 0..comm.world_size() {
+            k += 1;
+            one::<f32>(comm, root, n, Path::Auto, k % 2 == 0, seed ^ k);
+        }
+    }
+    let mut b = comm.alloc::<u8>(10).unwrap();
+    assert!(matches!(
+        comm.broadcast_with(0, &mut b, &BroadcastOptions::path(Path::P2p)),
+        Err(Error::P2pUnavailable(_))
+    ));
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_processes_every_path_type_root_and_size() {
+    run_ranks("paths", Duration::from_secs(240), |_| Vec::new());
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_processes_ten_thousand_small_broadcasts() {
+    run_ranks("many_small", Duration::from_secs(240), |_| Vec::new());
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_processes_fused() {
+    run_ranks("fused", Duration::from_secs(120), |_| Vec::new());
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_processes_graph_capture() {
+    run_ranks("graphs", Duration::from_secs(120), |_| Vec::new());
+}
+
+/// "Two nodes on one host": NCCL is told each process is its own host and uses sockets over
+/// loopback; gpucast's host id is overridden, so no P2P between the "nodes".
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn two_nodes_on_one_host() {
+    run_ranks("nodes", Duration::from_secs(180), |rank| {
+        [
+            ("NCCL_HOSTID", format!("node-{rank}")),
+            ("GPUCAST_HOST_ID", format!("node-{rank}")),
+            ("NCCL_P2P_DISABLE", "1".into()),
+            ("NCCL_SHM_DISABLE", "1".into()),
+            ("NCCL_NET", "Socket".into()),
+            ("NCCL_SOCKET_IFNAME", "lo".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    });
+}
