@@ -135,7 +135,24 @@ pub fn model_crossover(n: usize) -> Option<usize> {
     Some(bytes as usize)
 }
 
+/// `Auto`'s P2P limit when the ranks are separate processes of one host. Peers cannot read the
+/// root's buffer there: the root first copies the message into its shared staging buffer (an
+/// HBM-to-HBM copy at about 2 TB/s on an H200), which adds about a fifth to a pull at link
+/// speed; NCCL's ring moves large messages without that copy. By the model of
+/// [`model_crossover`] the copy eats NCCL's fixed gap of [`MODEL_FIXED_GAP_S`] near 16 MiB;
+/// the limit stays one step below.
+pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = 8 << 20;
+
 impl Thresholds {
+    /// These thresholds for ranks in separate processes of one host: the P2P limit is capped
+    /// at [`DEFAULT_P2P_MAX_ACROSS_PROCESSES`] (a limit the caller set is kept as it is).
+    pub(crate) fn across_processes(mut self, caller_set: bool) -> Thresholds {
+        if !caller_set {
+            self.p2p_max_bytes = self.p2p_max_bytes.min(DEFAULT_P2P_MAX_ACROSS_PROCESSES);
+        }
+        self
+    }
+
     /// Defaults for a clique of `n` GPUs linked by NVLink (see [`DEFAULT_THRESHOLDS`]).
     pub fn for_gpus(n: usize) -> Thresholds {
         let row = DEFAULT_THRESHOLDS
@@ -621,6 +638,18 @@ mod tests {
             assert_eq!(row.0, i + 2);
             assert_eq!(Thresholds::for_gpus(row.0).p2p_max_bytes, row.1);
         }
+    }
+
+    #[test]
+    fn processes_cap_the_p2p_limit_unless_the_caller_set_it() {
+        let t = Thresholds::for_gpus(2);
+        assert_eq!(
+            t.across_processes(false).p2p_max_bytes,
+            DEFAULT_P2P_MAX_ACROSS_PROCESSES
+        );
+        assert_eq!(t.across_processes(true), t);
+        let small = Thresholds::for_gpus(8);
+        assert_eq!(small.across_processes(false), small);
     }
 
     #[test]

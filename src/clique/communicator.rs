@@ -164,7 +164,8 @@ impl Communicator {
             None => JobEnv::from_env()?,
         };
         let env = Env::read()?;
-        let settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
+        let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
+        let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
         let exchange: Box<dyn Exchange + Send + Sync> = match b.exchange {
             Some(x) => x,
             None => Box::new(Rendezvous::connect(&job, init_timeout)?),
@@ -209,6 +210,9 @@ impl Communicator {
             }
         }
         let same_host = cards.iter().all(|c| line(c, 0) == host);
+        if same_host && world > 1 {
+            settings.thresholds = settings.thresholds.across_processes(limit_set);
+        }
 
         // Round 2: NCCL's id from rank 0, then the communicator.
         let id = if rank == 0 {
