@@ -1,6 +1,7 @@
 //! # gpucast
 //!
-//! Broadcast a tensor from one GPU to every GPU of a process, as fast as the links allow.
+//! Broadcast a tensor from one GPU to every other GPU, as fast as the links allow: within one
+//! process (a clique) or across the processes of a job, one per GPU (a communicator).
 //!
 //! A [`Clique`] holds up to eight GPUs of this process: a context and a stream per GPU, peer
 //! access between every pair that supports it, one NCCL communicator per GPU, and a small signal
@@ -13,6 +14,10 @@
 //!   peer's inbox; no barrier at all); medium ones a *pull* protocol (peers read the root's
 //!   buffer over NVLink after its arrival flag and report when done). Counters live on the
 //!   device, so the kernel can be captured in a CUDA graph; every wait is bounded by a timeout.
+//!
+//! A [`Communicator`] is one rank of a job that runs one process per GPU (torchrun, Slurm,
+//! MPI): the same broadcasts, each process passing its own buffer, after a rendezvous through
+//! a TCP store that rank 0 hosts ([`rendezvous`]); ranks on one host share P2P memory.
 //!
 //! [`Path::Auto`] (the default) takes P2P when every pair of GPUs has peer access and the message
 //! is below a threshold measured on H200s, and NCCL otherwise. The caller can force a path or
