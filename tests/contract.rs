@@ -682,3 +682,91 @@ fn a_buffer_of_another_context_is_rejected() {
     let e = clique.broadcast(0, &input, &mut outputs).unwrap_err();
     assert!(matches!(e, Error::ForeignContext { rank: 1, .. }), "{e}");
 }
+
+/// Dropping a clique while a rank is held back and the other waits for it returns within the
+/// timeout plus a little: no hang, no panic.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn dropping_a_busy_clique_does_not_hang() {
+    let clique = Clique::builder()
+        .devices(&[0, 1])
+        .timeout(std::time::Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let input = clique.stream(0).clone_htod(&[3u8; 300_000]).unwrap();
+    let mut outputs = clique.alloc_outputs::<u8>(300_000).unwrap();
+    clique.synchronize().unwrap();
+    stall(&clique, 1, 1500);
+    clique
+        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+        .unwrap();
+    drop((input, outputs));
+    let t0 = std::time::Instant::now();
+    drop(clique);
+    let took = t0.elapsed();
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "drop took {took:?}"
+    );
+}
+
+/// An NCCL call that fails inside a group (NCCL_CHECK_POINTERS rejects a host pointer for one
+/// rank) aborts the communicators instead of launching half a group: the call returns an
+/// error, later NCCL calls say the communicators were aborted, and P2P still works. Runs in a
+/// child process so that NCCL reads the variable at initialisation.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn a_failed_nccl_group_aborts_instead_of_hanging() {
+    if std::env::var("CONTRACT_CHILD").is_ok() {
+        let clique = two_gpus();
+        let input = clique.stream(0).clone_htod(&[5u32; 1024]).unwrap();
+        let mut outputs = clique.alloc_outputs::<u32>(1024).unwrap();
+        let src = outputs[0].device_ptr_mut(clique.stream(0)).0;
+        let host = vec![0u32; 1024];
+        let dsts = [src, host.as_ptr() as u64];
+        let streams = [clique.stream(0).cu_stream(), clique.stream(1).cu_stream()];
+        let b = gpucast::RawBroadcast {
+            root: 0,
+            src,
+            dsts: &dsts,
+            count: 1024,
+            dtype: gpucast::DType::U32,
+            streams: &streams,
+        };
+        // SAFETY: NCCL_CHECK_POINTERS makes NCCL reject the host pointer before it is used.
+        let first = unsafe { clique.broadcast_raw(&b, &BroadcastOptions::path(Path::Nccl)) };
+        assert!(matches!(first, Err(Error::Nccl { .. })), "{first:?}");
+        let second =
+            clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl));
+        assert!(
+            matches!(second, Err(Error::CommunicatorsAborted { .. })),
+            "{second:?}"
+        );
+        clique
+            .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+            .unwrap();
+        clique.synchronize().unwrap();
+        assert_bytes_eq(
+            clique.stream(1),
+            &outputs[1],
+            &[5u32; 1024],
+            "P2P after the abort",
+        );
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_failed_nccl_group_aborts_instead_of_hanging",
+            "--include-ignored",
+            "--nocapture",
+        ])
+        .env("CONTRACT_CHILD", "1")
+        .env("NCCL_CHECK_POINTERS", "1")
+        .env("NCCL_NVLS_ENABLE", "0")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "child failed:\n{text}");
+}
