@@ -71,29 +71,7 @@ impl CommunicatorBuilder {
         self
     }
 
-    /// Default path of every broadcast (default [`Path::Auto`]).
-    pub fn path(mut self, path: Path) -> Self {
-        self.requested.path = Some(path);
-        self
-    }
-
-    /// `Auto` takes the P2P kernel for messages of at most this many bytes.
-    pub fn p2p_threshold(mut self, bytes: usize) -> Self {
-        self.requested.p2p_threshold = Some(bytes);
-        self
-    }
-
-    /// The P2P kernel uses its packet protocol up to this many bytes, the pull protocol above.
-    pub fn packet_threshold(mut self, bytes: usize) -> Self {
-        self.requested.packet_threshold = Some(bytes);
-        self
-    }
-
-    /// Longest any wait of a broadcast may take before it is reported as [`Error::Timeout`].
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.requested.timeout = Some(timeout);
-        self
-    }
+    super::settings_setters!();
 
     /// Joins the job: every rank of it must call this.
     pub fn build(self) -> Result<Communicator> {

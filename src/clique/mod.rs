@@ -30,6 +30,39 @@ pub use fused::OutputLists;
 pub use graph::{Capture, CliqueGraph, UncheckedCapture};
 pub use setup::device_count;
 
+/// The settings every builder shares (a field `requested: Requested`): path, thresholds and
+/// timeout.
+macro_rules! settings_setters {
+    () => {
+        /// Default path of every broadcast (default [`Path::Auto`]).
+        pub fn path(mut self, path: Path) -> Self {
+            self.requested.path = Some(path);
+            self
+        }
+
+        /// `Auto` takes the P2P kernel for messages of at most this many bytes.
+        pub fn p2p_threshold(mut self, bytes: usize) -> Self {
+            self.requested.p2p_threshold = Some(bytes);
+            self
+        }
+
+        /// The P2P kernel uses its packet protocol up to this many bytes, the pull protocol
+        /// above.
+        pub fn packet_threshold(mut self, bytes: usize) -> Self {
+            self.requested.packet_threshold = Some(bytes);
+            self
+        }
+
+        /// Longest any wait of a broadcast may take (a P2P kernel waiting for a peer) before it
+        /// is reported as [`Error::Timeout`]. Must be longer than zero.
+        pub fn timeout(mut self, timeout: std::time::Duration) -> Self {
+            self.requested.timeout = Some(timeout);
+            self
+        }
+    };
+}
+use settings_setters;
+
 /// Builds a [`Clique`]: which GPUs (or which streams), the default path, thresholds, the
 /// timeout and the launch threads.
 ///
@@ -60,30 +93,7 @@ impl CliqueBuilder {
         self
     }
 
-    /// Default path of every broadcast (default [`Path::Auto`]).
-    pub fn path(mut self, path: Path) -> Self {
-        self.requested.path = Some(path);
-        self
-    }
-
-    /// `Auto` takes the P2P kernel for messages of at most this many bytes.
-    pub fn p2p_threshold(mut self, bytes: usize) -> Self {
-        self.requested.p2p_threshold = Some(bytes);
-        self
-    }
-
-    /// The P2P kernel uses its packet protocol up to this many bytes, the pull protocol above.
-    pub fn packet_threshold(mut self, bytes: usize) -> Self {
-        self.requested.packet_threshold = Some(bytes);
-        self
-    }
-
-    /// Longest any wait of a broadcast may take (a P2P kernel waiting for a peer) before it is
-    /// reported as [`Error::Timeout`]. Must be longer than zero.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.requested.timeout = Some(timeout);
-        self
-    }
+    settings_setters!();
 
     /// Launch the P2P kernel from one thread per GPU (default `true`; see
     /// [`Clique::set_parallel_launch`]).
