@@ -3,12 +3,24 @@
 //!
 //! `cargo bench --bench broadcast -- --help` lists the options. Every size's outputs are checked
 //! bit for bit once per path before it is timed.
+//!
+//! ```text
+//! cargo bench --bench broadcast                          # one process, every GPU (a Clique)
+//! cargo bench --bench broadcast -- --procs 2             # one process per GPU (a Communicator)
+//! cargo bench --bench broadcast --no-run                 # prints the bench executable's path, then:
+//! export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+//! torchrun --nproc-per-node 2 --no-python target/release/deps/broadcast-<hash> --out target/bench
+//! ```
+//!
+//! With `--procs N` (or under torchrun) the bench measures one process per GPU instead; see
+//! `benches/procs/mod.rs` for what it measures and how it times it.
 
 #![allow(
     clippy::cast_possible_truncation,
     reason = "sizes, counts and iteration numbers stay far below 2^32 (and usize is 64-bit here)"
 )]
 
+mod procs;
 mod report;
 
 use std::path::PathBuf;
@@ -19,7 +31,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpucast::cudarc::driver::{
-    result, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    result, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
 };
 use gpucast::{BroadcastOptions, Clique, DType, Path};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -43,18 +55,23 @@ struct Args {
     /// Root rank.
     #[arg(short = 'r', long, default_value_t = 0)]
     root: usize,
-    /// Number of GPUs (2 up to all visible; default all, at most 8).
+    /// Number of GPUs (2 up to all visible; default all, at most 8). Not with --procs (one GPU
+    /// per process there).
     #[arg(short = 'g', long)]
     gpus: Option<usize>,
+    /// One process per GPU: start N ranks of this bench (torchrun's variables, store on
+    /// 127.0.0.1, GPU = local rank) and measure the Communicator. Under torchrun the bench
+    /// runs that way by itself.
+    #[arg(long)]
+    procs: Option<usize>,
     /// Paths to measure: nccl, p2p, auto, copy-engine, launch-floor; p2p-1thread (the P2P kernel
     /// launched from one thread, GPU after GPU); and the P2P kernel with its protocol forced:
-    /// p2p-packet (only up to the packet limit), p2p-pull.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "nccl,p2p,p2p-1thread,auto,copy-engine,launch-floor"
-    )]
-    paths: Vec<String>,
+    /// p2p-packet (only up to the packet limit), p2p-pull. Default: nccl, p2p, p2p-1thread, auto,
+    /// copy-engine, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
+    /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
+    /// p2p, auto, nccl, raw-nccl, launch-floor.
+    #[arg(long, value_delimiter = ',')]
+    paths: Option<Vec<String>>,
     /// Modes: eager, graph.
     #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
     modes: Vec<String>,
@@ -77,6 +94,9 @@ struct Args {
     #[arg(long, hide = true)]
     bench: bool,
 }
+
+/// The paths measured by default in one process.
+const DEFAULT_PATHS: &str = "nccl,p2p,p2p-1thread,auto,copy-engine,launch-floor";
 
 /// Rotating buffers: an input pool on the root and an output pool on every rank, used as
 /// `sets` consecutive slices so that back-to-back iterations do not hit a warm L2.
@@ -102,8 +122,8 @@ fn xorshift_fill(buf: &mut [u8], mut seed: u64) {
     }
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+/// The sweep the options ask for: sizes (whole elements of the type), the type, the modes.
+fn sweep(args: &Args) -> Result<(Vec<usize>, DType, Vec<Mode>)> {
     let min = report::parse_size(&args.min_bytes).context("bad --min-bytes")?;
     let max = report::parse_size(&args.max_bytes).context("bad --max-bytes")?;
     let dtype = DType::parse(&args.dtype).context("bad --dtype")?;
@@ -119,6 +139,19 @@ fn main() -> Result<()> {
         .iter()
         .map(|m| Mode::parse(m).with_context(|| format!("unknown mode {m}")))
         .collect::<Result<_>>()?;
+    Ok((sizes, dtype, modes))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    // A rank of a job (started by --procs or torchrun), or the launcher of one.
+    if procs::job::in_job() {
+        return procs::run(&args);
+    }
+    if let Some(n) = args.procs {
+        return procs::launch(&args, n);
+    }
+    let (sizes, dtype, modes) = sweep(&args)?;
     let ngpus = match args.gpus {
         Some(g) => g,
         None => gpucast::device_count()?.min(gpucast::MAX_GPUS),
@@ -155,12 +188,15 @@ fn main() -> Result<()> {
     let floor = EmptyKernel::new(&clique)?;
 
     warm_up(&clique, &mut pools, args.root, &floor)?;
-    let paths: Vec<String> = args.paths.clone();
+    let paths: Vec<String> = match &args.paths {
+        Some(p) => p.clone(),
+        None => DEFAULT_PATHS.split(',').map(String::from).collect(),
+    };
     let total = sizes.len() * paths.len() * modes.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
     std::fs::create_dir_all(&args.out)?;
-    let watchdog = Watchdog::start(args.out.join("partial.csv"));
+    let watchdog = Watchdog::start(Some(args.out.join("partial.csv")));
     let mut rows = Vec::new();
     // Eager first, then graph mode with NCCL last: a point that misbehaves late in the sweep
     // costs as little as possible (the watchdog ends the run with what was measured).
@@ -238,43 +274,12 @@ fn main() -> Result<()> {
     drop(floor);
     drop(clique);
 
-    let want_torch = match args.torch.as_str() {
-        "yes" | "true" | "1" => true,
-        "no" | "false" | "0" => false,
-        _ => Command::new(&args.python)
-            .args([
-                "-c",
-                "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)",
-            ])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false),
-    };
     std::fs::create_dir_all(&args.out)?;
-    if want_torch {
-        let csv = args.out.join("torch.csv");
-        let modes_arg = args.modes.join(",");
-        let status = Command::new(&args.python)
-            .arg(script_path("benches/torch_broadcast.py"))
-            .args(["--sizes", &format!("{}:{}", args.min_bytes, args.max_bytes)])
-            .args(["--factor", &args.factor.to_string()])
-            .args(["--dtype", torch_dtype(dtype)])
-            .args(["--root", &args.root.to_string()])
-            .args(["--gpus", &ngpus.to_string()])
-            .args(["--modes", &modes_arg])
-            .args(["--target-ms", &args.target_ms.to_string()])
-            .args(["--repeats", &args.repeats.to_string()])
-            .arg("--csv")
-            .arg(&csv)
-            .status()
-            .context("running benches/torch_broadcast.py")?;
-        if status.success() {
-            let f = std::io::BufReader::new(std::fs::File::open(&csv)?);
-            let torch_rows = report::read_csv(f).map_err(anyhow::Error::msg)?;
-            println!("# merged {} PyTorch rows", torch_rows.len());
+    if torch_wanted(&args, 2) {
+        if let Some(torch_rows) =
+            torch_rows(&args, dtype, ngpus, None, &args.out.join("torch.csv"))?
+        {
             rows.extend(torch_rows);
-        } else {
-            println!("# PyTorch script failed ({status}); its numbers are skipped");
         }
     } else {
         println!(
@@ -322,6 +327,72 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// Whether to run the PyTorch side: `--torch yes/no`, or (auto) when `--python` has torch and
+/// sees at least `gpus` GPUs.
+fn torch_wanted(args: &Args, gpus: usize) -> bool {
+    match args.torch.as_str() {
+        "yes" | "true" | "1" => true,
+        "no" | "false" | "0" => false,
+        _ => {
+            let mut cmd = Command::new(&args.python);
+            cmd.arg("-c").arg(format!(
+                "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= {gpus} else 1)"
+            ));
+            for var in procs::job::JOB_VARS {
+                cmd.env_remove(var);
+            }
+            for (k, v) in procs::job::NO_MULTICAST {
+                cmd.env(k, v);
+            }
+            cmd.status().map(|s| s.success()).unwrap_or(false)
+        }
+    }
+}
+
+/// Runs benches/torch_broadcast.py over the same sweep on `gpus` GPUs (`which`: its `--which`,
+/// default its own) into `csv` and reads its rows back; `None` (with a printed reason) when the
+/// script fails. The script runs without the variables of this job, with multicast off.
+fn torch_rows(
+    args: &Args,
+    dtype: DType,
+    gpus: usize,
+    which: Option<&str>,
+    csv: &std::path::Path,
+) -> Result<Option<Vec<Row>>> {
+    let modes_arg = args.modes.join(",");
+    let mut cmd = Command::new(&args.python);
+    cmd.arg(script_path("benches/torch_broadcast.py"))
+        .args(["--sizes", &format!("{}:{}", args.min_bytes, args.max_bytes)])
+        .args(["--factor", &args.factor.to_string()])
+        .args(["--dtype", torch_dtype(dtype)])
+        .args(["--root", &args.root.to_string()])
+        .args(["--gpus", &gpus.to_string()])
+        .args(["--modes", &modes_arg])
+        .args(["--target-ms", &args.target_ms.to_string()])
+        .args(["--repeats", &args.repeats.to_string()]);
+    if let Some(w) = which {
+        cmd.args(["--which", w]);
+    }
+    cmd.arg("--csv").arg(csv);
+    for var in procs::job::JOB_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("TORCHELASTIC_USE_AGENT_STORE");
+    for (k, v) in procs::job::NO_MULTICAST {
+        cmd.env(k, v);
+    }
+    let status = cmd.status().context("running benches/torch_broadcast.py")?;
+    if status.success() {
+        let f = std::io::BufReader::new(std::fs::File::open(csv)?);
+        let torch_rows = report::read_csv(f).map_err(anyhow::Error::msg)?;
+        println!("# merged {} PyTorch rows", torch_rows.len());
+        Ok(Some(torch_rows))
+    } else {
+        println!("# PyTorch script failed ({status}); its numbers are skipped");
+        Ok(None)
+    }
+}
+
 /// A file of this repository: from the build's checkout if it is still there, else relative to
 /// the working directory (the GPU machine runs the staged binary from a copy of the repository).
 fn script_path(relative: &str) -> PathBuf {
@@ -352,21 +423,23 @@ fn torch_dtype(d: DType) -> &'static str {
 }
 
 /// Ends the run (exit code 3) if one point makes no progress for a minute, after printing where
-/// it stopped; every finished point is appended to `partial.csv` as it completes.
+/// it stopped; every finished point is appended to `csv` (`partial.csv`) as it completes.
 struct Watchdog {
     state: Arc<std::sync::Mutex<(String, Instant, bool)>>,
-    csv: PathBuf,
+    csv: Option<PathBuf>,
 }
 
 impl Watchdog {
-    fn start(csv: PathBuf) -> Watchdog {
+    fn start(csv: Option<PathBuf>) -> Watchdog {
         let state = Arc::new(std::sync::Mutex::new((
             String::from("start"),
             Instant::now(),
             false,
         )));
         let s = state.clone();
-        std::fs::write(&csv, format!("{}\n", report::CSV_HEADER)).ok();
+        if let Some(csv) = &csv {
+            std::fs::write(csv, format!("{}\n", report::CSV_HEADER)).ok();
+        }
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_secs(5));
             let Ok((point, since, done)) = s.lock().map(|g| g.clone()) else {
@@ -391,11 +464,14 @@ impl Watchdog {
 
     fn record(&self, row: &Row) {
         use std::io::Write;
+        let Some(csv) = &self.csv else {
+            return;
+        };
         let mut text = Vec::new();
         if report::write_csv(std::slice::from_ref(row), &mut text).is_ok() {
             let text = String::from_utf8_lossy(&text);
             let body: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
-            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(&self.csv) {
+            if let Ok(mut f) = std::fs::OpenOptions::new().append(true).open(csv) {
                 f.write_all(body.as_bytes()).ok();
             }
         }
@@ -416,12 +492,20 @@ struct EmptyKernel {
 
 impl EmptyKernel {
     fn new(clique: &Clique) -> Result<EmptyKernel> {
+        let contexts: Vec<&Arc<CudaContext>> =
+            (0..clique.len()).map(|r| clique.context(r)).collect();
+        EmptyKernel::on(&contexts)
+    }
+
+    /// The kernel loaded in each of `contexts` (launch it with one stream per context, in order).
+    fn on(contexts: &[&Arc<CudaContext>]) -> Result<EmptyKernel> {
         let ptx =
             gpucast::cudarc::nvrtc::compile_ptx("extern \"C\" __global__ void gpucast_empty() {}")
                 .map_err(|e| anyhow::anyhow!("compiling the empty kernel: {e:?}"))?;
-        let funcs = (0..clique.len())
-            .map(|r| {
-                let m = clique.context(r).load_module(ptx.clone())?;
+        let funcs = contexts
+            .iter()
+            .map(|ctx| {
+                let m = ctx.load_module(ptx.clone())?;
                 m.load_function("gpucast_empty")
             })
             .collect::<std::result::Result<_, _>>()?;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch side of gpucast's broadcast benchmark.
 
-Times two PyTorch ways of broadcasting one GPU's tensor to the others, by the same
+Times PyTorch ways of broadcasting one GPU's tensor to the others, by the same
 method as the Rust bench (benches/broadcast.rs), and writes rows in the bench's CSV
 schema so that the bench (or benches/report) can put them side by side:
 
@@ -10,6 +10,13 @@ schema so that the bench (or benches/report) can put them side by side:
 * torch-dist: torch.distributed.broadcast, one process per GPU, NCCL backend, rendezvous
   through a file (no network); eager, and graph (iters broadcasts captured in one
   torch.cuda.CUDAGraph per rank, then replayed) when capture works.
+* torch-symm (--which symm; the one-process-per-GPU bench asks for it): PyTorch's
+  symmetric-memory one-shot all-reduce (torch.distributed._symmetric_memory: symm_mem.empty,
+  symm_mem.rendezvous, torch.ops.symm_mem.one_shot_all_reduce(_out), "sum") standing in for a
+  broadcast: the root's buffer holds the data and every other rank's is zero, so every rank
+  ends with the root's data, each reading every peer's buffer over NVLink. One process per GPU,
+  timed like torch-dist, eager and graph. A torch without it (or a dtype it does not take; it
+  takes float32 and bfloat16) skips these rows with the reason printed.
 
 Method, per size: check the outputs once against the root's data; warm up; pick the
 iterations per repeat so that a repeat holds about --target-ms of work (measured, within
@@ -23,9 +30,9 @@ its start time, synchronizes after the last op before it reads its end time, and
 of a repeat is (latest end - earliest start) over the ranks (time.perf_counter is one
 system-wide clock on Linux).
 
-NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 unless already set, and no symmetric
-memory is used. torch is imported only once the arguments are parsed, so --help works
-without it.
+NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 unless already set; torch-symm's one-shot all-reduce uses no multicast.
+torch is imported only once the arguments are parsed, so --help works without it.
 """
 
 import os
@@ -146,7 +153,8 @@ def parse_args(argv=None):
                    help="warm-up broadcasts per size (default min(iters, 50))")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats per point (default 15)")
     p.add_argument("--modes", default="eager,graph", help="eager,graph (default both)")
-    p.add_argument("--which", default="comm,dist", help="comm,dist (default both)")
+    p.add_argument("--which", default="comm,dist",
+                   help="comm, dist, symm (default comm,dist)")
     p.add_argument("--pool-mb", type=int, default=0,
                    help="rotation pool per GPU in MiB (default max(512, 2 x largest size))")
     p.add_argument("--timeout-s", type=int, default=300,
@@ -160,7 +168,7 @@ def parse_args(argv=None):
     if a.dtype not in DTYPES:
         p.error(f"unknown --dtype {a.dtype!r}")
     a.mode_list = split_list(a.modes, ["eager", "graph"], "mode")
-    a.which_list = split_list(a.which, ["comm", "dist"], "path")
+    a.which_list = split_list(a.which, ["comm", "dist", "symm"], "path")
     if a.repeats < 1 or a.min_iters < 1 or a.max_iters < a.min_iters or a.iters < 0:
         p.error("need --repeats >= 1, 1 <= --min-iters <= --max-iters, --iters >= 0")
     return a
@@ -343,11 +351,12 @@ def run_comm(torch, args, gpus, pool):
 
 
 # ----------------------------------------------------------------------------------------
-# torch-dist: torch.distributed.broadcast, one process per GPU.
+# torch-dist and torch-symm: one process per GPU.
 
 
 def _dist_worker(rank, cfg):
-    """One rank. Rank 0 writes its rows to cfg['out'] (JSON) after every size."""
+    """One rank, for torch-dist and/or torch-symm (--which). Rank 0 writes its rows to
+    cfg['out'] (JSON) after every size."""
     import torch
     import torch.distributed as dist
 
@@ -361,8 +370,8 @@ def _dist_worker(rank, cfg):
         dist.init_process_group(device_id=dev, **init)
     except TypeError:  # torch without device_id
         dist.init_process_group(**init)
-    rows, failed = [], False
-    graph_ok = "graph" in args.mode_list
+    rows = []
+    state = {"failed": False}
 
     def log(msg):
         if rank == 0:
@@ -396,10 +405,75 @@ def _dist_worker(rank, cfg):
     def save():
         if rank == 0:
             with open(cfg["out"], "w") as f:
-                json.dump({"rows": rows, "failed": failed}, f)
+                json.dump({"rows": rows, "failed": state["failed"]}, f)
 
-    try:
-        dtype, sizes = element_sizes(torch, args)
+    def capture(op, iters, nsets):
+        """iters ops captured in one CUDA graph (after a warm-up on a side stream)."""
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for j in range(min(iters, 3)):
+                op(j % nsets)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        try:
+            ctx = torch.cuda.graph(graph, capture_error_mode="thread_local")
+        except TypeError:  # older torch
+            ctx = torch.cuda.graph(graph)
+        with ctx:
+            for j in range(iters):
+                op(j % nsets)
+        torch.cuda.synchronize()
+        return graph
+
+    def measure(name, op, nsets, nbytes, count, graph_ok):
+        """Eager and graph rows of one size; returns whether graph mode still works."""
+        k = [0]
+
+        def run(n):
+            for j in range(n):
+                op((k[0] + j) % nsets)
+            k[0] = (k[0] + n) % nsets
+
+        run(3)
+        torch.cuda.synchronize()
+        iters = pick_iters(args, lambda n: timed(run, n))
+        warm = args.warmup if args.warmup is not None else min(iters, 50)
+        if "eager" in args.mode_list:
+            run(warm)
+            samples = [timed(run, iters) / iters * 1e6 for _ in range(args.repeats)]
+            rows.append(make_row(args, world, "eager", name, nbytes, count, samples))
+            r = rows[-1]
+            log(f"# {name} eager {format_size(nbytes):>5}: {r['time_us']:10.2f} us "
+                f"{r['busbw_gbps']:8.2f} GB/s  ({iters} iters x {args.repeats}, {nsets} sets)")
+        if graph_ok:
+            graph, err = None, None
+            try:
+                graph = capture(op, iters, nsets)
+            except Exception as e:  # noqa: BLE001 - decided together below
+                err = e
+            if not agree(err is None):
+                log(f"# {name}: graph capture failed ({err!r} on rank 0 or another "
+                    "rank); graph mode skipped from here on")
+                graph_ok = False
+            else:
+                def replay(n):
+                    for _ in range(n):
+                        graph.replay()
+
+                replay(2)
+                samples = [timed(replay, 1) / iters * 1e6 for _ in range(args.repeats)]
+                rows.append(make_row(args, world, "graph", name, nbytes, count, samples))
+                r = rows[-1]
+                log(f"# {name} graph {format_size(nbytes):>5}: {r['time_us']:10.2f} us "
+                    f"{r['busbw_gbps']:8.2f} GB/s  ({iters} ops per graph x {args.repeats})")
+            del graph
+        return graph_ok
+
+    def run_dist_sizes(dtype, sizes):
+        """torch-dist: torch.distributed.broadcast from the root, in place."""
+        graph_ok = "graph" in args.mode_list
         for nbytes, count in sizes:
             nsets = sets_for(nbytes, pool)
             bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=dev) for _ in range(nsets)]
@@ -419,74 +493,113 @@ def _dist_worker(rank, cfg):
             if not agree(matches_pattern(torch, bufs[0], nbytes)):
                 log(f"# torch-dist: VERIFY FAILED at {format_size(nbytes)}: a rank's buffer "
                     "differs from the root's data; size skipped")
-                failed = True
+                state["failed"] = True
                 continue
-
-            k = [0]
-
-            def run(n):
-                for j in range(n):
-                    op((k[0] + j) % nsets)
-                k[0] = (k[0] + n) % nsets
-
-            run(3)
-            torch.cuda.synchronize()
-            iters = pick_iters(args, lambda n: timed(run, n))
-            warm = args.warmup if args.warmup is not None else min(iters, 50)
-            if "eager" in args.mode_list:
-                run(warm)
-                samples = [timed(run, iters) / iters * 1e6 for _ in range(args.repeats)]
-                rows.append(make_row(args, world, "eager", "torch-dist", nbytes, count, samples))
-                r = rows[-1]
-                log(f"# torch-dist eager {format_size(nbytes):>5}: {r['time_us']:10.2f} us "
-                    f"{r['busbw_gbps']:8.2f} GB/s  ({iters} iters x {args.repeats}, {nsets} sets)")
-            if graph_ok:
-                graph = torch.cuda.CUDAGraph()
-                err = None
-                try:
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for j in range(min(iters, 3)):
-                            op(j % nsets)
-                    torch.cuda.current_stream().wait_stream(side)
-                    torch.cuda.synchronize()
-                    try:
-                        ctx = torch.cuda.graph(graph, capture_error_mode="thread_local")
-                    except TypeError:  # older torch
-                        ctx = torch.cuda.graph(graph)
-                    with ctx:
-                        for j in range(iters):
-                            op(j % nsets)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001 - decided together below
-                    err = e
-                if not agree(err is None):
-                    log(f"# torch-dist: graph capture failed ({err!r} on rank 0 or another "
-                        "rank); graph mode skipped from here on")
-                    graph_ok = False
-                else:
-                    def replay(n):
-                        for _ in range(n):
-                            graph.replay()
-
-                    replay(2)
-                    samples = [timed(replay, 1) / iters * 1e6 for _ in range(args.repeats)]
-                    rows.append(make_row(args, world, "graph", "torch-dist", nbytes, count, samples))
-                    r = rows[-1]
-                    log(f"# torch-dist graph {format_size(nbytes):>5}: {r['time_us']:10.2f} us "
-                        f"{r['busbw_gbps']:8.2f} GB/s  ({iters} ops per graph x {args.repeats})")
-                del graph
+            graph_ok = measure("torch-dist", op, nsets, nbytes, count, graph_ok)
             save()
             bufs = bufs_t = None
             if nbytes >= 64 * MIB:
                 torch.cuda.empty_cache()
+
+    def run_symm_sizes(dtype, sizes):
+        """torch-symm: PyTorch's symmetric-memory one-shot all-reduce (torch.ops.symm_mem.
+        one_shot_all_reduce, sum) standing in for a broadcast: the root's buffer holds the
+        data, every other rank's is zero, so every rank gets the root's data; each rank reads
+        every peer's buffer over NVLink (no multicast). Skipped, with the reason, when this
+        torch lacks it or it does not run (it takes float32 and bfloat16)."""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group_name = dist.group.WORLD.group_name
+            one_shot = torch.ops.symm_mem.one_shot_all_reduce
+        except Exception as e:  # noqa: BLE001 - an older torch: report and skip
+            log(f"# torch-symm: skipped: no symmetric-memory one-shot all-reduce in torch "
+                f"{torch.__version__} ({e!r})")
+            return
+        try:
+            one_shot_out = torch.ops.symm_mem.one_shot_all_reduce_out
+        except Exception:  # noqa: BLE001 - older torch: the op allocates its output
+            one_shot_out = None
+        item = torch.empty(0, dtype=dtype).element_size()
+        span = max(sets_for(nbytes, pool) * count for nbytes, count in sizes)
+        err = None
+        try:
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # needed before torch 2.7, a no-op (or absent) after
+                enable(group_name)
+            if hasattr(symm_mem, "empty"):
+                sbuf = symm_mem.empty(span, dtype=dtype, device=dev)
+                symm_mem.rendezvous(sbuf, group_name)
+            else:
+                from torch._C._distributed_c10d import _SymmetricMemory
+
+                sbuf = _SymmetricMemory.empty_strided_p2p(
+                    size=(span,), stride=(1,), dtype=dtype, device=dev, group_name=group_name)
+            sbuf.zero_()
+            outs = torch.empty(span, dtype=dtype, device=dev)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - decided together below
+            err = e
+        if not agree(err is None):
+            log(f"# torch-symm: skipped: symmetric memory could not be set up ({err!r} on "
+                f"rank 0 or another rank; {span * item} bytes per rank)")
+            return
+        graph_ok = "graph" in args.mode_list
+        for nbytes, count in sizes:
+            nsets = sets_for(nbytes, pool)
+            ins = [sbuf[i * count:(i + 1) * count] for i in range(nsets)]
+            res = [outs[i * count:(i + 1) * count] for i in range(nsets)]
+
+            def op(i):
+                if one_shot_out is not None:
+                    return one_shot_out(ins[i], "sum", group_name, res[i])
+                return one_shot(ins[i], "sum", group_name)
+
+            # Check once: small whole numbers on the root (exact in every float type, so
+            # x + 0 is x bit for bit), zeros elsewhere, a poisoned output.
+            err, ok = None, False
+            try:
+                want = ((torch.arange(count, dtype=torch.int64, device=dev) * 7 + nbytes)
+                        % 251).to(dtype)
+                if rank == root:
+                    ins[0].copy_(want)
+                else:
+                    ins[0].zero_()
+                res[0].fill_(-1)
+                torch.cuda.synchronize()
+                barrier()
+                got = op(0)
+                torch.cuda.synchronize()
+                ok = torch.equal(got, want)
+            except Exception as e:  # noqa: BLE001 - decided together below
+                err = e
+            if not agree(err is None):
+                log(f"# torch-symm: {format_size(nbytes)} failed ({err!r} on rank 0 or another "
+                    "rank); torch-symm skipped from here on")
+                return
+            if not agree(ok):
+                log(f"# torch-symm: VERIFY FAILED at {format_size(nbytes)}: a rank's result "
+                    "differs from the root's data; size skipped")
+                state["failed"] = True
+                continue
+            # Rotating inputs keep the root's data in set 0 only; the op is timed the same
+            # whatever the values.
+            graph_ok = measure("torch-symm", op, nsets, nbytes, count, graph_ok)
+            save()
+            ins = res = None
+
+    try:
+        dtype, sizes = element_sizes(torch, args)
+        if "dist" in cfg["which"]:
+            run_dist_sizes(dtype, sizes)
+        if "symm" in cfg["which"] and sizes:
+            run_symm_sizes(dtype, sizes)
         save()
         torch.cuda.synchronize()
         barrier()
         code = 0
     except Exception:  # noqa: BLE001 - reported, and the exit code tells spawn
-        print(f"# torch-dist rank {rank} failed:\n{traceback.format_exc()}", flush=True)
+        print(f"# torch worker rank {rank} failed:\n{traceback.format_exc()}", flush=True)
         save()
         code = 1
     # Leave without tearing NCCL down: destroy_process_group (or the interpreter's own
@@ -497,7 +610,8 @@ def _dist_worker(rank, cfg):
     os._exit(code)
 
 
-def run_dist(torch, args, gpus, pool):
+def run_dist(torch, args, gpus, pool, which):
+    """torch-dist and/or torch-symm (`which`), in one set of spawned workers."""
     import torch.multiprocessing as mp
 
     tmp = tempfile.mkdtemp(prefix="gpucast-torch-dist-")
@@ -508,6 +622,7 @@ def run_dist(torch, args, gpus, pool):
         "pool": pool,
         "init": "file://" + os.path.join(tmp, "rendezvous"),
         "out": out,
+        "which": list(which),
     }
     failed = False
     try:
@@ -596,8 +711,9 @@ def main(argv=None):
         rows += r
         failed |= f
         torch.cuda.empty_cache()
-    if "dist" in args.which_list:
-        r, f = run_dist(torch, args, gpus, pool)
+    dist_which = [w for w in args.which_list if w in ("dist", "symm")]
+    if dist_which:
+        r, f = run_dist(torch, args, gpus, pool, dist_which)
         rows += r
         failed |= f
     print_table(rows)

@@ -27,6 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io::{self, BufRead, Write};
+use std::ops::RangeInclusive;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -240,13 +241,16 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
 }
 
-/// The paths that the bench and the PyTorch script write, in table order.
-pub const PATH_ORDER: [&str; 7] = [
+/// The paths that the bench and the PyTorch script write, in table order (`raw-nccl` and
+/// `torch-symm` come from the one-process-per-GPU bench).
+pub const PATH_ORDER: [&str; 9] = [
     "nccl",
+    "raw-nccl",
     "p2p",
     "auto",
     "torch-comm",
     "torch-dist",
+    "torch-symm",
     "copy-engine",
     "launch-floor",
 ];
@@ -772,6 +776,54 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
     lines
 }
 
+/// One ratio line for `a` against `b` in `mode` over the common sizes in `range`:
+/// `"{label}: {a} vs {b}: {ratios} ({n} sizes)"`, the ratios (speed ratio `b time / a
+/// time`) worded as in [`ratio_summary`]. `None` when the paths share no size in `range`.
+/// Rows should come from one GPU count.
+pub fn ratio_line(
+    rows: &[Row],
+    mode: Mode,
+    a: &str,
+    b: &str,
+    range: RangeInclusive<u64>,
+    label: &str,
+) -> Option<String> {
+    let ratios: Vec<f64> = common(rows, None, mode, a, b)
+        .into_iter()
+        .filter(|(bytes, _, _)| range.contains(bytes))
+        .map(|(_, ta, tb)| tb / ta)
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .collect();
+    if ratios.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "{label}: {a} vs {b}: {} ({} sizes)",
+        describe_ratios(&ratios),
+        ratios.len()
+    ))
+}
+
+/// The largest `a time / b time` in `mode` over the common sizes in `range`, with its size
+/// (the first such size on a tie). `None` when the paths share no size in `range`. Rows should
+/// come from one GPU count.
+pub fn worst_ratio(
+    rows: &[Row],
+    mode: Mode,
+    a: &str,
+    b: &str,
+    range: RangeInclusive<u64>,
+) -> Option<(f64, u64)> {
+    let mut worst: Option<(f64, u64)> = None;
+    for (bytes, ta, tb) in common(rows, None, mode, a, b) {
+        let ratio = ta / tb;
+        if range.contains(&bytes) && ratio.is_finite() && worst.is_none_or(|(w, _)| ratio > w) {
+            worst = Some((ratio, bytes));
+        }
+    }
+    worst
+}
+
 // ---------------------------------------------------------------------------------
 // Plot
 // ---------------------------------------------------------------------------------
@@ -787,12 +839,14 @@ pub const PLOT_HEIGHT: u32 = 700;
 const FONT: &str = "sans-serif";
 
 /// Colors by path, in [`PATH_ORDER`] order, then for other paths.
-const PATH_COLORS: [RGBColor; 7] = [
+const PATH_COLORS: [RGBColor; 9] = [
     RGBColor(31, 119, 180),  // nccl: blue
+    RGBColor(200, 160, 0),   // raw-nccl: gold
     RGBColor(214, 39, 40),   // p2p: red
     RGBColor(44, 160, 44),   // auto: green
     RGBColor(148, 103, 189), // torch-comm: purple
     RGBColor(255, 127, 14),  // torch-dist: orange
+    RGBColor(197, 27, 125),  // torch-symm: magenta
     RGBColor(127, 127, 127), // copy-engine: gray
     RGBColor(30, 30, 30),    // launch-floor: near black
 ];

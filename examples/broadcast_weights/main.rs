@@ -5,15 +5,32 @@
 //! cargo run --release --example broadcast_weights -- --file model.safetensors
 //! cargo run --release --example broadcast_weights -- --size 4G --save /tmp/m.safetensors
 //! cargo run --release --example broadcast_weights -- --compare          # vs one call per tensor, vs PyTorch
+//! cargo run --release --example broadcast_weights -- --procs 2          # one process per GPU
+//! cargo build --release --example broadcast_weights                     # then, under torchrun:
+//! export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+//! torchrun --nproc-per-node 2 --no-python target/release/examples/broadcast_weights
 //! ```
 //!
 //! Every copy on every GPU is checked bit for bit against the host's bytes.
+//!
+//! By default one process drives every GPU (a `Clique`). With `--procs N` the example starts N
+//! ranks of itself with torchrun's variables (store on 127.0.0.1, rank `r` on GPU `r`; see
+//! `benches/procs/job.rs`), and under torchrun it runs as a rank by itself (`RANK` and
+//! `WORLD_SIZE` set). Then every rank builds a `gpucast::Communicator` and builds the model's
+//! host bytes the same way (the synthetic model is deterministic; a `--file` is read by every
+//! rank), the root uploads its copy, every other rank allocates and poisons its tensors, and
+//! one fused in-place `broadcast_many` copies every tensor. Every rank checks every tensor bit
+//! for bit against its host bytes and prints one line; rank 0 prints the median time of
+//! `--repeats` more calls, each from a barrier of the job's store to the end of the call on
+//! the last rank (latest end - earliest start over the ranks, on the host's clock).
 
+#[path = "../../benches/procs/job.rs"]
+mod job;
 mod model;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
@@ -59,6 +76,11 @@ struct Args {
     /// Python interpreter for the PyTorch comparison.
     #[arg(long, default_value = "python3")]
     python: String,
+    /// One process per GPU: start N ranks of this example (torchrun's variables, store on
+    /// 127.0.0.1, rank r on GPU r), each with a Communicator. Under torchrun the example runs
+    /// that way by itself.
+    #[arg(long)]
+    procs: Option<usize>,
 }
 
 /// A tensor on one GPU, of any of the ten element types.
@@ -220,6 +242,18 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let path = Path::parse(&args.path).with_context(|| format!("unknown --path {}", args.path))?;
     let opts = BroadcastOptions::path(path);
+    // A rank of a job (started by --procs or torchrun), or the launcher of one.
+    if job::in_job() {
+        return run_rank(&args, &opts);
+    }
+    if let Some(n) = args.procs {
+        ensure!(
+            args.root < n,
+            "--root {} is not one of the {n} ranks",
+            args.root
+        );
+        return job::launch(n);
+    }
 
     // 1. The GPUs first: a machine without them fails before any work.
     let clique = match &args.devices {
@@ -236,34 +270,7 @@ fn main() -> Result<()> {
     println!("{}", clique.topology());
 
     // 2. The weights, on the host.
-    let tensors: Vec<HostTensor> = match &args.file {
-        Some(file) => {
-            let size = std::fs::metadata(file)
-                .with_context(|| format!("cannot read {}", file.display()))?
-                .len();
-            let pb = bar(size, "loading");
-            let t = model::load_safetensors(file, Some(&pb))?;
-            pb.finish_and_clear();
-            t
-        }
-        None => {
-            let dtype = DType::parse(&args.dtype)
-                .with_context(|| format!("unknown --dtype {}", args.dtype))?;
-            let spec = match &args.size {
-                Some(s) => ModelSpec::scaled_to(
-                    gpucast::parse_bytes(s).context("bad --size")? as u64,
-                    dtype,
-                ),
-                None if dtype == DType::BF16 => ModelSpec::default_1b(),
-                None => ModelSpec::scaled_to(ModelSpec::default_1b().total_bytes(), dtype),
-            };
-            let pb = bar(spec.total_bytes(), "building");
-            let t = model::synthesize(&spec, 0x5eed, Some(&pb));
-            pb.finish_and_clear();
-            println!("synthetic model: {spec:?}");
-            t
-        }
-    };
+    let tensors = host_tensors(&args, true)?;
     if let Some(save) = &args.save {
         model::save_safetensors(&tensors, save)?;
         println!("saved {}", save.display());
@@ -367,6 +374,198 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// The model's tensors on the host: the `--file`, or the synthetic model (the same bytes on
+/// every call). `verbose` shows progress bars and the synthetic model's shape.
+fn host_tensors(args: &Args, verbose: bool) -> Result<Vec<HostTensor>> {
+    let show = |len: u64, what: &str| {
+        if verbose {
+            bar(len, what)
+        } else {
+            ProgressBar::hidden()
+        }
+    };
+    Ok(match &args.file {
+        Some(file) => {
+            let size = std::fs::metadata(file)
+                .with_context(|| format!("cannot read {}", file.display()))?
+                .len();
+            let pb = show(size, "loading");
+            let t = model::load_safetensors(file, Some(&pb))?;
+            pb.finish_and_clear();
+            t
+        }
+        None => {
+            let dtype = DType::parse(&args.dtype)
+                .with_context(|| format!("unknown --dtype {}", args.dtype))?;
+            let spec = match &args.size {
+                Some(s) => ModelSpec::scaled_to(
+                    gpucast::parse_bytes(s).context("bad --size")? as u64,
+                    dtype,
+                ),
+                None if dtype == DType::BF16 => ModelSpec::default_1b(),
+                None => ModelSpec::scaled_to(ModelSpec::default_1b().total_bytes(), dtype),
+            };
+            let pb = show(spec.total_bytes(), "building");
+            let t = model::synthesize(&spec, 0x5eed, Some(&pb));
+            pb.finish_and_clear();
+            if verbose {
+                println!("synthetic model: {spec:?}");
+            }
+            t
+        }
+    })
+}
+
+/// The model's layout (names, types, lengths), to check that every rank has the same one.
+fn layout(tensors: &[HostTensor]) -> String {
+    use std::hash::{Hash, Hasher};
+    // SipHash with fixed keys: the same digest in every process.
+    let mut h = std::hash::DefaultHasher::new();
+    for t in tensors {
+        (&t.name, t.dtype.name(), t.len()).hash(&mut h);
+    }
+    let (count, total) = model::summarize(tensors);
+    format!("{count} tensors, {total} bytes, layout {:016x}", h.finish())
+}
+
+/// One rank of a job (started by `--procs` or torchrun): see the module docs.
+fn run_rank(args: &Args, opts: &BroadcastOptions) -> Result<()> {
+    let (job, comm) = job::Job::join(Duration::from_secs(300))?;
+    let (rank, world, root) = (job.rank, job.world, args.root);
+    if let Some(n) = args.procs {
+        ensure!(
+            n == world,
+            "--procs {n}, but this job has {world} ranks (WORLD_SIZE)"
+        );
+    }
+    ensure!(root < world, "--root {root} is not a rank of {world}");
+    if rank == 0 {
+        if args.devices.is_some() {
+            println!(
+                "note: --devices is ignored with one process per GPU (rank r uses GPU LOCAL_RANK)"
+            );
+        }
+        if args.compare {
+            println!("note: --compare runs with one process only; skipped");
+        }
+        println!(
+            "{world} ranks, one GPU each, root {root}; P2P: {:?}; communicator init {:.0} ms (rank 0)",
+            comm.p2p_available(),
+            comm.init_time().as_secs_f64() * 1e3
+        );
+    }
+    comm.context().bind_to_thread()?;
+    let stream = comm.stream().clone();
+
+    // 1. The host bytes, on every rank (the root's to upload, the others' to check against).
+    let tensors = job.agree(host_tensors(args, rank == root))?;
+    if rank == root {
+        if let Some(save) = &args.save {
+            model::save_safetensors(&tensors, save)?;
+            println!("saved {}", save.display());
+        }
+    }
+    let (count, total) = model::summarize(&tensors);
+    let mine = layout(&tensors);
+    let layouts = job.all_gather(mine.as_bytes())?;
+    for (r, l) in layouts.iter().enumerate() {
+        ensure!(
+            *l == layouts[root],
+            "rank {r} has {}, the root {}: every rank must read the same model",
+            String::from_utf8_lossy(l),
+            String::from_utf8_lossy(&layouts[root])
+        );
+    }
+    if rank == root {
+        println!("{count} tensors, {}", human_bytes(total));
+    }
+
+    // 2. Every rank's tensors: the root uploads its copy, the others are poisoned.
+    let mut bufs: Vec<GpuTensor> = tensors
+        .iter()
+        .map(|t| GpuTensor::alloc(&stream, t.dtype, t.len()))
+        .collect::<Result<_>>()?;
+    if rank == root {
+        let pb = bar(total, "uploading");
+        for (g, t) in bufs.iter_mut().zip(&tensors) {
+            comm.context().bind_to_thread()?;
+            g.upload(&stream, &t.data)?;
+            pb.inc(t.data.len() as u64);
+        }
+        pb.finish_and_clear();
+    } else {
+        poison_on(&stream, &mut bufs)?;
+    }
+    comm.synchronize()?;
+
+    // 3. One fused in-place broadcast of every tensor, checked on every rank.
+    let fused = |bufs: &mut Vec<GpuTensor>| -> Result<FusedReport> {
+        let list: Vec<&mut dyn DeviceTensorMut> =
+            bufs.iter_mut().map(GpuTensor::as_dyn_mut).collect();
+        Ok(comm.broadcast_many(root, list, opts)?)
+    };
+    let first = fused(&mut bufs).and_then(|r| {
+        comm.synchronize()?;
+        Ok(r)
+    });
+    let report = job.agree(first)?;
+    comm.context().bind_to_thread()?;
+    let checked = check_rank(&stream, &tensors, &bufs, rank == root);
+    match &checked {
+        Ok(()) => println!(
+            "rank {rank} of {world} (GPU {}): all {count} tensors ({}) match the host bytes bit for bit",
+            comm.device(),
+            human_bytes(total)
+        ),
+        Err(e) => println!(
+            "rank {rank} of {world} (GPU {}): MISMATCH: {e:#}",
+            comm.device()
+        ),
+    }
+    job.agree(checked)?;
+
+    // 4. Timing: from a barrier of the store to the end of the call on the last rank.
+    let mut samples = Vec::new();
+    for _ in 0..args.repeats.max(1) {
+        comm.synchronize()?;
+        job.barrier()?;
+        let t0 = Instant::now();
+        fused(&mut bufs)?;
+        comm.synchronize()?;
+        samples.push((job.stamp(t0), job.stamp(Instant::now())));
+    }
+    if let Some(spans) = job.spans(&samples)? {
+        let t = median(spans);
+        println!(
+            "fused:      {count} tensors, {} per GPU in {:.2} ms = {:.1} GB/s (P2P: {} tensors / {} in {} launches; NCCL: {} tensors / {} in {} groups)",
+            human_bytes(total),
+            t * 1e3,
+            total as f64 / t / 1e9,
+            report.p2p_tensors,
+            human_bytes(report.p2p_bytes as u64),
+            report.p2p_launches,
+            report.nccl_tensors,
+            human_bytes(report.nccl_bytes as u64),
+            report.nccl_groups,
+        );
+        println!(
+            "            one process per GPU, {world} ranks; median of {} calls, each from a barrier to the end on the last rank{}",
+            samples.len(),
+            if job.single_host {
+                ""
+            } else {
+                " (several hosts: the slowest rank's own time)"
+            }
+        );
+        println!("verified: every tensor on every one of {world} ranks matches the host bytes");
+    }
+    // Every rank releases its GPU first; rank 0's store must outlive the others' use of it.
+    drop(bufs);
+    drop(comm);
+    job.barrier()?;
+    Ok(())
+}
+
 /// Fills every replica with a byte pattern, so that a tensor the broadcast missed is caught.
 fn poison(clique: &Clique, replicas: &mut [Vec<GpuTensor>]) -> Result<()> {
     for (rank, row) in replicas.iter_mut().enumerate() {
@@ -382,6 +581,51 @@ fn poison(clique: &Clique, replicas: &mut [Vec<GpuTensor>]) -> Result<()> {
         }
     }
     clique.synchronize()?;
+    Ok(())
+}
+
+/// Fills every tensor of `row` (on `stream`'s device) with a byte pattern.
+fn poison_on(stream: &CudaStream, row: &mut [GpuTensor]) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    for t in row.iter_mut() {
+        let bytes = t.as_dyn().num_bytes();
+        if bytes == 0 {
+            continue;
+        }
+        let (ptr, _g) = t.as_dyn_mut().write_ptr(stream);
+        // SAFETY: `ptr` holds `bytes` bytes on this stream's device.
+        unsafe { result::memset_d8_async(ptr, 0xA5, bytes, stream.cu_stream()) }?;
+    }
+    stream.synchronize()?;
+    Ok(())
+}
+
+/// Compares every tensor of this rank with the host bytes.
+fn check_rank(
+    stream: &CudaStream,
+    tensors: &[HostTensor],
+    row: &[GpuTensor],
+    progress: bool,
+) -> Result<()> {
+    let total: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
+    let pb = if progress {
+        bar(total, "verifying")
+    } else {
+        ProgressBar::hidden()
+    };
+    for (t, g) in tensors.iter().zip(row) {
+        let got = g.download(stream)?;
+        if got != t.data {
+            let at = got
+                .iter()
+                .zip(&t.data)
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            bail!("tensor {} differs from the host at byte {at}", t.name);
+        }
+        pb.inc(got.len() as u64);
+    }
+    pb.finish_and_clear();
     Ok(())
 }
 

@@ -1,0 +1,186 @@
+//! `raw-nccl`: `ncclBroadcast` on a communicator of the bench's own, next to gpucast's paths.
+//!
+//! NCCL is opened here with `libloading` under the names gpucast itself tries
+//! (`GPUCAST_NCCL_LIBRARY` alone when set, else `libnccl.so.2`, then `libnccl.so`): cudarc's
+//! loader does not look for `libnccl.so.2`, the only name that runtime installs and the PyPI
+//! wheel ship (and it panics when it finds nothing). The loader hands back the library gpucast
+//! already loaded, so both communicators run on the same NCCL. The calls take cudarc's
+//! `nccl::sys` types.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use anyhow::{bail, ensure, Context, Result};
+use gpucast::cudarc::driver::sys::CUstream;
+use gpucast::cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
+
+/// `ncclUniqueId`: 128 opaque bytes that rank 0 makes and every rank receives.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId([u8; 128]);
+
+type GetUniqueIdFn = unsafe extern "C" fn(*mut UniqueId) -> u32;
+type CommInitRankFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int) -> u32;
+type CommDestroyFn = unsafe extern "C" fn(ncclComm_t) -> u32;
+type GetErrorStringFn = unsafe extern "C" fn(u32) -> *const c_char;
+type BroadcastFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    ncclDataType_t,
+    c_int,
+    ncclComm_t,
+    CUstream,
+) -> u32;
+
+/// The entry points the bench calls, and the library that holds them.
+struct Lib {
+    get_unique_id: GetUniqueIdFn,
+    comm_init_rank: CommInitRankFn,
+    comm_destroy: CommDestroyFn,
+    get_error_string: GetErrorStringFn,
+    broadcast: BroadcastFn,
+    /// Declared last: the function pointers above point into it.
+    _lib: libloading::Library,
+}
+
+impl Lib {
+    fn open() -> Result<Lib> {
+        let names: Vec<String> = match std::env::var("GPUCAST_NCCL_LIBRARY") {
+            Ok(p) if !p.is_empty() => vec![p],
+            _ => vec!["libnccl.so.2".into(), "libnccl.so".into()],
+        };
+        let mut tried = Vec::new();
+        for name in &names {
+            // SAFETY: loading NCCL runs its constructors, which have no preconditions.
+            match unsafe { libloading::Library::new(name) } {
+                Ok(lib) => {
+                    macro_rules! sym {
+                        ($name:literal) => {
+                            // SAFETY: the type matches NCCL's C prototype of this symbol (nccl.h,
+                            // 2.x).
+                            *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                                .with_context(|| format!("{name} lacks {}", $name))?
+                        };
+                    }
+                    return Ok(Lib {
+                        get_unique_id: sym!("ncclGetUniqueId"),
+                        comm_init_rank: sym!("ncclCommInitRank"),
+                        comm_destroy: sym!("ncclCommDestroy"),
+                        get_error_string: sym!("ncclGetErrorString"),
+                        broadcast: sym!("ncclBroadcast"),
+                        _lib: lib,
+                    });
+                }
+                Err(e) => tried.push(format!("{name}: {e}")),
+            }
+        }
+        bail!("cannot load NCCL for raw-nccl ({})", tried.join("; "))
+    }
+
+    fn check(&self, code: u32, what: &str) -> Result<()> {
+        if code == 0 {
+            return Ok(());
+        }
+        // SAFETY: ncclGetErrorString takes any result code and returns a static string.
+        let p = unsafe { (self.get_error_string)(code) };
+        let text = if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: a NUL-terminated static string from NCCL.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        };
+        bail!("{what}: NCCL error {code} ({text})")
+    }
+}
+
+/// One rank of a plain NCCL communicator over the same ranks as the bench's `Communicator`.
+pub struct RawNccl {
+    lib: Lib,
+    comm: ncclComm_t,
+    rank: usize,
+}
+
+impl RawNccl {
+    /// Every rank calls this together: rank 0 makes the unique id, `share` hands its 128
+    /// bytes to every rank (through the store; every rank calls it exactly once, whatever
+    /// failed before), then each rank joins with `ncclCommInitRank` on the device of `ctx`.
+    pub fn new(
+        rank: usize,
+        world: usize,
+        ctx: &gpucast::cudarc::driver::CudaContext,
+        share: impl FnOnce(&[u8]) -> Result<Vec<u8>>,
+    ) -> Result<RawNccl> {
+        let lib = Lib::open();
+        let made = match (&lib, rank) {
+            (Ok(lib), 0) => {
+                let mut id = UniqueId([0; 128]);
+                // SAFETY: `id` is a valid out pointer of the right size.
+                lib.check(unsafe { (lib.get_unique_id)(&mut id) }, "ncclGetUniqueId")
+                    .map(|()| id.0.to_vec())
+            }
+            _ => Ok(Vec::new()),
+        };
+        // Rank 0 sends nothing when it failed; the others then stop below.
+        let got = share(made.as_deref().unwrap_or_default())?;
+        let lib = lib?;
+        made?;
+        ensure!(
+            got.len() == 128,
+            "rank 0 sent no NCCL id ({} bytes; it reports why)",
+            got.len()
+        );
+        let mut id = UniqueId([0; 128]);
+        id.0.copy_from_slice(&got);
+        // NCCL works on the current device: this rank's.
+        ctx.bind_to_thread().context("binding the context")?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        let (n, r) = (
+            c_int::try_from(world).context("world size")?,
+            c_int::try_from(rank).context("rank")?,
+        );
+        // SAFETY: `comm` is a valid out pointer; every rank passes the same id and size.
+        let code = unsafe { (lib.comm_init_rank)(&mut comm, n, id, r) };
+        lib.check(code, &format!("ncclCommInitRank (rank {rank} of {world})"))?;
+        Ok(RawNccl { lib, comm, rank })
+    }
+
+    /// In place: `bytes` bytes at `ptr` on rank `root` into `ptr` on every other rank, queued
+    /// on `stream` (captured when the stream is capturing).
+    ///
+    /// # Safety
+    /// `ptr` addresses at least `bytes` bytes of this rank's device memory, valid until the
+    /// stream (or the graph captured from it) has run the broadcast; `stream` belongs to this
+    /// rank's device.
+    pub unsafe fn broadcast(
+        &self,
+        ptr: u64,
+        bytes: usize,
+        root: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        let root = c_int::try_from(root).context("root")?;
+        // SAFETY: per this function's contract; in place (send = receive) is allowed.
+        let code = unsafe {
+            (self.lib.broadcast)(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                bytes,
+                ncclDataType_t::ncclUint8,
+                root,
+                self.comm,
+                stream,
+            )
+        };
+        self.lib.check(code, "ncclBroadcast")
+    }
+
+    /// Destroys the communicator; every rank calls it at the same point, after its work has
+    /// finished and the graphs that captured it are gone. (Without this call the communicator
+    /// is left to the process's exit.)
+    pub fn destroy(self) -> Result<()> {
+        // SAFETY: a live communicator, used by no pending work or graph (the caller's promise).
+        let code = unsafe { (self.lib.comm_destroy)(self.comm) };
+        self.lib
+            .check(code, &format!("ncclCommDestroy (rank {})", self.rank))
+    }
+}
