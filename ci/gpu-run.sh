@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
-#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [weights]   (default: tests examples)
-# Logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files); the benchmark's
-# CSV, table and plot are copied to $OUT; a summary table is printed last.
+#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-procs] [weights]
+#                        [weights-procs]   (default: tests examples)
+# Logs are packed into $OUT/logs.tgz and the benchmarks' CSV, tables and plots into
+# $OUT/results.tgz (the device tool returns at most 8 files); a summary table is printed last.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # NVLink multicast stays off on shared machines, in this process and every child.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 dest=${OUT:-.gpu/out}
 out=$(mktemp -d /tmp/gpucast-logs.XXXX)
+res=$(mktemp -d /tmp/gpucast-results.XXXX)
 mkdir -p "$dest"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests examples)
@@ -45,18 +47,27 @@ if want weights; then
   run example-weights .gpu/bin/example-broadcast_weights --compare
   run example-weights-100M .gpu/bin/example-broadcast_weights --compare --size 100M
 fi
+if want weights-procs; then
+  run example-weights-procs .gpu/bin/example-broadcast_weights --procs 2
+  run example-weights-procs-100M .gpu/bin/example-broadcast_weights --procs 2 --size 100M
+fi
 if want bench-quick; then
   run bench-quick .gpu/bin/bench-broadcast --bench -e 64M --repeats 7 --target-ms 10 --out "$out/bench-quick" --torch no \
     --paths nccl,p2p,p2p-packet,p2p-pull,auto,copy-engine,launch-floor
-  cp "$out/bench-quick/table.txt" "$dest/bench-quick-table.txt" 2>/dev/null
-  cp "$out/bench-quick/broadcast.csv" "$dest/bench-quick.csv" 2>/dev/null
+  cp "$out/bench-quick/table.txt" "$res/bench-quick-table.txt" 2>/dev/null
+  cp "$out/bench-quick/broadcast.csv" "$res/bench-quick.csv" 2>/dev/null
 fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
-  for f in broadcast.csv broadcast.png table.txt torch.csv partial.csv; do cp "$out/bench/$f" "$dest/bench-$f" 2>/dev/null; done
+  for f in broadcast.csv broadcast.png table.txt torch.csv partial.csv; do cp "$out/bench/$f" "$res/bench-$f" 2>/dev/null; done
+fi
+if want bench-procs; then
+  run bench-procs .gpu/bin/bench-broadcast --bench --procs 2 --out "$out/bench-procs" --python python3
+  for f in "$out"/bench-procs/*; do cp "$f" "$res/procs-$(basename "$f")" 2>/dev/null; done
 fi
 
 tar czf "$dest/logs.tgz" -C "$out" . 2>/dev/null
+[ -n "$(ls -A "$res")" ] && tar czf "$dest/results.tgz" -C "$res" .
 echo
 echo "==== summary"
 printf '%s\n' "${summary[@]}"
