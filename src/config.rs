@@ -135,20 +135,24 @@ pub fn model_crossover(n: usize) -> Option<usize> {
     Some(bytes as usize)
 }
 
-/// `Auto`'s P2P limit when the ranks are separate processes of one host. Peers cannot read the
-/// root's buffer there: the root first copies the message into its shared staging buffer (an
-/// HBM-to-HBM copy at about 2 TB/s on an H200), which adds about a fifth to a pull at link
-/// speed; NCCL's ring moves large messages without that copy. By the model of
-/// [`model_crossover`] the copy eats NCCL's fixed gap of [`MODEL_FIXED_GAP_S`] near 16 MiB;
-/// the limit stays one step below.
-pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = 8 << 20;
+/// `Auto`'s P2P limit for eager calls when the ranks are separate processes of one host: the
+/// packet protocol's capacity. Peers cannot read the root's buffer there, so a pull message is
+/// first copied into the root's shared staging buffer: one more call on the root's stream, which
+/// costs more than NCCL's lead in eager mode. Measured on 2 H200 (results/h200x2/procs): staged
+/// pull 11.0 and 13.3 us at 512 KiB and 1 MiB against 9.7 and 11.9 us for `ncclBroadcast`.
+pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
+
+/// The same limit inside CUDA graphs, where the staging copy costs no launch: the staged pull
+/// beat `ncclBroadcast` from 1 to 8 MiB (10.4 against 10.9 us at 1 MiB, 33.1 against 35.5 us at
+/// 8 MiB), tied at 16 MiB and lost at 64 MiB (224 against 199 us) on 2 H200.
+pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
 
 impl Thresholds {
     /// These thresholds for ranks in separate processes of one host: the P2P limit is capped
-    /// at [`DEFAULT_P2P_MAX_ACROSS_PROCESSES`] (a limit the caller set is kept as it is).
-    pub(crate) fn across_processes(mut self, caller_set: bool) -> Thresholds {
+    /// at `cap` (a limit the caller set is kept as it is).
+    pub(crate) fn across_processes(mut self, caller_set: bool, cap: usize) -> Thresholds {
         if !caller_set {
-            self.p2p_max_bytes = self.p2p_max_bytes.min(DEFAULT_P2P_MAX_ACROSS_PROCESSES);
+            self.p2p_max_bytes = self.p2p_max_bytes.min(cap);
         }
         self
     }
@@ -431,6 +435,8 @@ pub fn parse_bytes(s: &str) -> Option<usize> {
 pub(crate) struct Settings {
     pub path: Path,
     pub thresholds: Thresholds,
+    /// `Auto`'s thresholds for calls queued inside a capture.
+    pub graph_thresholds: Thresholds,
     pub timeout: Duration,
     pub parallel_launch: bool,
 }
@@ -465,14 +471,20 @@ impl Settings {
         Ok(Settings {
             path: req.path.or(env.path).unwrap_or_default(),
             thresholds,
+            graph_thresholds: thresholds,
             timeout,
             parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
         })
     }
 
-    /// The thresholds of one call: the clique's, overridden by `options`.
-    pub(crate) fn thresholds_for(&self, options: &BroadcastOptions) -> Thresholds {
-        let mut t = self.thresholds;
+    /// The thresholds of one call (queued inside a capture when `in_graph`), overridden by
+    /// `options`.
+    pub(crate) fn thresholds_for(&self, options: &BroadcastOptions, in_graph: bool) -> Thresholds {
+        let mut t = if in_graph {
+            self.graph_thresholds
+        } else {
+            self.thresholds
+        };
         if let Some(p) = options.p2p_threshold {
             t.p2p_max_bytes = p;
         }
@@ -643,13 +655,16 @@ mod tests {
     #[test]
     fn processes_cap_the_p2p_limit_unless_the_caller_set_it() {
         let t = Thresholds::for_gpus(2);
-        assert_eq!(
-            t.across_processes(false).p2p_max_bytes,
-            DEFAULT_P2P_MAX_ACROSS_PROCESSES
-        );
-        assert_eq!(t.across_processes(true), t);
+        let cap = DEFAULT_P2P_MAX_ACROSS_PROCESSES;
+        assert_eq!(t.across_processes(false, cap).p2p_max_bytes, cap);
+        assert_eq!(t.across_processes(true, cap), t);
         let small = Thresholds::for_gpus(8);
-        assert_eq!(small.across_processes(false), small);
+        assert_eq!(small.across_processes(false, 8 << 20), small);
+        // Eager calls hand over to NCCL where a staged pull would start, graphs later.
+        const {
+            assert!(DEFAULT_P2P_MAX_ACROSS_PROCESSES <= PACKET_MAX_BYTES);
+            assert!(DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS > DEFAULT_P2P_MAX_ACROSS_PROCESSES);
+        }
     }
 
     #[test]

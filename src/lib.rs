@@ -87,8 +87,9 @@ pub use clique::{
 };
 pub use config::{
     env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS,
-    MODEL_FIXED_GAP_S, MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
+    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS,
+    DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, MODEL_FIXED_GAP_S,
+    MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

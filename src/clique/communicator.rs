@@ -7,7 +7,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use super::{access, setup, CliqueGraph, Core, UncheckedCapture};
 use crate::config::{
-    BroadcastOptions, Env, Path, Requested, Route, Settings, Thresholds, MAX_GPUS,
+    BroadcastOptions, Env, Path, Requested, Route, Settings, Thresholds,
+    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;
 use crate::engine::{Engine, Rank};
@@ -189,7 +190,12 @@ impl Communicator {
         }
         let same_host = cards.iter().all(|c| line(c, 0) == host);
         if same_host && world > 1 {
-            settings.thresholds = settings.thresholds.across_processes(limit_set);
+            settings.thresholds = settings
+                .thresholds
+                .across_processes(limit_set, DEFAULT_P2P_MAX_ACROSS_PROCESSES);
+            settings.graph_thresholds = settings
+                .graph_thresholds
+                .across_processes(limit_set, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS);
         }
 
         // Round 2: NCCL's id from rank 0, then the communicator.

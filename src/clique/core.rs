@@ -57,7 +57,7 @@ impl Core {
             options.path.unwrap_or(self.path()),
             bytes,
             self.p2p.as_ref().map(|_| ()),
-            &self.engine.settings().thresholds_for(options),
+            &self.engine.settings().thresholds_for(options, false),
         )
     }
 
@@ -70,13 +70,19 @@ impl Core {
         })
     }
 
-    /// The launch plan of tensors of `bytes[i]` bytes with `options`.
-    pub(crate) fn plan(&self, bytes: &[usize], options: &BroadcastOptions) -> Result<Vec<Step>> {
+    /// The launch plan of tensors of `bytes[i]` bytes with `options`, for an eager call or
+    /// one queued inside a capture (`in_graph`).
+    pub(crate) fn plan(
+        &self,
+        bytes: &[usize],
+        options: &BroadcastOptions,
+        in_graph: bool,
+    ) -> Result<Vec<Step>> {
         plan::plan(
             bytes,
             options.path.unwrap_or(self.path()),
             self.p2p.as_ref().map(|_| ()),
-            &self.engine.settings().thresholds_for(options),
+            &self.engine.settings().thresholds_for(options, in_graph),
             self.world,
             self.fuse,
         )
@@ -222,7 +228,7 @@ impl Core {
             .collect();
         let shapes = args::check_many(&self.ranks(), root, in_infos.as_deref(), &out_infos, false)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = self.plan(&bytes, options)?;
+        let steps = self.plan(&bytes, options, false)?;
         let report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
             return Ok(report);

@@ -57,7 +57,7 @@ impl<'c> Session<'c> {
         let shapes =
             args::check_many(&core.ranks(), root, in_infos.as_deref(), &out_infos, single)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = core.plan(&bytes, options)?;
+        let steps = core.plan(&bytes, options, true)?;
         let root_local = core.globals.iter().position(|&g| g == root);
         let report = FusedReport::of(&steps, &bytes);
         // Addresses are read through the side stream and the guards forgotten: inside a capture
