@@ -351,23 +351,8 @@ impl EngineGuard<'_> {
     /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
     /// same device).
     pub(crate) fn stream_waits_for(&mut self, rank: usize, other: CUstream) -> Result<()> {
-        let r = &self.engine.ranks[rank];
-        let event = &self.state.events[rank];
-        r.ctx
-            .bind_to_thread()
-            .map_err(Error::cuda("binding a context"))?;
-        // SAFETY: `event` belongs to this rank's context and `other` is a live stream of the
-        // same device's primary context (checked by the caller); both calls only enqueue.
-        unsafe {
-            result::event::record(event.cu_event(), other).and_then(|()| {
-                result::stream::wait_event(
-                    r.stream.get().cu_stream(),
-                    event.cu_event(),
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            })
-        }
-        .map_err(Error::cuda(format!(
+        let own = self.engine.ranks[rank].stream.get().cu_stream();
+        self.order(rank, other, own).map_err(Error::cuda(format!(
             "ordering rank {rank} after a buffer's stream"
         )))
     }
@@ -375,24 +360,28 @@ impl EngineGuard<'_> {
     /// Makes `other` (a stream of rank `rank`'s device) wait for the work queued so far on the
     /// rank's stream.
     pub(crate) fn waits_for_stream(&mut self, rank: usize, other: CUstream) -> Result<()> {
-        let r = &self.engine.ranks[rank];
-        let event = &self.state.events[rank];
-        r.ctx
-            .bind_to_thread()
-            .map_err(Error::cuda("binding a context"))?;
-        // SAFETY: as in `stream_waits_for`.
-        unsafe {
-            result::event::record(event.cu_event(), r.stream.get().cu_stream()).and_then(|()| {
-                result::stream::wait_event(
-                    other,
-                    event.cu_event(),
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-            })
-        }
-        .map_err(Error::cuda(format!(
+        let own = self.engine.ranks[rank].stream.get().cu_stream();
+        self.order(rank, own, other).map_err(Error::cuda(format!(
             "ordering a buffer's stream after rank {rank}"
         )))
+    }
+
+    /// Makes `later` wait for the work queued so far on `earlier`, with rank `rank`'s event.
+    fn order(
+        &mut self,
+        rank: usize,
+        earlier: CUstream,
+        later: CUstream,
+    ) -> std::result::Result<(), result::DriverError> {
+        let event = self.state.events[rank].cu_event();
+        self.engine.ranks[rank].ctx.bind_to_thread()?;
+        // SAFETY: `event` belongs to this rank's context and both streams are live streams of
+        // the same device's primary context (the callers check buffers' contexts); both calls
+        // only enqueue, and the event is reused only under the engine's lock.
+        unsafe {
+            result::event::record(event, earlier)?;
+            result::stream::wait_event(later, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
     }
 
     /// Blocks until every stream has finished, then reports a P2P timeout (after resetting the
