@@ -163,7 +163,8 @@ pub(crate) fn check_broadcast(
     })
 }
 
-fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result<()> {
+/// Checks that a buffer or stream at `found` sits where rank `rank` (at `expected`) is.
+pub(crate) fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result<()> {
     if found.ordinal != expected.ordinal {
         return Err(Error::WrongDevice {
             what: what.to_string(),

@@ -334,23 +334,12 @@ impl Core {
             });
         }
         for (local, s) in streams.iter().enumerate() {
-            let found = access::place_of(s);
-            let rank = self.globals[local];
-            if found.ordinal != self.places[local].ordinal {
-                return Err(Error::WrongDevice {
-                    what: format!("stream {local}"),
-                    rank,
-                    expected: self.places[local].ordinal,
-                    found: found.ordinal,
-                });
-            }
-            if found.ctx != self.places[local].ctx {
-                return Err(Error::ForeignContext {
-                    what: format!("stream {local}"),
-                    rank,
-                    ordinal: found.ordinal,
-                });
-            }
+            args::check_place(
+                &format!("stream {local}"),
+                self.globals[local],
+                self.places[local],
+                access::place_of(s),
+            )?;
         }
         Ok(())
     }
