@@ -27,15 +27,19 @@ pub enum Path {
     Nccl,
     /// Always gpucast's P2P kernel; an error where it cannot run.
     P2p,
+    /// Always the copy engines (`cuMemcpyAsync` along a chain of the ranks, no kernel, no SM);
+    /// an error where it cannot run (ranks in other processes).
+    CopyEngine,
 }
 
 impl Path {
-    /// Parses `auto`, `nccl` or `p2p` (case-insensitive).
+    /// Parses `auto`, `nccl`, `p2p` or `copy-engine` (also `ce`; case-insensitive).
     pub fn parse(s: &str) -> Option<Path> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Some(Path::Auto),
             "nccl" => Some(Path::Nccl),
             "p2p" => Some(Path::P2p),
+            "copy-engine" | "copy_engine" | "ce" => Some(Path::CopyEngine),
             _ => None,
         }
     }
@@ -46,6 +50,7 @@ impl Path {
             Path::Auto => "auto",
             Path::Nccl => "nccl",
             Path::P2p => "p2p",
+            Path::CopyEngine => "copy-engine",
         }
     }
 }
@@ -63,6 +68,9 @@ pub enum Route {
     /// P2P, pull protocol: peers read the root's buffer after its arrival flag, and tell the
     /// root when they are done. For medium and large messages.
     P2pPull,
+    /// The copy engines: each rank copies the message from the rank before it in a chain that
+    /// starts at the root, in chunks, so that every link carries it once. For large messages.
+    CopyEngine,
 }
 
 impl Route {
@@ -73,6 +81,7 @@ impl Route {
             Route::Nccl => "nccl",
             Route::P2pPacket => "p2p-packet",
             Route::P2pPull => "p2p-pull",
+            Route::CopyEngine => "copy-engine",
         }
     }
 
@@ -90,27 +99,37 @@ pub struct Thresholds {
     /// The P2P path uses the packet protocol up to this many bytes and the pull protocol above
     /// (capped at [`PACKET_MAX_BYTES`]).
     pub packet_max_bytes: usize,
+    /// `Auto` uses the copy engines for messages of at least this many bytes, where they can
+    /// run (ranks of one process); `usize::MAX` never.
+    pub copy_engine_min_bytes: usize,
 }
 
-/// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch).
+/// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch, copy-engine
+/// start).
 ///
 /// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2): the
 ///   P2P kernel was at least as fast as NCCL at every size from 1 KiB to 1 GiB, eager and in
-///   graphs, so there is no limit; the packet protocol beat pull at every size it can carry.
+///   graphs, so it has no limit of its own; the packet protocol beat pull at every size it can
+///   carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
 /// - 3 to 8 GPUs, from the cost model of [`model_crossover`] (every peer pulls from the root, so
 ///   the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
 ///   first 4-GPU run confirmed (P2P at 124 GB/s = 372/3 at 1 GiB; NCCL ahead from 4 MiB). The
 ///   packet protocol's root writes twice the payload to each of N-1 peers, so its switch point
-///   drops with N.
-pub const DEFAULT_THRESHOLDS: [(usize, usize, usize); 7] = [
-    (2, usize::MAX, PACKET_MAX_BYTES),
-    (3, 4 << 20, 64 << 10),
-    (4, 2 << 20, 64 << 10),
-    (5, 2 << 20, 32 << 10),
-    (6, 1 << 20, 32 << 10),
-    (7, 1 << 20, 32 << 10),
-    (8, 1 << 20, 32 << 10),
+///   drops with N. Above the P2P limit the copy-engine chain takes over: like NCCL's ring it
+///   carries the data once per link, with no kernel and a smaller fixed cost (an estimate: 4
+///   and 8 GPUs were not available to measure it).
+pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
+    (2, usize::MAX, PACKET_MAX_BYTES, COPY_ENGINE_MIN_2_GPUS),
+    (3, 4 << 20, 64 << 10, (4 << 20) + 1),
+    (4, 2 << 20, 64 << 10, (2 << 20) + 1),
+    (5, 2 << 20, 32 << 10, (2 << 20) + 1),
+    (6, 1 << 20, 32 << 10, (1 << 20) + 1),
+    (7, 1 << 20, 32 << 10, (1 << 20) + 1),
+    (8, 1 << 20, 32 << 10, (1 << 20) + 1),
 ];
+
+/// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs.
+pub const COPY_ENGINE_MIN_2_GPUS: usize = 8 << 20;
 
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
 /// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
@@ -167,6 +186,7 @@ impl Thresholds {
         Thresholds {
             p2p_max_bytes: row.1,
             packet_max_bytes: row.2,
+            copy_engine_min_bytes: row.3,
         }
     }
 }
@@ -180,6 +200,8 @@ pub struct BroadcastOptions {
     pub p2p_threshold: Option<usize>,
     /// The P2P kernel's packet/pull switch point for this call; `None` takes the clique's.
     pub packet_threshold: Option<usize>,
+    /// `Auto`'s copy-engine start in bytes for this call; `None` takes the clique's.
+    pub copy_engine_threshold: Option<usize>,
 }
 
 impl BroadcastOptions {
@@ -192,12 +214,20 @@ impl BroadcastOptions {
     }
 }
 
-/// Resolves `path` for a message of `bytes` bytes. `p2p` says why the P2P kernel cannot run, if
-/// it cannot (`Err` holds the error a forced P2P call returns).
+/// Which routes can run for a call, and if one cannot, the error a call forcing it returns.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Available<'a> {
+    pub p2p: std::result::Result<(), &'a Error>,
+    pub copy_engine: std::result::Result<(), &'a Error>,
+    /// `false` only where NCCL is off (a device holding several ranks).
+    pub nccl: bool,
+}
+
+/// Resolves `path` for a message of `bytes` bytes, given which routes can run.
 pub(crate) fn choose(
     path: Path,
     bytes: usize,
-    p2p: std::result::Result<(), &Error>,
+    available: Available<'_>,
     thresholds: &Thresholds,
 ) -> Result<Route> {
     if bytes == 0 {
@@ -212,14 +242,29 @@ pub(crate) fn choose(
     };
     match path {
         Path::Nccl => Ok(Route::Nccl),
-        Path::P2p => match p2p {
+        Path::P2p => match available.p2p {
             Ok(()) => Ok(p2p_route()),
             Err(why) => Err(why.clone()),
         },
-        Path::Auto => Ok(match p2p {
-            Ok(()) if bytes <= thresholds.p2p_max_bytes => p2p_route(),
-            _ => Route::Nccl,
-        }),
+        Path::CopyEngine => match available.copy_engine {
+            Ok(()) => Ok(Route::CopyEngine),
+            Err(why) => Err(why.clone()),
+        },
+        Path::Auto => Ok(
+            if available.copy_engine.is_ok() && bytes >= thresholds.copy_engine_min_bytes {
+                Route::CopyEngine
+            } else if available.p2p.is_ok() && bytes <= thresholds.p2p_max_bytes {
+                p2p_route()
+            } else if available.nccl {
+                Route::Nccl
+            } else if available.copy_engine.is_ok() {
+                Route::CopyEngine
+            } else if available.p2p.is_ok() {
+                p2p_route()
+            } else {
+                Route::Nccl
+            },
+        ),
     }
 }
 
@@ -231,6 +276,8 @@ pub(crate) fn choose(
 pub const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
 /// The packet/pull switch point (bytes, suffixes allowed).
 pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
+/// `Auto`'s copy-engine start (bytes, suffixes allowed).
+pub const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
 /// Bound on every wait, in milliseconds (a positive integer).
 pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
@@ -252,8 +299,8 @@ pub const JOB_TOKEN_ENV: &str = "GPUCAST_JOB_TOKEN";
 pub const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
 
 /// Every variable above with a one-line description, for documentation and error messages.
-pub const ENV_VARS: [(&str, &str); 11] = [
-    (PATH_ENV, "default path: auto, nccl or p2p"),
+pub const ENV_VARS: [(&str, &str); 12] = [
+    (PATH_ENV, "default path: auto, nccl, p2p or copy-engine"),
     (
         P2P_THRESHOLD_ENV,
         "Auto's largest P2P message, bytes (4M, 256K, ...)",
@@ -261,6 +308,10 @@ pub const ENV_VARS: [(&str, &str); 11] = [
     (
         PACKET_THRESHOLD_ENV,
         "packet/pull switch point of the P2P kernel, bytes",
+    ),
+    (
+        COPY_ENGINE_THRESHOLD_ENV,
+        "Auto's smallest copy-engine message, bytes",
     ),
     (TIMEOUT_ENV, "bound on every wait, milliseconds (> 0)"),
     (
@@ -302,6 +353,7 @@ pub(crate) struct Env {
     pub path: Option<Path>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
+    pub copy_engine_threshold: Option<usize>,
     pub timeout: Option<Duration>,
     pub parallel_launch: Option<bool>,
 }
@@ -338,7 +390,7 @@ impl Env {
         let path = text(PATH_ENV)?
             .map(|v| {
                 Path::parse(&v)
-                    .ok_or_else(|| invalid(PATH_ENV, format!("{v:?} is not auto, nccl or p2p")))
+                    .ok_or_else(|| invalid(PATH_ENV, format!("{v:?} is not auto, nccl, p2p or copy-engine")))
             })
             .transpose()?;
         let timeout = text(TIMEOUT_ENV)?
@@ -364,6 +416,7 @@ impl Env {
             path,
             p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
             packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
+            copy_engine_threshold: bytes(COPY_ENGINE_THRESHOLD_ENV)?,
             timeout,
             parallel_launch,
         })
@@ -447,6 +500,7 @@ pub(crate) struct Requested {
     pub path: Option<Path>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
+    pub copy_engine_threshold: Option<usize>,
     pub timeout: Option<Duration>,
     pub parallel_launch: Option<bool>,
 }
@@ -460,6 +514,9 @@ impl Settings {
         }
         if let Some(t) = req.packet_threshold.or(env.packet_threshold) {
             thresholds.packet_max_bytes = t;
+        }
+        if let Some(t) = req.copy_engine_threshold.or(env.copy_engine_threshold) {
+            thresholds.copy_engine_min_bytes = t;
         }
         let timeout = req.timeout.or(env.timeout).unwrap_or(DEFAULT_TIMEOUT);
         if timeout.is_zero() {
@@ -490,6 +547,9 @@ impl Settings {
         }
         if let Some(p) = options.packet_threshold {
             t.packet_max_bytes = p;
+        }
+        if let Some(p) = options.copy_engine_threshold {
+            t.copy_engine_min_bytes = p;
         }
         t
     }
@@ -672,9 +732,23 @@ mod tests {
         let t = Thresholds {
             p2p_max_bytes: 1 << 20,
             packet_max_bytes: 64 << 10,
+            copy_engine_min_bytes: 64 << 20,
         };
         let no = Error::P2pUnavailable("GPU 0 and 1 lack peer access".into());
-        let c = |path, bytes, ok: bool| choose(path, bytes, if ok { Ok(()) } else { Err(&no) }, &t);
+        let no_ce = Error::CopyEngineUnavailable("ranks in other processes".into());
+        let p2p_only = |p2p| Available {
+            p2p,
+            copy_engine: Err(&no_ce),
+            nccl: true,
+        };
+        let c = |path, bytes, ok: bool| {
+            choose(
+                path,
+                bytes,
+                p2p_only(if ok { Ok(()) } else { Err(&no) }),
+                &t,
+            )
+        };
         assert_eq!(c(Path::Auto, 0, true).unwrap(), Route::Empty);
         assert_eq!(c(Path::Auto, 1024, true).unwrap(), Route::P2pPacket);
         assert_eq!(c(Path::Auto, 64 << 10, true).unwrap(), Route::P2pPacket);
@@ -693,7 +767,7 @@ mod tests {
             hint: "install it",
         };
         assert!(matches!(
-            choose(Path::P2p, 8, Err(&lib), &t),
+            choose(Path::P2p, 8, p2p_only(Err(&lib)), &t),
             Err(Error::LibraryMissing {
                 library: "libnvrtc",
                 ..
@@ -703,11 +777,57 @@ mod tests {
         let big = Thresholds {
             p2p_max_bytes: 1 << 30,
             packet_max_bytes: 1 << 30,
+            copy_engine_min_bytes: usize::MAX,
         };
         assert_eq!(
-            choose(Path::P2p, PACKET_MAX_BYTES + 1, Ok(()), &big).unwrap(),
+            choose(Path::P2p, PACKET_MAX_BYTES + 1, p2p_only(Ok(())), &big).unwrap(),
             Route::P2pPull
         );
+        // With the copy engines, Auto takes them from their threshold on, P2P or not.
+        let all = Available {
+            p2p: Ok(()),
+            copy_engine: Ok(()),
+            nccl: true,
+        };
+        assert_eq!(
+            choose(Path::Auto, (64 << 20) - 1, all, &t).unwrap(),
+            Route::Nccl
+        );
+        assert_eq!(
+            choose(Path::Auto, 64 << 20, all, &t).unwrap(),
+            Route::CopyEngine
+        );
+        let ce_only = Available {
+            p2p: Err(&no),
+            copy_engine: Ok(()),
+            nccl: true,
+        };
+        assert_eq!(
+            choose(Path::Auto, 1 << 30, ce_only, &t).unwrap(),
+            Route::CopyEngine
+        );
+        // Without NCCL (several ranks on one device), Auto takes what can run.
+        let no_nccl = Available { nccl: false, ..all };
+        assert_eq!(
+            choose(Path::Auto, 2 << 20, no_nccl, &t).unwrap(),
+            Route::CopyEngine
+        );
+        let p2p_no_nccl = Available {
+            copy_engine: Err(&no_ce),
+            ..no_nccl
+        };
+        assert_eq!(
+            choose(Path::Auto, 2 << 20, p2p_no_nccl, &t).unwrap(),
+            Route::P2pPull
+        );
+        assert_eq!(
+            choose(Path::CopyEngine, 1, all, &t).unwrap(),
+            Route::CopyEngine
+        );
+        assert!(matches!(
+            choose(Path::CopyEngine, 1, p2p_only(Ok(())), &t),
+            Err(Error::CopyEngineUnavailable(_))
+        ));
     }
 
     #[test]
@@ -725,7 +845,8 @@ mod tests {
 
     #[test]
     fn paths_parse() {
-        for p in [Path::Auto, Path::Nccl, Path::P2p] {
+        assert_eq!(Path::parse("CE"), Some(Path::CopyEngine));
+        for p in [Path::Auto, Path::Nccl, Path::P2p, Path::CopyEngine] {
             assert_eq!(Path::parse(p.name()), Some(p));
         }
         assert_eq!(Path::parse(" NCCL "), Some(Path::Nccl));

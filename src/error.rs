@@ -114,6 +114,12 @@ pub enum Error {
     /// Two tensor lists of a fused broadcast have different lengths, or a list is malformed.
     #[error("invalid tensor list: {0}")]
     InvalidList(String),
+    /// The NCCL path is off in this clique (one device holds several ranks).
+    #[error("the NCCL path cannot run here: {0}")]
+    NcclUnavailable(String),
+    /// The copy-engine path was forced where it cannot run (ranks in other processes).
+    #[error("the copy-engine path cannot run here: {0}")]
+    CopyEngineUnavailable(String),
     /// The P2P path was forced where it cannot run.
     #[error("the P2P path cannot run here: {0}")]
     P2pUnavailable(String),

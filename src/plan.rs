@@ -5,8 +5,8 @@
 //! alone, or fused launches of at most [`LIST_MAX`] copies; NCCL tensors go in groups of at most
 //! [`NCCL_GROUP_MAX_OPS`] operations.
 
-use crate::config::{self, Path, Route, Thresholds};
-use crate::error::{Error, Result};
+use crate::config::{self, Available, Path, Route, Thresholds};
+use crate::error::Result;
 use crate::p2p::abi::LIST_MAX;
 
 /// Most operations NCCL accepts between `ncclGroupStart` and `ncclGroupEnd`.
@@ -21,29 +21,39 @@ pub(crate) enum Step {
     P2pList { tensors: Vec<usize> },
     /// Tensors broadcast by NCCL inside one group.
     NcclGroup { tensors: Vec<usize> },
+    /// Tensors copied by the copy engines along the chain of ranks, as one chunked stream.
+    CopyEngine { tensors: Vec<usize> },
 }
 
 /// Plans a call of tensors of `bytes[i]` bytes on `nranks` ranks. Zero-length tensors are
-/// skipped; P2P steps come first, then NCCL groups. Without `fuse`, every P2P tensor gets a
-/// launch of its own.
+/// skipped; copy-engine tensors come first (one step: the copy engines start while the P2P
+/// kernel and NCCL run), then P2P steps, then NCCL groups. Without `fuse`, every P2P tensor
+/// gets a launch of its own.
 pub(crate) fn plan(
     bytes: &[usize],
     path: Path,
-    p2p: std::result::Result<(), &Error>,
+    available: Available<'_>,
     thresholds: &Thresholds,
     nranks: usize,
     fuse: bool,
 ) -> Result<Vec<Step>> {
     let mut p2p_tensors = Vec::new();
     let mut nccl_tensors = Vec::new();
+    let mut ce_tensors = Vec::new();
     for (i, &b) in bytes.iter().enumerate() {
-        match config::choose(path, b, p2p, thresholds)? {
+        match config::choose(path, b, available, thresholds)? {
             Route::Empty => {}
             Route::Nccl => nccl_tensors.push(i),
+            Route::CopyEngine => ce_tensors.push(i),
             route => p2p_tensors.push((i, route)),
         }
     }
     let mut steps = Vec::new();
+    if !ce_tensors.is_empty() {
+        steps.push(Step::CopyEngine {
+            tensors: ce_tensors,
+        });
+    }
     let per_list = if fuse { LIST_MAX } else { 1 };
     for chunk in p2p_tensors.chunks(per_list) {
         steps.push(match chunk {
@@ -65,6 +75,59 @@ pub(crate) fn plan(
     Ok(steps)
 }
 
+/// The order in which `n` ranks receive a copy-engine broadcast from `root`: the root, then the
+/// ranks after it, wrapping around. Rank `chain[i]` copies from `chain[i - 1]`, so each rank's
+/// links carry the message once in and once out, whatever N.
+pub(crate) fn chain(root: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|i| (root + i) % n).collect()
+}
+
+/// Smallest chunk of a chained copy: a copy costs a few microseconds to queue and start, so
+/// chunks below a few MiB would spend more time there than on the link.
+pub(crate) const CHUNK_MIN: usize = 4 << 20;
+
+/// Most chunks of one chained call (one ordering event per chunk and rank).
+pub(crate) const CHUNKS_MAX: usize = 64;
+
+/// Chunk size of a chained copy of `total` bytes over `n` ranks. With 2 ranks there is nothing
+/// to pipeline: one copy per tensor. Above, the pipeline fills in `n - 2` chunk times, so
+/// chunks are at most 1/64 of the message (a fill of 6/64 on 8 GPUs), and at least
+/// [`CHUNK_MIN`]; whole MiB.
+pub(crate) fn chunk_bytes(total: usize, n: usize) -> usize {
+    if n <= 2 {
+        return usize::MAX;
+    }
+    total.div_ceil(CHUNKS_MAX).max(CHUNK_MIN).next_multiple_of(1 << 20)
+}
+
+/// `len` bytes at `offset` of tensor `tensor`: one copy of a chained call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub tensor: usize,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// Splits `tensors` (of `bytes[t]` bytes) into chunks of at most `chunk` bytes, tensor by
+/// tensor; zero-length tensors give none.
+pub(crate) fn chunks(tensors: &[usize], bytes: &[usize], chunk: usize) -> Vec<Chunk> {
+    let chunk = chunk.max(1);
+    let mut out = Vec::new();
+    for &tensor in tensors {
+        let mut offset = 0;
+        while offset < bytes[tensor] {
+            let len = chunk.min(bytes[tensor] - offset);
+            out.push(Chunk {
+                tensor,
+                offset,
+                len,
+            });
+            offset += len;
+        }
+    }
+    out
+}
+
 /// What a fused broadcast did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FusedReport {
@@ -84,6 +147,10 @@ pub struct FusedReport {
     pub nccl_bytes: usize,
     /// NCCL groups.
     pub nccl_groups: usize,
+    /// Tensors that went by the copy engines.
+    pub copy_engine_tensors: usize,
+    /// Their bytes.
+    pub copy_engine_bytes: usize,
 }
 
 impl FusedReport {
@@ -111,6 +178,10 @@ impl FusedReport {
                     r.nccl_tensors += tensors.len();
                     r.nccl_bytes += tensors.iter().map(|&t| bytes[t]).sum::<usize>();
                 }
+                Step::CopyEngine { tensors } => {
+                    r.copy_engine_tensors += tensors.len();
+                    r.copy_engine_bytes += tensors.iter().map(|&t| bytes[t]).sum::<usize>();
+                }
             }
         }
         r
@@ -120,6 +191,22 @@ impl FusedReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
+    use std::sync::OnceLock;
+
+    fn no_ce() -> &'static Error {
+        static E: OnceLock<Error> = OnceLock::new();
+        E.get_or_init(|| Error::CopyEngineUnavailable("ranks in other processes".into()))
+    }
+
+    /// The P2P kernel as given, no copy engines.
+    fn p2p_only(p2p: std::result::Result<(), &Error>) -> Available<'_> {
+        Available {
+            p2p,
+            copy_engine: Err(no_ce()),
+            nccl: true,
+        }
+    }
 
     fn tensors_of(steps: &[Step]) -> (Vec<usize>, Vec<usize>) {
         let (mut p, mut n) = (Vec::new(), Vec::new());
@@ -127,7 +214,7 @@ mod tests {
             match s {
                 Step::P2pOne { tensor, .. } => p.push(*tensor),
                 Step::P2pList { tensors } => p.extend(tensors),
-                Step::NcclGroup { tensors } => n.extend(tensors),
+                Step::NcclGroup { tensors } | Step::CopyEngine { tensors } => n.extend(tensors),
             }
         }
         (p, n)
@@ -138,9 +225,10 @@ mod tests {
         let t = Thresholds {
             p2p_max_bytes: 1000,
             packet_max_bytes: 100,
+            copy_engine_min_bytes: usize::MAX,
         };
         let sizes = [10usize, 0, 5000, 1000, 1001, 3];
-        let steps = plan(&sizes, Path::Auto, Ok(()), &t, 2, true).unwrap();
+        let steps = plan(&sizes, Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert_eq!(
             steps,
             vec![
@@ -158,15 +246,15 @@ mod tests {
         assert_eq!((r.nccl_tensors, r.nccl_bytes, r.nccl_groups), (2, 6001, 1));
 
         let no = Error::P2pUnavailable("no NVRTC".into());
-        let all_nccl = plan(&sizes, Path::Auto, Err(&no), &t, 2, true).unwrap();
+        let all_nccl = plan(&sizes, Path::Auto, p2p_only(Err(&no)), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&all_nccl), (vec![], vec![0, 2, 3, 4, 5]));
-        let forced = plan(&sizes, Path::P2p, Ok(()), &t, 2, true).unwrap();
+        let forced = plan(&sizes, Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&forced), (vec![0, 2, 3, 4, 5], vec![]));
-        assert!(plan(&sizes, Path::P2p, Err(&no), &t, 2, true).is_err());
-        assert!(plan(&[], Path::Auto, Ok(()), &t, 2, true)
+        assert!(plan(&sizes, Path::P2p, p2p_only(Err(&no)), &t, 2, true).is_err());
+        assert!(plan(&[], Path::Auto, p2p_only(Ok(())), &t, 2, true)
             .unwrap()
             .is_empty());
-        assert!(plan(&[0, 0], Path::P2p, Ok(()), &t, 2, true)
+        assert!(plan(&[0, 0], Path::P2p, p2p_only(Ok(())), &t, 2, true)
             .unwrap()
             .is_empty());
     }
@@ -176,23 +264,24 @@ mod tests {
         let t = Thresholds {
             p2p_max_bytes: usize::MAX,
             packet_max_bytes: 100,
+            copy_engine_min_bytes: usize::MAX,
         };
         assert_eq!(
-            plan(&[64], Path::Auto, Ok(()), &t, 2, true).unwrap(),
+            plan(&[64], Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 0,
                 route: Route::P2pPacket
             }]
         );
         assert_eq!(
-            plan(&[0, 101], Path::P2p, Ok(()), &t, 2, true).unwrap(),
+            plan(&[0, 101], Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 1,
                 route: Route::P2pPull
             }]
         );
         assert_eq!(
-            plan(&[101], Path::Nccl, Ok(()), &t, 2, true).unwrap(),
+            plan(&[101], Path::Nccl, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::NcclGroup { tensors: vec![0] }]
         );
     }
@@ -201,14 +290,14 @@ mod tests {
     fn launches_respect_list_and_group_limits() {
         let t = Thresholds::for_gpus(8);
         let many = vec![8usize; 1000];
-        let p = plan(&many, Path::P2p, Ok(()), &t, 8, true).unwrap();
+        let p = plan(&many, Path::P2p, p2p_only(Ok(())), &t, 8, true).unwrap();
         assert_eq!(p.len(), 1000usize.div_ceil(LIST_MAX));
         for s in &p {
             assert!(matches!(s, Step::P2pList { tensors } if tensors.len() <= LIST_MAX));
         }
         assert_eq!(tensors_of(&p).0, (0..1000).collect::<Vec<_>>());
         // 1000 = 8 lists of 120 and one of 40: no lone list.
-        let n = plan(&many, Path::Nccl, Ok(()), &t, 8, true).unwrap();
+        let n = plan(&many, Path::Nccl, p2p_only(Ok(())), &t, 8, true).unwrap();
         for s in &n {
             assert!(
                 matches!(s, Step::NcclGroup { tensors } if tensors.len() * 8 <= NCCL_GROUP_MAX_OPS)
@@ -219,8 +308,9 @@ mod tests {
         let t = Thresholds {
             p2p_max_bytes: usize::MAX,
             packet_max_bytes: 100,
+            copy_engine_min_bytes: usize::MAX,
         };
-        let unfused = plan(&[10, 500, 0], Path::P2p, Ok(()), &t, 2, false).unwrap();
+        let unfused = plan(&[10, 500, 0], Path::P2p, p2p_only(Ok(())), &t, 2, false).unwrap();
         assert_eq!(
             unfused,
             vec![
@@ -236,7 +326,102 @@ mod tests {
         );
         let t = Thresholds::for_gpus(8);
         // A last chunk of one P2P tensor becomes a single launch.
-        let p = plan(&vec![8usize; LIST_MAX + 1], Path::P2p, Ok(()), &t, 2, true).unwrap();
+        let p = plan(&vec![8usize; LIST_MAX + 1], Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert!(matches!(p.last(), Some(Step::P2pOne { tensor, .. }) if *tensor == LIST_MAX));
+    }
+
+    #[test]
+    fn copy_engine_tensors_share_one_step_ahead_of_the_rest() {
+        let t = Thresholds {
+            p2p_max_bytes: 1000,
+            packet_max_bytes: 100,
+            copy_engine_min_bytes: 5000,
+        };
+        let both = Available {
+            p2p: Ok(()),
+            copy_engine: Ok(()),
+            nccl: true,
+        };
+        let sizes = [10usize, 6000, 2000, 0, 5000];
+        let steps = plan(&sizes, Path::Auto, both, &t, 2, true).unwrap();
+        assert_eq!(
+            steps,
+            vec![
+                Step::CopyEngine {
+                    tensors: vec![1, 4]
+                },
+                Step::P2pOne {
+                    tensor: 0,
+                    route: Route::P2pPacket
+                },
+                Step::NcclGroup { tensors: vec![2] },
+            ]
+        );
+        let r = FusedReport::of(&steps, &sizes);
+        assert_eq!((r.copy_engine_tensors, r.copy_engine_bytes), (2, 11000));
+        assert_eq!((r.p2p_tensors, r.nccl_tensors), (1, 1));
+        // Without the copy engines, Auto falls back; forcing them is the reason's error.
+        let steps = plan(&sizes, Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
+        assert!(!steps.iter().any(|s| matches!(s, Step::CopyEngine { .. })));
+        assert!(matches!(
+            plan(&sizes, Path::CopyEngine, p2p_only(Ok(())), &t, 2, true),
+            Err(Error::CopyEngineUnavailable(_))
+        ));
+        let forced = plan(&sizes, Path::CopyEngine, both, &t, 2, true).unwrap();
+        assert_eq!(
+            forced,
+            vec![Step::CopyEngine {
+                tensors: vec![0, 1, 2, 4]
+            }]
+        );
+    }
+
+    #[test]
+    fn chains_start_at_the_root_and_visit_every_rank_once() {
+        assert_eq!(chain(0, 2), vec![0, 1]);
+        assert_eq!(chain(1, 2), vec![1, 0]);
+        assert_eq!(chain(5, 8), vec![5, 6, 7, 0, 1, 2, 3, 4]);
+        for n in 1..=8 {
+            for root in 0..n {
+                let mut c = chain(root, n);
+                assert_eq!(c[0], root);
+                c.sort_unstable();
+                assert_eq!(c, (0..n).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn chunks_cover_every_byte_once() {
+        assert_eq!(chunk_bytes(1 << 30, 2), usize::MAX);
+        assert_eq!(chunk_bytes(1 << 30, 8), 16 << 20);
+        assert_eq!(chunk_bytes(1 << 20, 4), CHUNK_MIN);
+        assert_eq!(chunk_bytes((300 << 20) + 1, 3) % (1 << 20), 0);
+        let bytes = [10usize, 0, 25, 7];
+        let c = chunks(&[0, 1, 2, 3], &bytes, 10);
+        assert_eq!(c.len(), 1 + 3 + 1);
+        for t in 0..bytes.len() {
+            let mut next = 0;
+            for k in c.iter().filter(|k| k.tensor == t) {
+                assert_eq!(k.offset, next);
+                assert!(k.len > 0 && k.len <= 10);
+                next += k.len;
+            }
+            assert_eq!(next, bytes[t]);
+        }
+        assert_eq!(
+            chunks(&[2], &bytes, usize::MAX),
+            vec![Chunk {
+                tensor: 2,
+                offset: 0,
+                len: 25
+            }]
+        );
+        for n in 3..=8 {
+            for total in [1usize, 5 << 20, 1 << 30, 10 << 30] {
+                let k = chunks(&[0], &[total], chunk_bytes(total, n)).len();
+                assert!(k <= CHUNKS_MAX, "{n} GPUs, {total} bytes: {k} chunks");
+            }
+        }
     }
 }

@@ -101,6 +101,25 @@ impl Topology {
     }
 }
 
+impl Topology {
+    /// `Ok` when every pair has peer access, so that each rank's copy engines can read its
+    /// predecessor's buffer directly; otherwise the reason, as the error a forced call returns.
+    pub(crate) fn copy_engine_support(&self) -> Result<(), crate::Error> {
+        let n = self.len();
+        for i in 0..n {
+            for j in 0..n {
+                if !self.links[i][j].has_p2p() {
+                    return Err(crate::Error::CopyEngineUnavailable(format!(
+                        "device {} cannot access device {} directly (no peer access)",
+                        self.ordinals[i], self.ordinals[j]
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for Topology {
     /// A matrix in the style of `nvidia-smi topo -m`, then one line per GPU with its name.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -6,7 +6,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Checks a device list without touching the driver: 1 to 8 distinct ordinals.
-pub(crate) fn check_device_list(ordinals: &[usize]) -> Result<()> {
+pub(crate) fn check_device_list(ordinals: &[usize], shared: bool) -> Result<()> {
     if ordinals.is_empty() {
         return Err(Error::NoDevice("the device list is empty".into()));
     }
@@ -17,7 +17,7 @@ pub(crate) fn check_device_list(ordinals: &[usize]) -> Result<()> {
         });
     }
     for (i, &o) in ordinals.iter().enumerate() {
-        if ordinals[..i].contains(&o) {
+        if !shared && ordinals[..i].contains(&o) {
             return Err(Error::DuplicateDevice { ordinal: o });
         }
     }
@@ -239,15 +239,16 @@ mod tests {
 
     #[test]
     fn device_lists_are_checked_without_a_driver() {
-        assert!(check_device_list(&[0, 1]).is_ok());
-        assert!(matches!(check_device_list(&[]), Err(Error::NoDevice(_))));
+        assert!(check_device_list(&[0, 1], false).is_ok());
+        assert!(check_device_list(&[0, 1, 0], true).is_ok());
+        assert!(matches!(check_device_list(&[], false), Err(Error::NoDevice(_))));
         assert!(matches!(
-            check_device_list(&[0, 1, 0]),
+            check_device_list(&[0, 1, 0], false),
             Err(Error::DuplicateDevice { ordinal: 0 })
         ));
         let nine: Vec<usize> = (0..9).collect();
         assert!(matches!(
-            check_device_list(&nine),
+            check_device_list(&nine, true),
             Err(Error::TooManyDevices {
                 requested: 9,
                 max: 8

@@ -13,7 +13,7 @@ use crate::config::{
 use crate::dtype::Element;
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
-use crate::nccl::{Comms, UniqueId};
+use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
 use crate::plan::FusedReport;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
@@ -233,7 +233,12 @@ impl Communicator {
             )
         };
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
-        let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, comms, p2p)?;
+        let engine = Engine::new(
+            vec![Rank::new(rank, ctx, None)?],
+            settings,
+            Nccl::Live(comms),
+            p2p,
+        )?;
         let place = access::place_of(engine.stream(0));
         let init_time = started.elapsed();
         tracing::info!(
@@ -253,6 +258,12 @@ impl Communicator {
                 globals: vec![rank],
                 world,
                 p2p: status,
+                copy_engine: Err(Error::CopyEngineUnavailable(
+                    "the ranks are separate processes: a rank's copy engines cannot address \
+                     the buffers of another process"
+                        .into(),
+                )),
+                nccl_on: true,
                 fuse: world == 1,
             },
             job,

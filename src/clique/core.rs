@@ -5,7 +5,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
-use crate::config::{BroadcastOptions, Path, Route, MAX_GPUS};
+use crate::config::{Available, BroadcastOptions, Path, Route, MAX_GPUS};
 use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
@@ -26,6 +26,10 @@ pub(crate) struct Core {
     pub(crate) world: usize,
     /// Whether the P2P kernel can run, or the error a forced P2P call returns.
     pub(crate) p2p: std::result::Result<(), Error>,
+    /// Whether the copy-engine route can run, or the error a forced call returns.
+    pub(crate) copy_engine: std::result::Result<(), Error>,
+    /// Whether NCCL runs here (off where a device holds several ranks).
+    pub(crate) nccl_on: bool,
     /// Whether P2P tensors of one call may share a launch (not across processes, where peers
     /// read the root's tensors from a staging buffer one at a time).
     pub(crate) fuse: bool,
@@ -52,11 +56,20 @@ impl Core {
         self.engine.settings().path
     }
 
+    /// Which routes can run here.
+    fn available(&self) -> Available<'_> {
+        Available {
+            p2p: self.p2p.as_ref().map(|_| ()),
+            copy_engine: self.copy_engine.as_ref().map(|_| ()),
+            nccl: self.nccl_on,
+        }
+    }
+
     pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         crate::config::choose(
             options.path.unwrap_or(self.path()),
             bytes,
-            self.p2p.as_ref().map(|_| ()),
+            self.available(),
             &self.engine.settings().thresholds_for(options, false),
         )
     }
@@ -66,6 +79,7 @@ impl Core {
         Ok(match self.route(bytes, options)? {
             Route::Empty => None,
             Route::Nccl => Some(Step::NcclGroup { tensors: vec![0] }),
+            Route::CopyEngine => Some(Step::CopyEngine { tensors: vec![0] }),
             route => Some(Step::P2pOne { tensor: 0, route }),
         })
     }
@@ -81,7 +95,7 @@ impl Core {
         plan::plan(
             bytes,
             options.path.unwrap_or(self.path()),
-            self.p2p.as_ref().map(|_| ()),
+            self.available(),
             &self.engine.settings().thresholds_for(options, in_graph),
             self.world,
             self.fuse,

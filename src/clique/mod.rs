@@ -53,6 +53,13 @@ macro_rules! settings_setters {
             self
         }
 
+        /// `Auto` takes the copy engines for messages of at least this many bytes, where they
+        /// can run (ranks of one process).
+        pub fn copy_engine_threshold(mut self, bytes: usize) -> Self {
+            self.requested.copy_engine_threshold = Some(bytes);
+            self
+        }
+
         /// Longest any wait of a broadcast may take (a P2P kernel waiting for a peer) before it
         /// is reported as [`Error::Timeout`]. Must be longer than zero.
         pub fn timeout(mut self, timeout: std::time::Duration) -> Self {
@@ -70,6 +77,7 @@ use settings_setters;
 /// then from built-in defaults. Invalid settings are errors, before any GPU work.
 #[derive(Debug, Default)]
 pub struct CliqueBuilder {
+    shared_devices: bool,
     devices: Option<Vec<usize>>,
     streams: Option<Vec<Arc<CudaStream>>>,
     requested: Requested,
@@ -80,6 +88,17 @@ impl CliqueBuilder {
     /// visible GPU (at most 8).
     pub fn devices(mut self, ordinals: &[usize]) -> Self {
         self.devices = Some(ordinals.to_vec());
+        self
+    }
+
+    /// Lets [`CliqueBuilder::devices`] name a device more than once: one GPU then holds
+    /// several ranks, each with a stream and buffers of its own. This is for testing what
+    /// runs on many GPUs (the copy-engine chain, the P2P kernel) with fewer: the P2P kernel
+    /// and the copy engines work between ranks of one device, NCCL does not (it needs one
+    /// device per rank), so the NCCL path is off in such a clique ([`Error::NcclUnavailable`])
+    /// and `Auto` never takes it. Ranks of one device share its bandwidth: do not benchmark it.
+    pub fn shared_devices(mut self, on: bool) -> Self {
+        self.shared_devices = on;
         self
     }
 
@@ -109,7 +128,7 @@ impl CliqueBuilder {
             (None, Some(d)) => setup::Devices::Ordinals(d),
             (None, None) => setup::Devices::All,
         };
-        let built = setup::create(devices, &self.requested)?;
+        let built = setup::create(devices, &self.requested, self.shared_devices)?;
         let n = built.engine.len();
         let places = (0..n)
             .map(|r| access::place_of(built.engine.stream(r)))
@@ -122,6 +141,8 @@ impl CliqueBuilder {
                 globals: (0..n).collect(),
                 world: n,
                 p2p: built.p2p,
+                copy_engine: built.topology.copy_engine_support(),
+                nccl_on: built.nccl_on,
                 fuse: true,
             },
             topology: built.topology,

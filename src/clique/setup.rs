@@ -10,7 +10,7 @@ use super::args;
 use crate::config::{Env, Requested, Settings, MAX_GPUS};
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
-use crate::nccl::Comms;
+use crate::nccl::{Comms, Nccl};
 use crate::p2p::P2p;
 use crate::topology::{Link, Topology};
 
@@ -101,10 +101,11 @@ pub(crate) struct Built {
     pub engine: Engine,
     pub topology: Topology,
     pub p2p: std::result::Result<(), Error>,
+    pub nccl_on: bool,
 }
 
 /// Creates the contexts, streams, peer access and engine of a clique.
-pub(crate) fn create(devices: Devices, requested: &Requested) -> Result<Built> {
+pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> Result<Built> {
     // Checks that need no driver come first.
     let listed: Option<Vec<usize>> = match &devices {
         Devices::All => None,
@@ -112,7 +113,7 @@ pub(crate) fn create(devices: Devices, requested: &Requested) -> Result<Built> {
         Devices::Streams(s) => Some(s.iter().map(|s| s.context().ordinal()).collect()),
     };
     if let Some(o) = &listed {
-        args::check_device_list(o)?;
+        args::check_device_list(o, shared)?;
     }
     let env = Env::read()?;
     // Reject bad settings before touching the driver (the thresholds are settled below).
@@ -151,17 +152,23 @@ pub(crate) fn create(devices: Devices, requested: &Requested) -> Result<Built> {
     }
     let ctxs: Vec<Arc<CudaContext>> = ranks.iter().map(|r| r.ctx.clone()).collect();
     let topology = enable_peer_access(&ordinals, &ctxs)?;
-    let comms = Comms::init_all(&ordinals)?;
+    let distinct = (0..ordinals.len()).all(|i| !ordinals[..i].contains(&ordinals[i]));
+    let nccl = if distinct {
+        Nccl::Live(Comms::init_all(&ordinals)?)
+    } else {
+        Nccl::Off("a device holds several ranks of this clique (`shared_devices`), and NCCL needs one device per rank".into())
+    };
     let p2p = topology
         .p2p_support()
         .map_err(Error::P2pUnavailable)
         .and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
     let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
-    let engine = Engine::new(ranks, settings, comms, p2p)?;
+    let engine = Engine::new(ranks, settings, nccl, p2p)?;
     Ok(Built {
         engine,
         topology,
         p2p: status,
+        nccl_on: distinct,
     })
 }
 
@@ -194,6 +201,11 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
         links[i][i] = Link::SelfLink;
         for j in 0..n {
             if i == j {
+                continue;
+            }
+            // Two ranks of one device (`shared_devices`): its memory is local to both.
+            if ordinals[i] == ordinals[j] {
+                links[i][j] = Link::SelfLink;
                 continue;
             }
             let (di, dj) = (ctxs[i].cu_device(), ctxs[j].cu_device());

@@ -6,6 +6,7 @@
 //! The engine works on raw device addresses ([`Item`]); turning typed buffers into addresses
 //! and ordering them with the streams they live on is `clique::access`'s job.
 
+mod copy;
 pub(crate) mod streams;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +20,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 use crate::config::{Settings, MAX_GPUS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nccl::{Comms, Nccl, RankOp};
+use crate::nccl::{Nccl, RankOp};
 use crate::p2p::P2p;
 use crate::plan::Step;
 use streams::EngineStream;
@@ -80,6 +81,10 @@ struct State {
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
+    /// One event per rank for the copy-engine chain of eager calls.
+    ce_events: Vec<CudaEvent>,
+    /// The copy-engine flags of captured calls, made at the first one.
+    ce_flags: Option<copy::Flags>,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
     desynced: bool,
 }
@@ -107,25 +112,31 @@ impl Engine {
     pub(crate) fn new(
         ranks: Vec<Rank>,
         settings: Settings,
-        comms: Comms,
+        nccl: Nccl,
         p2p: std::result::Result<P2p, Error>,
     ) -> Result<Engine> {
         streams::sweep();
         if let Err(why) = &p2p {
             tracing::warn!(reason = %why, "P2P path unavailable: Auto will use NCCL");
         }
-        let events = ranks
-            .iter()
-            .map(|r| r.ctx.new_event(None))
-            .collect::<std::result::Result<_, _>>()
-            .map_err(Error::cuda("creating the ordering events"))?;
+        let new_events = || {
+            ranks
+                .iter()
+                .map(|r| r.ctx.new_event(None))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(Error::cuda("creating the ordering events"))
+        };
+        let events = new_events()?;
+        let ce_events = new_events()?;
         Ok(Engine {
             ranks,
             settings,
             state: Mutex::new(State {
-                nccl: Nccl::Live(comms),
+                nccl,
                 p2p,
                 events,
+                ce_events,
+                ce_flags: None,
                 desynced: false,
             }),
             capturing: AtomicBool::new(false),
@@ -215,12 +226,15 @@ impl EngineGuard<'_> {
     fn recover_if_needed(&mut self) -> Result<()> {
         let error = match &self.state.p2p {
             Ok(p2p) => p2p.take_error(),
-            Err(_) => return Ok(()),
+            Err(_) => None,
         };
         if error.is_none() && !self.state.desynced {
             return Ok(());
         }
         self.drain()?;
+        if let Some(flags) = &self.state.ce_flags {
+            flags.set(0)?;
+        }
         // Across processes every process would have to reset its signal area at the same
         // point: until a coordinated reset exists, the P2P path closes after a timeout.
         if self.state.p2p.as_ref().is_ok_and(P2p::across_processes) {
@@ -302,6 +316,10 @@ impl EngineGuard<'_> {
                     // SAFETY: per this function's contract.
                     let r = unsafe { p2p.launch_list(root, &copies, &streams[..n]) };
                     self.note_p2p(r)?;
+                }
+                Step::CopyEngine { tensors } => {
+                    // SAFETY: per this function's contract.
+                    unsafe { self.copy_engine(root, items, tensors) }?;
                 }
                 Step::NcclGroup { tensors } => {
                     let ops: Vec<Vec<RankOp>> = tensors
@@ -391,7 +409,7 @@ impl EngineGuard<'_> {
         self.recover_if_needed()?;
         match &mut self.state.nccl {
             Nccl::Live(comms) => comms.async_error(),
-            Nccl::Aborted(_) => Ok(()),
+            Nccl::Aborted(_) | Nccl::Off(_) => Ok(()),
         }
     }
 
@@ -484,16 +502,28 @@ impl EngineGuard<'_> {
         status.map(|()| execs)
     }
 
-    /// Launches one graph per rank on the ranks' streams.
+    /// Launches one graph per rank on the ranks' streams. When a launch fails after others
+    /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
+    /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
         for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
-            r.ctx
-                .bind_to_thread()
-                .map_err(Error::cuda("binding a context"))?;
-            // SAFETY: `g` was instantiated from this rank's capture and is alive; launches of
-            // one graph are serialised by the engine's lock.
-            unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
-                .map_err(Error::cuda(format!("launching the graph of rank {rank}")))?;
+            let launched = r.ctx.bind_to_thread().and_then(|()| {
+                // SAFETY: `g` was instantiated from this rank's capture and is alive; launches
+                // of one graph are serialised by the engine's lock.
+                unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
+            });
+            if let Err(e) = launched {
+                if rank > 0 {
+                    self.state.desynced = true;
+                    if let Some(flags) = &self.state.ce_flags {
+                        flags.set(1)?;
+                    }
+                }
+                return Err(Error::Cuda {
+                    during: format!("launching the graph of rank {rank}"),
+                    source: e,
+                });
+            }
         }
         Ok(())
     }
@@ -582,6 +612,7 @@ impl Drop for Engine {
             let p2p =
                 std::mem::replace(&mut state.p2p, Err(Error::P2pUnavailable("dropped".into())));
             std::mem::forget(p2p);
+            std::mem::forget(state.ce_flags.take());
         }
         streams::sweep();
     }

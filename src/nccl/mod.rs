@@ -230,10 +230,11 @@ impl Drop for Comms {
     }
 }
 
-/// The NCCL path of an engine: live, aborted after a failure, or unavailable.
+/// The NCCL path of an engine: live, aborted after a failure, or off in this clique.
 pub(crate) enum Nccl {
     Live(Comms),
     Aborted(String),
+    Off(String),
 }
 
 impl Nccl {
@@ -244,6 +245,7 @@ impl Nccl {
             Nccl::Aborted(reason) => Err(Error::CommunicatorsAborted {
                 reason: reason.clone(),
             }),
+            Nccl::Off(reason) => Err(Error::NcclUnavailable(reason.clone())),
         }
     }
 
