@@ -64,10 +64,11 @@ struct Args {
     /// runs that way by itself.
     #[arg(long)]
     procs: Option<usize>,
-    /// Paths to measure: nccl, p2p, auto, copy-engine, launch-floor; p2p-1thread (the P2P kernel
-    /// launched from one thread, GPU after GPU); and the P2P kernel with its protocol forced:
-    /// p2p-packet (only up to the packet limit), p2p-pull. Default: nccl, p2p, p2p-1thread, auto,
-    /// copy-engine, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
+    /// Paths to measure: nccl, p2p, auto, copy-engine (gpucast's route), copy-engine-raw
+    /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor;
+    /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); and the P2P kernel
+    /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull. Default:
+    /// nccl, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
     /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
     /// p2p, auto, nccl, raw-nccl, launch-floor.
     #[arg(long, value_delimiter = ',')]
@@ -96,7 +97,7 @@ struct Args {
 }
 
 /// The paths measured by default in one process.
-const DEFAULT_PATHS: &str = "nccl,p2p,p2p-1thread,auto,copy-engine,launch-floor";
+const DEFAULT_PATHS: &str = "nccl,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
 
 /// Rotating buffers: an input pool on the root and an output pool on every rank, used as
 /// `sets` consecutive slices so that back-to-back iterations do not hit a warm L2.
@@ -308,6 +309,13 @@ fn main() -> Result<()> {
         }
         for line in report::ratio_summary(&rows, mode, 64 << 10) {
             summary.push(format!("{}: {line}", mode.name()));
+        }
+        // The copy-engine route against the bare copies it is made of, and against NCCL.
+        for b in ["copy-engine-raw", "nccl", "p2p"] {
+            let large = 64 << 20..=u64::MAX;
+            if let Some(l) = report::ratio_line(&rows, mode, "copy-engine", b, large, ">= 64M") {
+                summary.push(format!("{}: {l}", mode.name()));
+            }
         }
     }
     for line in &summary {
@@ -570,7 +578,7 @@ fn run_op(
     let off = set * bytes;
     match path {
         "launch-floor" => floor.launch(clique),
-        "copy-engine" => {
+        "copy-engine-raw" => {
             let (src, _r) = pools.input.device_ptr(clique.stream(root));
             let dsts: Vec<u64> = pools
                 .outputs
@@ -625,7 +633,7 @@ fn graph_op(
                 .launch_on(&streams)
                 .map_err(|e| gpucast::Error::InvalidList(e.to_string()))
         }
-        "copy-engine" => Err(gpucast::Error::InvalidList(
+        "copy-engine-raw" => Err(gpucast::Error::InvalidList(
             "cuMemcpyPeerAsync cannot be captured".into(),
         )),
         p => {
@@ -686,7 +694,7 @@ fn verify(
     clique.synchronize()?;
     let want = &pools.host_input[..bytes];
     for r in 0..clique.len() {
-        if path == "copy-engine" && r == root {
+        if path == "copy-engine-raw" && r == root {
             continue;
         }
         let got: Vec<u8> = clique

@@ -389,8 +389,12 @@ impl Env {
         };
         let path = text(PATH_ENV)?
             .map(|v| {
-                Path::parse(&v)
-                    .ok_or_else(|| invalid(PATH_ENV, format!("{v:?} is not auto, nccl, p2p or copy-engine")))
+                Path::parse(&v).ok_or_else(|| {
+                    invalid(
+                        PATH_ENV,
+                        format!("{v:?} is not auto, nccl, p2p or copy-engine"),
+                    )
+                })
             })
             .transpose()?;
         let timeout = text(TIMEOUT_ENV)?

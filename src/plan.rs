@@ -97,7 +97,10 @@ pub(crate) fn chunk_bytes(total: usize, n: usize) -> usize {
     if n <= 2 {
         return usize::MAX;
     }
-    total.div_ceil(CHUNKS_MAX).max(CHUNK_MIN).next_multiple_of(1 << 20)
+    total
+        .div_ceil(CHUNKS_MAX)
+        .max(CHUNK_MIN)
+        .next_multiple_of(1 << 20)
 }
 
 /// `len` bytes at `offset` of tensor `tensor`: one copy of a chained call.
@@ -326,7 +329,15 @@ mod tests {
         );
         let t = Thresholds::for_gpus(8);
         // A last chunk of one P2P tensor becomes a single launch.
-        let p = plan(&vec![8usize; LIST_MAX + 1], Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap();
+        let p = plan(
+            &vec![8usize; LIST_MAX + 1],
+            Path::P2p,
+            p2p_only(Ok(())),
+            &t,
+            2,
+            true,
+        )
+        .unwrap();
         assert!(matches!(p.last(), Some(Step::P2pOne { tensor, .. }) if *tensor == LIST_MAX));
     }
 
@@ -400,14 +411,14 @@ mod tests {
         let bytes = [10usize, 0, 25, 7];
         let c = chunks(&[0, 1, 2, 3], &bytes, 10);
         assert_eq!(c.len(), 1 + 3 + 1);
-        for t in 0..bytes.len() {
+        for (t, &total) in bytes.iter().enumerate() {
             let mut next = 0;
             for k in c.iter().filter(|k| k.tensor == t) {
                 assert_eq!(k.offset, next);
                 assert!(k.len > 0 && k.len <= 10);
                 next += k.len;
             }
-            assert_eq!(next, bytes[t]);
+            assert_eq!(next, total);
         }
         assert_eq!(
             chunks(&[2], &bytes, usize::MAX),

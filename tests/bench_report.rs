@@ -499,6 +499,15 @@ fn ratios() {
     assert!(l.contains("worst 1.02x slower at 1M"), "{l}");
     // No torch-dist rows: no line.
     assert!(!lines.iter().any(|l| l.contains("torch-dist")));
+    // A faster copy-engine route at 1M joins the best: auto is then 61/50 = 1.22x slower.
+    let mut with_ce = rows.clone();
+    with_ce.extend(series("copy-engine", Mode::Eager, &[(1 << 20, 50.0)]));
+    let lines = ratio_summary(&with_ce, Mode::Eager, 64 * K);
+    let l = lines
+        .iter()
+        .find(|l| l.contains("auto vs best of (nccl, p2p, copy-engine)"))
+        .unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(l.contains("worst 1.22x slower at 1M"), "{l}");
 
     // Graph: only p2p and nccl, and no auto.
     let lines = ratio_summary(&rows, Mode::Graph, 64 * K);

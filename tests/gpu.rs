@@ -18,7 +18,7 @@ use gpucast::half::{bf16, f16};
 use gpucast::{BroadcastOptions, Clique, Element, Error, Path, Route};
 use rand::{Rng, RngCore};
 
-const PATHS: [Path; 3] = [Path::Nccl, Path::P2p, Path::Auto];
+const PATHS: [Path; 4] = [Path::Nccl, Path::P2p, Path::CopyEngine, Path::Auto];
 
 /// Runs `$f::<T>(args)` for each of the ten element types.
 macro_rules! for_each_type {
@@ -127,7 +127,7 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
     for len in [1usize, 17, 1000, 70_000, 300_000] {
         for (i, &src_off) in offsets.iter().enumerate() {
             let dst_off = offsets[(i * 3 + len) % offsets.len()];
-            for path in [Path::P2p, Path::Nccl] {
+            for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
                 let total = len + 32;
                 let src_all: Vec<u8> = random_vec(total, &mut rng);
                 let input = clique.stream(0).clone_htod(&src_all).unwrap();
@@ -360,6 +360,8 @@ fn graph_capture_replays_correctly() {
         (0, 300_000, Path::P2p),
         (1, 4096, Path::Nccl),
         (1, 7, Path::Auto),
+        (0, 5_000_001, Path::CopyEngine),
+        (1, 3, Path::CopyEngine),
     ];
     let mut inputs: Vec<CudaSlice<u8>> = cases
         .iter()

@@ -243,15 +243,16 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 
 /// The paths that the bench and the PyTorch script write, in table order (`raw-nccl` and
 /// `torch-symm` come from the one-process-per-GPU bench).
-pub const PATH_ORDER: [&str; 9] = [
+pub const PATH_ORDER: [&str; 10] = [
     "nccl",
     "raw-nccl",
     "p2p",
     "auto",
+    "copy-engine",
     "torch-comm",
     "torch-dist",
     "torch-symm",
-    "copy-engine",
+    "copy-engine-raw",
     "launch-floor",
 ];
 
@@ -706,9 +707,10 @@ fn describe_ratios(ratios: &[f64]) -> String {
 /// Headline ratios for `mode` as human-readable lines.
 ///
 /// For sizes `<= small_max`: `p2p vs nccl`, `auto vs nccl`, `p2p vs torch-comm`,
-/// `p2p vs torch-dist`, `p2p vs copy-engine` and `p2p vs launch-floor` (speed ratio
+/// `p2p vs torch-dist`, `p2p vs copy-engine-raw` and `p2p vs launch-floor` (speed ratio
 /// `other time / p2p time`, as a range with its median). Over all sizes: `auto vs best
-/// of (nccl, p2p)`, the worst `auto time / min(nccl time, p2p time)` and its size.
+/// of (nccl, p2p)` (and `copy-engine` where measured), the worst `auto time / best time`
+/// and its size.
 /// Only lines whose paths have common sizes appear. Lines do not name the mode (the
 /// caller knows it); with several GPU counts in `rows` each line starts with its count.
 /// Example: `<= 64K: p2p vs nccl: 2.60x-3.10x faster (median 2.80x) (7 sizes)`.
@@ -718,7 +720,7 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
         ("auto", "nccl"),
         ("p2p", "torch-comm"),
         ("p2p", "torch-dist"),
-        ("p2p", "copy-engine"),
+        ("p2p", "copy-engine-raw"),
         ("p2p", "launch-floor"),
     ];
     let counts = gpu_counts(rows);
@@ -749,12 +751,16 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
         let auto = times(rows, Some(gpus), mode, "auto");
         let nccl = times(rows, Some(gpus), mode, "nccl");
         let p2p = times(rows, Some(gpus), mode, "p2p");
+        let ce = times(rows, Some(gpus), mode, "copy-engine");
         let mut worst: Option<(f64, u64)> = None;
         for (&bytes, &t_auto) in &auto {
             let (Some(&t_nccl), Some(&t_p2p)) = (nccl.get(&bytes), p2p.get(&bytes)) else {
                 continue;
             };
-            let ratio = t_auto / t_nccl.min(t_p2p);
+            let best = ce
+                .get(&bytes)
+                .map_or(t_nccl.min(t_p2p), |&t| t.min(t_nccl.min(t_p2p)));
+            let ratio = t_auto / best;
             if ratio.is_finite() && worst.is_none_or(|(w, _)| ratio > w) {
                 worst = Some((ratio, bytes));
             }
@@ -768,8 +774,13 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
                     format_size(bytes)
                 )
             };
+            let of = if ce.is_empty() {
+                "nccl, p2p"
+            } else {
+                "nccl, p2p, copy-engine"
+            };
             lines.push(format!(
-                "{prefix}all sizes: auto vs best of (nccl, p2p): {words}"
+                "{prefix}all sizes: auto vs best of ({of}): {words}"
             ));
         }
     }
@@ -839,15 +850,16 @@ pub const PLOT_HEIGHT: u32 = 700;
 const FONT: &str = "sans-serif";
 
 /// Colors by path, in [`PATH_ORDER`] order, then for other paths.
-const PATH_COLORS: [RGBColor; 9] = [
+const PATH_COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),  // nccl: blue
     RGBColor(200, 160, 0),   // raw-nccl: gold
     RGBColor(214, 39, 40),   // p2p: red
     RGBColor(44, 160, 44),   // auto: green
+    RGBColor(23, 190, 207),  // copy-engine: cyan
     RGBColor(148, 103, 189), // torch-comm: purple
     RGBColor(255, 127, 14),  // torch-dist: orange
     RGBColor(197, 27, 125),  // torch-symm: magenta
-    RGBColor(127, 127, 127), // copy-engine: gray
+    RGBColor(127, 127, 127), // copy-engine-raw: gray
     RGBColor(30, 30, 30),    // launch-floor: near black
 ];
 const EXTRA_COLORS: [RGBColor; 5] = [

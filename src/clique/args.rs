@@ -241,7 +241,10 @@ mod tests {
     fn device_lists_are_checked_without_a_driver() {
         assert!(check_device_list(&[0, 1], false).is_ok());
         assert!(check_device_list(&[0, 1, 0], true).is_ok());
-        assert!(matches!(check_device_list(&[], false), Err(Error::NoDevice(_))));
+        assert!(matches!(
+            check_device_list(&[], false),
+            Err(Error::NoDevice(_))
+        ));
         assert!(matches!(
             check_device_list(&[0, 1, 0], false),
             Err(Error::DuplicateDevice { ordinal: 0 })

@@ -123,7 +123,11 @@ impl EngineGuard<'_> {
         }
         // SAFETY: per this function's contract.
         unsafe {
-            if self.engine.capturing.load(std::sync::atomic::Ordering::Acquire) {
+            if self
+                .engine
+                .capturing
+                .load(std::sync::atomic::Ordering::Acquire)
+            {
                 self.chain_captured(&order, items, &chunks)
             } else {
                 self.chain_eager(&order, items, &chunks)
@@ -149,8 +153,9 @@ impl EngineGuard<'_> {
             .map_err(Error::cuda("binding a context"))?;
         // SAFETY: per this function's contract; unified addressing lets the driver find both
         // devices from the addresses.
-        unsafe { sys::cuMemcpyAsync(dst, src, len, r.stream.get().cu_stream()).result() }
-            .map_err(Error::cuda(format!("copy-engine copy on rank {}", r.global)))
+        unsafe { sys::cuMemcpyAsync(dst, src, len, r.stream.get().cu_stream()).result() }.map_err(
+            Error::cuda(format!("copy-engine copy on rank {}", r.global)),
+        )
     }
 
     fn raw_stream(&self, rank: usize) -> CUstream {
@@ -181,7 +186,12 @@ impl EngineGuard<'_> {
 
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn chain_eager(&mut self, order: &[usize], items: &[Item], chunks: &[Chunk]) -> Result<()> {
+    unsafe fn chain_eager(
+        &mut self,
+        order: &[usize],
+        items: &[Item],
+        chunks: &[Chunk],
+    ) -> Result<()> {
         let n = order.len();
         self.signal_event(order[0])?;
         for (k, c) in chunks.iter().enumerate() {

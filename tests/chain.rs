@@ -1,0 +1,225 @@
+//! The copy-engine chain and the P2P kernel beyond two ranks, on the GPUs at hand: cliques in
+//! which one GPU holds several ranks (`CliqueBuilder::shared_devices`). With ranks 0 and 2 on
+//! GPU 0 and ranks 1 and 3 on GPU 1, every hop of a chain of four crosses NVLink or stays on a
+//! device, and chunks flow through every rank, as on four GPUs.
+//!
+//! Run with `cargo test --release --test chain -- --include-ignored --test-threads 1`.
+
+mod common;
+
+use common::*;
+use gpucast::cudarc::driver::CudaSlice;
+use gpucast::{BroadcastOptions, Clique, DeviceTensor, DeviceTensorMut, Element, Error, Path};
+use rand::RngCore;
+
+fn shared(devices: &[usize]) -> Clique {
+    Clique::builder()
+        .devices(devices)
+        .shared_devices(true)
+        .build()
+        .expect("a clique with several ranks per GPU")
+}
+
+fn check<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+    let data: Vec<T> = random_vec(n, rng);
+    let input = clique.stream(root).clone_htod(&data).unwrap();
+    let mut outputs = poisoned_outputs::<T>(clique, n, rng);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .unwrap_or_else(|e| panic!("{} n={n} root={root} {path:?}: {e}", T::DTYPE));
+    drop(input);
+    clique.synchronize().unwrap();
+    for (rank, out) in outputs.iter().enumerate() {
+        let what = format!(
+            "{} ranks, {} n={n} root={root} {path:?} rank {rank}",
+            clique.len(),
+            T::DTYPE
+        );
+        assert_bytes_eq(clique.stream(rank), out, &data, &what);
+    }
+}
+
+/// Sizes that give one chunk, several chunks and a short last chunk on 3 and 4 ranks
+/// (chunks are at least 4 MiB there).
+const SIZES: [usize; 5] = [1, 4097, (4 << 20) + 3, (13 << 20) + 5, 40 << 20];
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn four_ranks_on_two_gpus_every_root_and_path() {
+    let clique = shared(&[0, 1, 0, 1]);
+    let mut rng = rng();
+    for root in 0..4 {
+        for &bytes in &SIZES {
+            for path in [Path::CopyEngine, Path::P2p, Path::Auto] {
+                check::<u8>(&clique, root, bytes, path, &mut rng);
+            }
+        }
+    }
+    check::<f32>(&clique, 3, 3_000_001, Path::CopyEngine, &mut rng);
+    check::<u64>(&clique, 1, 2_000_003, Path::CopyEngine, &mut rng);
+    // NCCL needs one device per rank: the path is off, with its reason.
+    let input = clique.stream(0).clone_htod(&[1u8; 64]).unwrap();
+    let mut outputs = poisoned_outputs::<u8>(&clique, 64, &mut rng);
+    let e = clique
+        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl))
+        .unwrap_err();
+    assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
+}
+
+#[test]
+#[ignore = "needs 1 CUDA GPU"]
+fn three_ranks_on_one_gpu() {
+    let clique = shared(&[0, 0, 0]);
+    let mut rng = rng();
+    for root in 0..3 {
+        for &bytes in &SIZES {
+            for path in [Path::CopyEngine, Path::P2p] {
+                check::<u8>(&clique, root, bytes, path, &mut rng);
+            }
+        }
+    }
+}
+
+/// In place and fused lists along the chain.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn chain_in_place_and_fused() {
+    let clique = shared(&[1, 0, 1, 0]);
+    let mut rng = rng();
+    for root in [0usize, 2, 3] {
+        let n = (9 << 20) + 11;
+        let data: Vec<u8> = random_vec(n, &mut rng);
+        let mut bufs: Vec<CudaSlice<u8>> = (0..4)
+            .map(|r| {
+                let init = if r == root {
+                    data.clone()
+                } else {
+                    random_vec(n, &mut rng)
+                };
+                clique.stream(r).clone_htod(&init).unwrap()
+            })
+            .collect();
+        clique
+            .broadcast_in_place_with(root, &mut bufs, &BroadcastOptions::path(Path::CopyEngine))
+            .unwrap();
+        clique.synchronize().unwrap();
+        for (rank, b) in bufs.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(rank),
+                b,
+                &data,
+                &format!("in place root {root} rank {rank}"),
+            );
+        }
+    }
+    let sizes = [5usize, 0, (6 << 20) + 1, 4096, 3 << 20];
+    let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
+    let inputs: Vec<CudaSlice<u8>> = datas
+        .iter()
+        .map(|d| clique.stream(2).clone_htod(d).unwrap())
+        .collect();
+    let mut lists: Vec<Vec<CudaSlice<u8>>> = (0..4)
+        .map(|r| {
+            sizes
+                .iter()
+                .map(|&n| {
+                    clique
+                        .stream(r)
+                        .clone_htod(&random_vec::<u8>(n, &mut rng))
+                        .unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
+    let mut outs: Vec<Vec<&mut dyn DeviceTensorMut>> = lists
+        .iter_mut()
+        .map(|row| {
+            row.iter_mut()
+                .map(|t| t as &mut dyn DeviceTensorMut)
+                .collect()
+        })
+        .collect();
+    let report = clique
+        .broadcast_many_with(
+            2,
+            &ins,
+            &mut outs,
+            &BroadcastOptions::path(Path::CopyEngine),
+        )
+        .unwrap();
+    assert_eq!(report.copy_engine_tensors, 4);
+    drop(outs);
+    clique.synchronize().unwrap();
+    for (r, list) in lists.iter().enumerate() {
+        for (t, buf) in list.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(r),
+                buf,
+                &datas[t],
+                &format!("fused tensor {t} rank {r}"),
+            );
+        }
+    }
+}
+
+/// A captured chain (stream memory operations instead of events) replays with new data each
+/// time, between eager calls.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn captured_chain_replays() {
+    let clique = shared(&[0, 1, 0, 1]);
+    let mut rng = rng();
+    let cases = [(0usize, (10 << 20) + 3), (3, 1000), (1, 5 << 20)];
+    let mut inputs: Vec<CudaSlice<u8>> = cases
+        .iter()
+        .map(|&(r, n)| clique.stream(r).clone_htod(&vec![0u8; n]).unwrap())
+        .collect();
+    let mut outputs: Vec<Vec<CudaSlice<u8>>> = cases
+        .iter()
+        .map(|&(_, n)| poisoned_outputs(&clique, n, &mut rng))
+        .collect();
+    clique.synchronize().unwrap();
+    // SAFETY: the buffers outlive the graph (dropped after it) and are written only on the
+    // clique's streams, in order with the replays.
+    let mut graph = unsafe {
+        clique.capture_unchecked(|c| {
+            for (input, (outs, &(root, _))) in inputs.iter().zip(outputs.iter_mut().zip(&cases)) {
+                c.broadcast_with(root, input, outs, &BroadcastOptions::path(Path::CopyEngine))?;
+            }
+            Ok(())
+        })
+    }
+    .unwrap();
+    for replay in 0..4 {
+        let datas: Vec<Vec<u8>> = cases
+            .iter()
+            .map(|&(_, n)| random_vec(n, &mut rng))
+            .collect();
+        for (i, &(root, _)) in cases.iter().enumerate() {
+            clique
+                .stream(root)
+                .memcpy_htod(&datas[i], &mut inputs[i])
+                .unwrap();
+        }
+        graph.launch().unwrap();
+        clique.synchronize().unwrap();
+        for (i, &(root, n)) in cases.iter().enumerate() {
+            for (rank, out) in outputs[i].iter().enumerate() {
+                assert_bytes_eq(
+                    clique.stream(rank),
+                    out,
+                    &datas[i],
+                    &format!("replay {replay} case {i} (root {root}, {n} B) rank {rank}"),
+                );
+            }
+        }
+        check::<u8>(
+            &clique,
+            replay % 4,
+            (4 << 20) + 1,
+            Path::CopyEngine,
+            &mut rng,
+        );
+    }
+}
