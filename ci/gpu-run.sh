@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
-#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-procs] [weights]
+#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs] [weights]
 #                        [weights-procs]   (default: tests examples)
 # Logs are packed into $OUT/logs.tgz and the benchmarks' CSV, tables and plots into
 # $OUT/results.tgz (the device tool returns at most 8 files); a summary table is printed last.
@@ -56,6 +56,10 @@ if want bench-quick; then
     --paths nccl,p2p,p2p-packet,p2p-pull,auto,copy-engine,launch-floor
   cp "$out/bench-quick/table.txt" "$res/bench-quick-table.txt" 2>/dev/null
   cp "$out/bench-quick/broadcast.csv" "$res/bench-quick.csv" 2>/dev/null
+fi
+if want bench-large; then
+  run bench-large .gpu/bin/bench-broadcast --bench -b 256K -e 1G --paths nccl,p2p,copy-engine,copy-engine-raw,auto --repeats 9 --target-ms 10 --out "$out/bench-large" --torch no
+  for f in broadcast.csv broadcast.png table.txt; do cp "$out/bench-large/$f" "$res/bench-large-$f" 2>/dev/null; done
 fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
