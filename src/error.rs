@@ -162,13 +162,35 @@ pub enum Error {
         /// NCCL's error string and last error message.
         message: String,
     },
+    /// An NCCL call did not finish within the timeout (creating the communicators: a rank
+    /// did not join; the first broadcast: a peer did not connect). The communicators were
+    /// aborted.
+    #[error("NCCL did not finish {during} within {waited_ms} ms; the communicators were aborted")]
+    NcclTimeout {
+        /// What gpucast was doing.
+        during: String,
+        /// How long it waited.
+        waited_ms: u64,
+    },
     /// The clique's NCCL communicators were aborted after a failure (`ncclCommAbort`), so that no
     /// rank waits forever for a peer; the NCCL path stays unusable for this clique. Broadcasts
     /// in flight when it happened have undefined outputs.
-    #[error("the NCCL communicators were aborted ({reason}); the NCCL path of this clique cannot be used again: create a new clique")]
+    #[error("the NCCL communicators were aborted ({reason}); outputs of calls {undefined_calls:?} are undefined; the NCCL path is closed until `recover()` (or a new communicator)")]
     CommunicatorsAborted {
         /// What made gpucast abort them.
         reason: String,
+        /// The calls (numbered as [`crate::Clique::calls`] counts them) that were still
+        /// running when the communicators were aborted: their outputs are undefined. Empty
+        /// when the error is reported again, to a later call.
+        undefined_calls: Vec<u64>,
+    },
+    /// Work on the clique's streams did not finish within the bound `synchronize` waits
+    /// (twice the timeout plus two seconds): work the caller queued on them, or a rank held
+    /// back. Nothing was aborted; the work is still queued.
+    #[error("the streams did not finish within {waited_ms} ms (work queued on them is still running)")]
+    StreamsBusy {
+        /// How long it waited.
+        waited_ms: u64,
     },
     /// A launch thread did not take its launch in time. No job is left posted; ranks launched
     /// before the stall time out on their own, and the P2P state is reset before the next call.

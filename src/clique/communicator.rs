@@ -209,7 +209,7 @@ impl Communicator {
             id.try_into()
                 .map_err(|_| Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into()))?,
         );
-        let comms = Comms::init_ranks(&id, world, &[(rank, &ctx)])?;
+        let comms = Comms::init_ranks(&id, world, &[(rank, &ctx)], init_timeout)?;
 
         // Rounds 3 and 4 (on one host): shared memory for the P2P kernel.
         let p2p = if !same_host {
@@ -417,8 +417,16 @@ impl Communicator {
         Ok(self.core.alloc_outputs(len)?.remove(0))
     }
 
-    /// Blocks until this rank's broadcasts so far have finished, then reports any asynchronous
-    /// failure.
+    /// Number of calls queued so far by this rank (see [`crate::Clique::calls`]).
+    pub fn calls(&self) -> u64 {
+        self.core.engine.calls()
+    }
+
+    /// Waits until this rank's broadcasts so far have finished, then reports any failure: a
+    /// P2P wait that timed out, or the watchdog's abort of NCCL after a peer did not arrive
+    /// within the timeout (a dead or stalled process). The wait is bounded (twice the timeout
+    /// plus two seconds). After an abort the NCCL path of this communicator stays closed: the
+    /// surviving processes create a new `Communicator` (a new rendezvous) to go on.
     pub fn synchronize(&self) -> Result<()> {
         self.core.synchronize()
     }

@@ -416,6 +416,27 @@ impl Clique {
         self.core.record()
     }
 
+    /// Rebuilds what a failure closed, in this process: waits for the clique's streams (at most
+    /// twice the timeout plus two seconds), resets the P2P signal areas and the copy-engine
+    /// flags, forgets errors not yet reported, and when the NCCL communicators were aborted
+    /// ([`Error::CommunicatorsAborted`]) creates new ones. Broadcasts after it are as on a new
+    /// clique. Buffers written by the calls that failed keep undefined contents.
+    pub fn recover(&self) -> Result<()> {
+        let ctxs: Vec<Arc<CudaContext>> = (0..self.len()).map(|r| self.context(r).clone()).collect();
+        let timeout = self.timeout().max(Duration::from_secs(60));
+        self.core.engine.recover(|| {
+            let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();
+            crate::nccl::Comms::init_all(&refs, timeout)
+        })
+    }
+
+    /// Number of calls queued so far on this clique: broadcasts (single or fused, the first is
+    /// call 1) and graph launches. [`Error::CommunicatorsAborted`] names the calls whose
+    /// outputs are undefined by these numbers.
+    pub fn calls(&self) -> u64 {
+        self.core.engine.calls()
+    }
+
     /// Copies `bytes` bytes from the root's `src` into every other rank's `dsts[rank]` with the
     /// copy engines (`cuMemcpyPeerAsync` on each receiving rank's stream), without ordering the
     /// ranks against each other: a reference for the benchmark.

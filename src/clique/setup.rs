@@ -2,6 +2,7 @@
 //! and the topology that results.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
@@ -154,7 +155,9 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     let topology = enable_peer_access(&ordinals, &ctxs)?;
     let distinct = (0..ordinals.len()).all(|i| !ordinals[..i].contains(&ordinals[i]));
     let nccl = if distinct {
-        Nccl::Live(Comms::init_all(&ordinals)?)
+        let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();
+        // Every rank is here, so joining takes as long as NCCL's setup: a generous bound.
+        Nccl::Live(Comms::init_all(&refs, settings.timeout.max(Duration::from_secs(60)))?)
     } else {
         Nccl::Off("a device holds several ranks of this clique (`shared_devices`), and NCCL needs one device per rank".into())
     };

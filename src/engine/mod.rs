@@ -8,6 +8,7 @@
 
 mod copy;
 pub(crate) mod streams;
+mod watchdog;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,7 +21,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 use crate::config::{Settings, MAX_GPUS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nccl::{Nccl, RankOp};
+use crate::nccl::{Comms, Nccl, RankOp};
 use crate::p2p::P2p;
 use crate::plan::Step;
 use streams::EngineStream;
@@ -77,7 +78,12 @@ impl Item {
 
 /// What the lock protects.
 struct State {
-    nccl: Nccl,
+    /// Shared with the watchdog, which aborts it without the engine's lock.
+    nccl: Arc<Mutex<Nccl>>,
+    /// Calls queued so far (broadcasts and graph launches): errors name calls by number.
+    calls: u64,
+    /// An NCCL step was queued inside the capture in progress.
+    captured_nccl: bool,
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
@@ -98,6 +104,8 @@ pub(crate) struct Engine {
     /// (inside its capture closure) would wait for itself, so it is an error instead.
     capturing: AtomicBool,
     capture_thread: Mutex<Option<ThreadId>>,
+    /// Watches NCCL work (absent where NCCL is off).
+    watchdog: Option<watchdog::Watchdog>,
 }
 
 /// The engine, locked: every operation on streams, NCCL and P2P state takes one of these.
@@ -128,11 +136,20 @@ impl Engine {
         };
         let events = new_events()?;
         let ce_events = new_events()?;
+        let live = matches!(nccl, Nccl::Live(_));
+        let nccl = Arc::new(Mutex::new(nccl));
+        let watchdog = if live {
+            Some(watchdog::Watchdog::start(nccl.clone(), settings.timeout)?)
+        } else {
+            None
+        };
         Ok(Engine {
             ranks,
             settings,
             state: Mutex::new(State {
                 nccl,
+                calls: 0,
+                captured_nccl: false,
                 p2p,
                 events,
                 ce_events,
@@ -141,6 +158,7 @@ impl Engine {
             }),
             capturing: AtomicBool::new(false),
             capture_thread: Mutex::new(None),
+            watchdog,
         })
     }
 
@@ -180,7 +198,47 @@ impl Engine {
             state,
         };
         guard.recover_if_needed()?;
+        if let Some(fault) = self.watchdog.as_ref().and_then(watchdog::Watchdog::take_fault) {
+            return Err(fault);
+        }
         Ok(guard)
+    }
+
+    /// Rebuilds what failures closed, without a new process: waits for the streams (bounded,
+    /// see `drain`), resets the P2P signal areas and the copy-engine flags, drops errors not yet
+    /// reported, and when the NCCL communicators were aborted replaces them with `rebuild()`.
+    pub(crate) fn recover(&self, rebuild: impl FnOnce() -> Result<Comms>) -> Result<()> {
+        if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
+            return Err(Error::CaptureInProgress);
+        }
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = EngineGuard {
+            engine: self,
+            state,
+        };
+        if let Some(w) = &self.watchdog {
+            drop(w.take_fault());
+        }
+        guard.drain()?;
+        if let Some(flags) = &guard.state.ce_flags {
+            flags.set(0)?;
+        }
+        if let Ok(p2p) = &guard.state.p2p {
+            drop(p2p.take_error());
+            p2p.recover()?;
+        }
+        guard.state.desynced = false;
+        let mut nccl = guard.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+        if matches!(*nccl, Nccl::Aborted(_)) {
+            *nccl = Nccl::Live(rebuild()?);
+            tracing::info!("NCCL communicators rebuilt");
+        }
+        Ok(())
+    }
+
+    /// Number of calls queued so far (see `Clique::calls`).
+    pub(crate) fn calls(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).calls
     }
 
     fn capture_owned_here(&self) -> bool {
@@ -260,15 +318,51 @@ impl EngineGuard<'_> {
         }
     }
 
-    /// Waits for every stream.
+    /// Waits for every stream, by polling, so that the wait stays bounded: it ends when the
+    /// streams are idle, when the watchdog aborts NCCL (that error), or after twice the
+    /// timeout plus two seconds ([`Error::StreamsBusy`]).
     fn drain(&self) -> Result<()> {
-        for (rank, r) in self.engine.ranks.iter().enumerate() {
-            r.stream
-                .get()
-                .synchronize()
-                .map_err(Error::cuda(format!("draining rank {rank}")))?;
+        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(2);
+        loop {
+            let mut idle = true;
+            for (rank, r) in self.engine.ranks.iter().enumerate() {
+                // SAFETY: the stream is live (owned by the engine).
+                match unsafe { sys::cuStreamQuery(r.stream.get().cu_stream()) } {
+                    sys::CUresult::CUDA_SUCCESS => {}
+                    sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
+                    e => {
+                        return Err(Error::Cuda {
+                            during: format!("draining rank {rank}"),
+                            source: result::DriverError(e),
+                        })
+                    }
+                }
+            }
+            if idle {
+                return Ok(());
+            }
+            if let Some(fault) = self
+                .engine
+                .watchdog
+                .as_ref()
+                .and_then(watchdog::Watchdog::take_fault)
+            {
+                return Err(fault);
+            }
+            if start.elapsed() > limit {
+                return Err(Error::StreamsBusy {
+                    waited_ms: crate::nccl::millis(start.elapsed()),
+                });
+            }
+            if pause < Duration::from_micros(64) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+            }
+            pause = (pause * 2).min(Duration::from_millis(1));
         }
-        Ok(())
     }
 
     /// The P2P path's availability.
@@ -284,6 +378,7 @@ impl EngineGuard<'_> {
     /// this point; `steps` name tensors of `items` only.
     pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
         let n = self.n();
+        self.state.calls += 1;
         let streams = self.engine.raw_streams();
         for step in steps {
             match step {
@@ -339,17 +434,34 @@ impl EngineGuard<'_> {
                                 .collect()
                         })
                         .collect();
-                    let comms = self.state.nccl.live()?;
+                    let capturing = self.engine.capturing.load(Ordering::Acquire);
+                    let watch = self.engine.watchdog.as_ref().filter(|_| !capturing);
+                    let own: Vec<&Arc<CudaStream>> =
+                        self.engine.ranks.iter().map(|r| r.stream.get()).collect();
+                    let begun = watch.map(|w| w.begin(&own)).transpose()?;
+                    let mut nccl = self.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+                    let comms = nccl.live()?;
                     let entries = tensors
                         .iter()
                         .zip(&ops)
                         .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
                     // SAFETY: per this function's contract.
-                    if let Err(e) = unsafe { comms.broadcast_group(root, entries) } {
-                        self.state
-                            .nccl
-                            .abort(format!("a grouped broadcast failed: {e}"));
+                    let queued = unsafe {
+                        comms.broadcast_group(root, entries, self.engine.settings.timeout)
+                    };
+                    if let Err(e) = queued {
+                        nccl.abort(format!("a grouped broadcast failed: {e}"));
                         return Err(e);
+                    }
+                    drop(nccl);
+                    self.state.captured_nccl |= capturing;
+                    if let (Some(w), Some(begun)) = (watch, begun) {
+                        let bytes: usize = tensors.iter().map(|&t| items[t].bytes()).sum();
+                        let what = format!(
+                            "NCCL broadcast of {} tensor(s), {bytes} bytes, from rank {root}",
+                            tensors.len()
+                        );
+                        w.watch(begun, &own, self.state.calls, what)?;
                     }
                 }
             }
@@ -407,7 +519,16 @@ impl EngineGuard<'_> {
     pub(crate) fn synchronize(&mut self) -> Result<()> {
         self.drain()?;
         self.recover_if_needed()?;
-        match &mut self.state.nccl {
+        if let Some(fault) = self
+            .engine
+            .watchdog
+            .as_ref()
+            .and_then(watchdog::Watchdog::take_fault)
+        {
+            return Err(fault);
+        }
+        let mut nccl = self.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *nccl {
             Nccl::Live(comms) => comms.async_error(),
             Nccl::Aborted(_) | Nccl::Off(_) => Ok(()),
         }
@@ -439,6 +560,7 @@ impl EngineGuard<'_> {
     /// Starts capturing every rank's stream into a graph (relaxed mode: the P2P launch threads
     /// enqueue on the streams being captured). On an error the ones begun are ended.
     pub(crate) fn begin_capture(&mut self) -> Result<()> {
+        self.state.captured_nccl = false;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
             if let Err(e) = r.stream.get().begin_capture(mode) {
@@ -470,6 +592,7 @@ impl EngineGuard<'_> {
     /// Ends the capture on every rank and instantiates one graph per rank. A rank without a
     /// graph would leave its peers waiting at every replay, so that is an error.
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
+        let has_nccl = std::mem::take(&mut self.state.captured_nccl);
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
         for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -487,7 +610,7 @@ impl EngineGuard<'_> {
                         ),
                     }));
                 }
-                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph) {
+                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph, has_nccl) {
                     Ok(exec) => execs.push(exec),
                     Err(e) => status = status.and(Err(e)),
                 },
@@ -506,6 +629,14 @@ impl EngineGuard<'_> {
     /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        self.state.calls += 1;
+        let watch = self
+            .engine
+            .watchdog
+            .as_ref()
+            .filter(|_| execs.first().is_some_and(|g| g.has_nccl));
+        let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
+        let begun = watch.map(|w| w.begin(&own)).transpose()?;
         for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
             let launched = r.ctx.bind_to_thread().and_then(|()| {
                 // SAFETY: `g` was instantiated from this rank's capture and is alive; launches
@@ -524,6 +655,10 @@ impl EngineGuard<'_> {
                     source: e,
                 });
             }
+        }
+        if let (Some(w), Some(begun)) = (watch, begun) {
+            let what = "a graph launch with NCCL broadcasts".to_string();
+            w.watch(begun, &own, self.state.calls, what)?;
         }
         Ok(())
     }
@@ -547,6 +682,8 @@ pub(crate) struct GraphExec {
     ctx: Arc<CudaContext>,
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
+    /// The graph holds NCCL broadcasts: its launches are watched.
+    has_nccl: bool,
 }
 
 // SAFETY: graph handles may be used from any thread as long as calls on one graph do not
@@ -556,10 +693,15 @@ unsafe impl Send for GraphExec {}
 unsafe impl Sync for GraphExec {}
 
 impl GraphExec {
-    fn instantiate(ctx: Arc<CudaContext>, graph: sys::CUgraph) -> Result<GraphExec> {
+    fn instantiate(ctx: Arc<CudaContext>, graph: sys::CUgraph, has_nccl: bool) -> Result<GraphExec> {
         // SAFETY: `graph` is a live graph from end_capture in the current context.
         match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-            Ok(exec) => Ok(GraphExec { ctx, graph, exec }),
+            Ok(exec) => Ok(GraphExec {
+                ctx,
+                graph,
+                exec,
+                has_nccl,
+            }),
             Err(e) => {
                 // SAFETY: the graph is not used again.
                 let _ = unsafe { result::graph::destroy(graph) };
@@ -592,18 +734,25 @@ impl Drop for Engine {
     /// under a running kernel.
     fn drop(&mut self) {
         let limit = self.settings.timeout.saturating_add(Duration::from_secs(1));
+        drop(self.watchdog.take());
         let mut idle = self.wait_idle(limit);
+        let shared = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .nccl
+            .clone();
+        let mut nccl = shared.lock().unwrap_or_else(|e| e.into_inner());
         if !idle {
-            self.state
-                .get_mut()
-                .unwrap_or_else(|e| e.into_inner())
-                .nccl
-                .abort("the clique was dropped while work was still running".into());
+            nccl.abort("the clique was dropped while work was still running".into());
             idle = self.wait_idle(Duration::from_secs(1));
         }
+        if idle {
+            *nccl = Nccl::Aborted("dropped".into());
+        }
+        drop(nccl);
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         if idle {
-            state.nccl = Nccl::Aborted("dropped".into());
             state.p2p = Err(Error::P2pUnavailable("dropped".into()));
         } else {
             tracing::warn!(

@@ -23,7 +23,6 @@ pub(crate) const IN_PROGRESS: RawResult = 7;
 type GetVersionFn = unsafe extern "C" fn(*mut c_int) -> RawResult;
 type GetErrorStringFn = unsafe extern "C" fn(RawResult) -> *const c_char;
 type GetLastErrorFn = unsafe extern "C" fn(ncclComm_t) -> *const c_char;
-type CommInitAllFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, *const c_int) -> RawResult;
 type GetUniqueIdFn = unsafe extern "C" fn(*mut UniqueId) -> RawResult;
 type CommInitRankConfigFn =
     unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int, *mut Config) -> RawResult;
@@ -86,7 +85,6 @@ pub(crate) struct NcclLib {
     get_version: GetVersionFn,
     get_error_string: GetErrorStringFn,
     get_last_error: GetLastErrorFn,
-    pub(crate) comm_init_all: CommInitAllFn,
     pub(crate) get_unique_id: GetUniqueIdFn,
     pub(crate) comm_init_rank_config: CommInitRankConfigFn,
     pub(crate) comm_destroy: CommFn,
@@ -139,7 +137,6 @@ impl NcclLib {
             get_version: sym!("ncclGetVersion"),
             get_error_string: sym!("ncclGetErrorString"),
             get_last_error: sym!("ncclGetLastError"),
-            comm_init_all: sym!("ncclCommInitAll"),
             get_unique_id: sym!("ncclGetUniqueId"),
             comm_init_rank_config: sym!("ncclCommInitRankConfig"),
             comm_destroy: sym!("ncclCommDestroy"),

@@ -3,6 +3,7 @@
 mod lib;
 
 use std::ffi::{c_int, c_void};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
@@ -35,24 +36,12 @@ pub(crate) struct Comms {
 }
 
 impl Comms {
-    /// One communicator per device with `ncclCommInitAll` (rank i on `ordinals[i]`).
-    pub(crate) fn init_all(ordinals: &[usize]) -> Result<Comms> {
-        let lib = NcclLib::get()?;
-        let devs: Vec<c_int> = ordinals
-            .iter()
-            .map(|&o| c_int::try_from(o).expect("ordinals are validated to be small"))
-            .collect();
-        let mut raw = vec![std::ptr::null_mut(); devs.len()];
-        let n = c_int::try_from(devs.len()).expect("at most 8 devices");
-        // SAFETY: `raw` has room for `n` handles and `devs` holds `n` valid ordinals.
-        let code = unsafe { (lib.comm_init_all)(raw.as_mut_ptr(), n, devs.as_ptr()) };
-        lib.check(code, std::ptr::null_mut(), || {
-            format!("ncclCommInitAll on devices {ordinals:?}")
-        })?;
-        Ok(Comms {
-            lib,
-            comms: raw.into_iter().map(Comm).collect(),
-        })
+    /// One communicator per rank of a clique of this process (rank i on `ctxs[i]`), within
+    /// `timeout`.
+    pub(crate) fn init_all(ctxs: &[&cudarc::driver::CudaContext], timeout: Duration) -> Result<Comms> {
+        let id = Comms::unique_id()?;
+        let ranks: Vec<_> = ctxs.iter().enumerate().map(|(r, c)| (r, *c)).collect();
+        Comms::init_ranks(&id, ctxs.len(), &ranks, timeout)
     }
 
     /// A fresh unique id (on the job's rank 0), to be shared with every rank.
@@ -66,13 +55,17 @@ impl Comms {
     }
 
     /// One communicator per local rank of a job of `world` ranks that shares `id`:
-    /// `ranks[i]` is (global rank, context) of local rank i. Blocks until every rank of the
-    /// job has joined (`ncclCommInitRankConfig`, in one group for several local ranks).
+    /// `ranks[i]` is (global rank, context) of local rank i. Waits until every rank of the job
+    /// has joined (`ncclCommInitRankConfig`, in one group for several local ranks), at most
+    /// `timeout`: the communicators are non-blocking, so that no NCCL call can block for
+    /// longer than gpucast lets it.
     pub(crate) fn init_ranks(
         id: &UniqueId,
         world: usize,
         ranks: &[(usize, &cudarc::driver::CudaContext)],
+        timeout: Duration,
     ) -> Result<Comms> {
+        let deadline = Instant::now() + timeout;
         let lib = NcclLib::get()?;
         let n = c_int::try_from(world).expect("world sizes are validated");
         let mut raw = vec![std::ptr::null_mut(); ranks.len()];
@@ -83,6 +76,7 @@ impl Comms {
             lib.check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
         }
         let mut status = Ok(());
+        let pending = |code| if code == lib::IN_PROGRESS { 0 } else { code };
         for ((global, ctx), slot) in ranks.iter().zip(&mut raw) {
             // NCCL takes the device from the calling thread's current context.
             if let Err(e) = ctx.bind_to_thread() {
@@ -93,11 +87,11 @@ impl Comms {
                 break;
             }
             let mut config = Config::new();
-            config.blocking = 1;
+            config.blocking = 0;
             let rank = c_int::try_from(*global).expect("ranks are validated");
             // SAFETY: `slot` is an out pointer, `id` the job's id, `config` a valid config.
             let code = unsafe { (lib.comm_init_rank_config)(slot, n, *id, rank, &mut config) };
-            if let Err(e) = lib.check(code, std::ptr::null_mut(), || {
+            if let Err(e) = lib.check(pending(code), std::ptr::null_mut(), || {
                 format!("ncclCommInitRankConfig for rank {global} of {world}")
             }) {
                 status = Err(e);
@@ -107,7 +101,7 @@ impl Comms {
         if grouped {
             // SAFETY: matches the ncclGroupStart above.
             let code = unsafe { (lib.group_end)() };
-            status = status.and(lib.check(code, std::ptr::null_mut(), || {
+            status = status.and(lib.check(pending(code), std::ptr::null_mut(), || {
                 "ncclGroupEnd after ncclCommInitRankConfig".into()
             }));
         }
@@ -115,6 +109,11 @@ impl Comms {
             lib,
             comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
         };
+        if status.is_ok() {
+            status = comms.wait_ready(deadline, || {
+                format!("creating the NCCL communicators of a job of {world} ranks (a rank did not join)")
+            });
+        }
         match status {
             Ok(()) => Ok(comms),
             Err(e) => {
@@ -139,7 +138,9 @@ impl Comms {
         &mut self,
         root: usize,
         entries: impl Iterator<Item = (usize, ncclDataType_t, &'a [RankOp])>,
+        timeout: Duration,
     ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
         let root_c = c_int::try_from(root).expect("root is validated to be < 8");
         // SAFETY: ncclGroupStart has no preconditions.
         let code = unsafe { (self.lib.group_start)() };
@@ -172,12 +173,49 @@ impl Comms {
         // SAFETY: matches the ncclGroupStart above (also on failure: it resets this thread's
         // group state, and NCCL drops a group in which a call failed).
         let code = unsafe { (self.lib.group_end)() };
-        let end = self
-            .lib
-            .check(code, std::ptr::null_mut(), || "ncclGroupEnd".into());
-        match failure {
-            Some(e) => Err(e),
-            None => end,
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if code == lib::IN_PROGRESS {
+            // Non-blocking communicators finish the group's work (connecting to peers on the
+            // first call) in the background.
+            return self.wait_ready(deadline, || "queueing a grouped ncclBroadcast".into());
+        }
+        self.lib
+            .check(code, std::ptr::null_mut(), || "ncclGroupEnd".into())
+    }
+
+    /// Polls every communicator until none is in progress, an error shows, or `deadline`
+    /// passes ([`Error::NcclTimeout`]; the caller aborts).
+    fn wait_ready(&self, deadline: Instant, during: impl Fn() -> String) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut busy = false;
+            for (rank, comm) in self.comms.iter().enumerate() {
+                let mut state: lib::RawResult = 0;
+                // SAFETY: `comm` is live; `state` is a valid out pointer.
+                let code = unsafe { (self.lib.comm_get_async_error)(comm.0, &mut state) };
+                self.lib.check(code, comm.0, || {
+                    format!("ncclCommGetAsyncError on rank {rank}")
+                })?;
+                match state {
+                    0 => {}
+                    lib::IN_PROGRESS => busy = true,
+                    e => self.lib.check(e, comm.0, || format!("{} (rank {rank})", during()))?,
+                }
+            }
+            if !busy {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::NcclTimeout {
+                    during: during(),
+                    waited_ms: millis(start.elapsed()),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
 
@@ -230,6 +268,11 @@ impl Drop for Comms {
     }
 }
 
+/// Whole milliseconds of `d`, saturating.
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// The NCCL path of an engine: live, aborted after a failure, or off in this clique.
 pub(crate) enum Nccl {
     Live(Comms),
@@ -244,6 +287,7 @@ impl Nccl {
             Nccl::Live(c) => Ok(c),
             Nccl::Aborted(reason) => Err(Error::CommunicatorsAborted {
                 reason: reason.clone(),
+                undefined_calls: Vec::new(),
             }),
             Nccl::Off(reason) => Err(Error::NcclUnavailable(reason.clone())),
         }
@@ -251,9 +295,11 @@ impl Nccl {
 
     /// Aborts the communicators (if live) and remembers why.
     pub(crate) fn abort(&mut self, reason: String) {
-        if let Nccl::Live(comms) = std::mem::replace(self, Nccl::Aborted(reason.clone())) {
-            tracing::warn!(%reason, "aborting the NCCL communicators");
-            comms.abort();
+        if let Nccl::Live(_) = self {
+            if let Nccl::Live(comms) = std::mem::replace(self, Nccl::Aborted(reason.clone())) {
+                tracing::warn!(%reason, "aborting the NCCL communicators");
+                comms.abort();
+            }
         }
     }
 }
