@@ -13,13 +13,16 @@
 //! ```
 //!
 //! With `--procs N` (or under torchrun) the bench measures one process per GPU instead; see
-//! `benches/procs/mod.rs` for what it measures and how it times it.
+//! `benches/procs/mod.rs` for what it measures and how it times it. With `--interference` it
+//! measures broadcasts beside a compute-bound kernel on every GPU instead of the size sweep; see
+//! `benches/interference/mod.rs`.
 
 #![allow(
     clippy::cast_possible_truncation,
     reason = "sizes, counts and iteration numbers stay far below 2^32 (and usize is 64-bit here)"
 )]
 
+mod interference;
 mod procs;
 mod report;
 
@@ -70,7 +73,8 @@ struct Args {
     /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull. Default:
     /// nccl, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
     /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
-    /// p2p, auto, nccl, raw-nccl, launch-floor.
+    /// p2p, auto, nccl, raw-nccl, launch-floor. With --interference: nccl, p2p, auto,
+    /// copy-engine (gpucast's path), copy-engine-raw (the bare copies); default all but auto.
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
     /// Modes: eager, graph.
@@ -91,6 +95,22 @@ struct Args {
     /// Python interpreter for the PyTorch side.
     #[arg(long, default_value = "python3")]
     python: String,
+    /// Instead of the size sweep: a compute-bound kernel on every GPU beside broadcasts, per
+    /// path; reports the compute slowdown and the broadcast time (interference.{csv,txt,png}).
+    #[arg(long)]
+    interference: bool,
+    /// With --interference: bytes per broadcast.
+    #[arg(long, default_value = "1G")]
+    interference_bytes: String,
+    /// With --interference: broadcasts back to back per measurement.
+    #[arg(long, default_value_t = 20)]
+    interference_count: usize,
+    /// With --interference: repeats of each measurement (the medians are reported).
+    #[arg(long, default_value_t = 5)]
+    interference_repeats: usize,
+    /// With --interference: target milliseconds of one compute batch alone (sets its launches).
+    #[arg(long, default_value_t = 55.0)]
+    compute_ms: f64,
     /// Ignored: `cargo bench` passes it to every bench binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -145,6 +165,12 @@ fn sweep(args: &Args) -> Result<(Vec<usize>, DType, Vec<Mode>)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.interference {
+        if args.procs.is_some() || procs::job::in_job() {
+            bail!("--interference runs in one process (a Clique), not with --procs or torchrun");
+        }
+        return interference::run(&args);
+    }
     // A rank of a job (started by --procs or torchrun), or the launcher of one.
     if procs::job::in_job() {
         return procs::run(&args);

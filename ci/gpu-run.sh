@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
-#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs] [weights]
-#                        [weights-procs]   (default: tests examples)
+#   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
+#                        [interference] [weights] [weights-procs]   (default: tests examples)
 # Logs are packed into $OUT/logs.tgz and the benchmarks' CSV, tables and plots into
 # $OUT/results.tgz (the device tool returns at most 8 files); a summary table is printed last.
 set -uo pipefail
@@ -64,6 +64,10 @@ fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
   for f in broadcast.csv broadcast.png table.txt torch.csv partial.csv; do cp "$out/bench/$f" "$res/bench-$f" 2>/dev/null; done
+fi
+if want interference; then
+  run interference .gpu/bin/bench-broadcast --bench --interference --out "$out/interference"
+  for f in interference.csv interference.txt interference.png; do cp "$out/interference/$f" "$res/$f" 2>/dev/null; done
 fi
 if want bench-procs; then
   run bench-procs .gpu/bin/bench-broadcast --bench --procs 2 --out "$out/bench-procs" --python python3

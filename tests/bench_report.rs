@@ -623,3 +623,273 @@ fn plot_draws_text() {
     let ink = dark_pixels(&empty, [300, 500, 320, 380]);
     assert!(ink > 100, "{ink} dark pixels where \"no data\" goes");
 }
+
+// ---------------------------------------------------------------------------------
+// --interference
+// ---------------------------------------------------------------------------------
+
+use report::interference::{
+    format_interference_table, interference_summary, median, plot_interference,
+    read_interference_csv, slowdown_pct, write_interference_csv, InterferenceRow, BCAST_COLOR,
+    COMPUTE_COLOR, INTERFERENCE_CSV_HEADER,
+};
+
+/// A row of 20 x 1 GiB broadcasts on 2 GPUs with the given medians (ms): compute alone and
+/// loaded, broadcasts alone and loaded, total.
+fn irow(path: &str, [ca, cl, ba, bl, total]: [f64; 5]) -> InterferenceRow {
+    InterferenceRow {
+        gpus: 2,
+        root: 0,
+        path: path.into(),
+        bytes: 1 << 30,
+        broadcasts: 20,
+        launches: 27,
+        repeats: 5,
+        compute_alone_ms: ca,
+        compute_loaded_ms: cl,
+        bcast_alone_ms: ba,
+        bcast_loaded_ms: bl,
+        total_ms: total,
+    }
+}
+
+/// Shaped like the PyTorch numbers of the issue (57 ms of matmuls, 55 ms of broadcasts alone),
+/// in the order the bench does not sort them.
+fn interference_rows() -> Vec<InterferenceRow> {
+    vec![
+        irow("copy-engine-raw", [57.0, 61.0, 55.5, 56.0, 62.5]),
+        irow("copy-engine", [57.0, 62.0, 55.0, 56.0, 63.0]),
+        irow("p2p", [56.0, 70.0, 54.0, 65.0, 71.0]),
+        irow("nccl", [57.0, 68.0, 55.0, 60.0, 68.5]),
+    ]
+}
+
+#[test]
+fn interference_median_and_slowdown() {
+    assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+    assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), Some(2.5));
+    assert_eq!(median(&[]), None);
+    assert_eq!(median(&[1.0, f64::NAN]), None);
+
+    let s = slowdown_pct(62.0, 57.0).unwrap();
+    assert!((s - 8.771_929_824_561_4).abs() < 1e-9, "{s}");
+    assert_eq!(slowdown_pct(57.0, 57.0), Some(0.0));
+    assert!((slowdown_pct(45.0, 50.0).unwrap() + 10.0).abs() < 1e-9);
+    assert_eq!(slowdown_pct(1.0, 0.0), None);
+    assert_eq!(slowdown_pct(1.0, -1.0), None);
+    assert_eq!(slowdown_pct(f64::NAN, 1.0), None);
+    assert_eq!(slowdown_pct(1.0, f64::INFINITY), None);
+
+    let r = irow("nccl", [57.0, 68.0, 55.0, 60.0, 68.5]);
+    assert!((r.compute_slowdown_pct().unwrap() - 1100.0 / 57.0).abs() < 1e-9);
+    assert!((r.bcast_slowdown_pct().unwrap() - 500.0 / 55.0).abs() < 1e-9);
+    // 20 GiB in 60 ms: 21474836480 / 0.06 s = 357.9 GB/s.
+    let bw = r.loaded_gbps().unwrap();
+    assert!((bw - 357.913_941_333_333).abs() < 1e-6, "{bw}");
+    assert_eq!(irow("x", [1.0, 1.0, 1.0, 0.0, 1.0]).loaded_gbps(), None);
+}
+
+#[test]
+fn interference_table() {
+    let t = format_interference_table(&interference_rows());
+    println!("{t}");
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 8, "{t}");
+    assert_eq!(
+        lines[0],
+        "# interference: 2 GPUs, 20 x 1G broadcasts from root 0, 27 compute launches per GPU, \
+         medians of 5"
+    );
+    // Groups, then names, then units.
+    for g in [" compute ", " broadcasts ", " both"] {
+        assert!(lines[1].contains(g), "{}", lines[1]);
+    }
+    assert!(lines[1].find("compute") < lines[1].find("broadcasts"));
+    assert_eq!(
+        lines[2].split_whitespace().collect::<Vec<_>>(),
+        [
+            "#", "path", "alone", "loaded", "slowdown", "alone", "loaded", "slowdown", "loaded",
+            "bw", "total"
+        ]
+    );
+    // Table order: nccl, p2p, copy-engine, then other paths.
+    let paths: Vec<&str> = lines[4..]
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(paths, ["nccl", "p2p", "copy-engine", "copy-engine-raw"]);
+    // nccl: 68/57 - 1 = 19.3%, 60/55 - 1 = 9.1%, 357.9 GB/s.
+    assert_eq!(
+        lines[4].split_whitespace().collect::<Vec<_>>(),
+        ["nccl", "57.00", "68.00", "19.3", "55.00", "60.00", "9.1", "357.9", "68.50"]
+    );
+    // copy-engine: 62/57 - 1 = 8.8%, 56/55 - 1 = 1.8%, 383.5 GB/s.
+    assert_eq!(
+        lines[6].split_whitespace().collect::<Vec<_>>(),
+        [
+            "copy-engine",
+            "57.00",
+            "62.00",
+            "8.8",
+            "55.00",
+            "56.00",
+            "1.8",
+            "383.5",
+            "63.00"
+        ]
+    );
+    // Every field is right-aligned: each data line ends where the units line does, and the
+    // last column of the names ends there too.
+    let end = lines[2].len();
+    assert!(lines[3..].iter().all(|l| l.len() == end), "{t}");
+    // A compute slowdown column ends under "slowdown" on every line.
+    let col_end = lines[2].find("slowdown").unwrap() + "slowdown".len();
+    for l in &lines[4..] {
+        let b = l.as_bytes();
+        assert!(
+            b[col_end - 1].is_ascii_digit() && b[col_end] == b' ',
+            "{l:?}"
+        );
+    }
+    // Missing values print as "-": no alone time means no slowdown.
+    let mut rows = interference_rows();
+    rows[3].compute_alone_ms = 0.0;
+    rows[3].bcast_loaded_ms = f64::NAN;
+    let t = format_interference_table(&rows);
+    let nccl = t.lines().nth(4).unwrap();
+    assert_eq!(
+        nccl.split_whitespace().collect::<Vec<_>>(),
+        ["nccl", "0.00", "68.00", "-", "55.00", "-", "-", "-", "68.50"]
+    );
+    assert_eq!(format_interference_table(&[]), "");
+}
+
+#[test]
+fn interference_summary_lines() {
+    let lines = interference_summary(&interference_rows());
+    for l in &lines {
+        println!("{l}");
+    }
+    assert_eq!(lines.len(), 4);
+    // 62/57 - 1 = 8.77%; NCCL 19.30%, P2P 70/56 - 1 = 25.0%; 8.77 / 19.30 = 0.45.
+    assert_eq!(
+        lines[2],
+        "copy-engine: compute slowdown 8.8% (NCCL 19.3%, P2P 25.0%) -> 0.45x NCCL's; \
+         broadcasts 1.8% slower (383.5 GB/s under load)"
+    );
+    assert!(lines[0].starts_with("nccl: compute slowdown 19.3% ") && lines[0].contains("1.00x"));
+    assert!(lines[1].contains("-> 1.30x NCCL's"), "{}", lines[1]);
+    // Without NCCL: no ratio, and only P2P in the parenthesis.
+    let rows: Vec<_> = interference_rows()
+        .into_iter()
+        .filter(|r| r.path != "nccl")
+        .collect();
+    let lines = interference_summary(&rows);
+    assert!(
+        lines[1].starts_with("copy-engine: compute slowdown 8.8% (P2P 25.0%) -> - NCCL's;"),
+        "{}",
+        lines[1]
+    );
+    // NCCL not slowed down: no ratio either.
+    let mut rows = interference_rows();
+    rows[3].compute_loaded_ms = 57.0;
+    assert!(interference_summary(&rows)[2].contains("(NCCL 0.0%, P2P 25.0%) -> - NCCL's"));
+    assert!(interference_summary(&[]).is_empty());
+}
+
+#[test]
+fn interference_csv_round_trip_and_errors() {
+    let mut rows = interference_rows();
+    rows[0].total_ms = 0.1 + 0.2;
+    rows[1].bcast_alone_ms = 0.0; // derived slowdown missing: an empty field
+    let mut buf = Vec::new();
+    write_interference_csv(&rows, &mut buf).unwrap();
+    let text = String::from_utf8(buf.clone()).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], INTERFERENCE_CSV_HEADER);
+    assert_eq!(lines.len(), 5);
+    let (measured, derived) = lines[4].split_at(lines[4].find("68.5,").unwrap() + 5);
+    assert_eq!(measured, "2,0,nccl,1073741824,20,27,5,57,68,55,60,68.5,");
+    let derived: Vec<f64> = derived.split(',').map(|v| v.parse().unwrap()).collect();
+    for (got, want) in derived
+        .iter()
+        .zip([1100.0 / 57.0, 500.0 / 55.0, 357.913_941_333])
+    {
+        assert!((got - want).abs() < 1e-6, "{got} {want}");
+    }
+    assert_eq!(derived.len(), 3);
+    assert!(lines[2].contains(",,"), "{}", lines[2]);
+    let back = read_interference_csv(&buf[..]).unwrap();
+    assert_eq!(back, rows);
+    assert_eq!(back[0].total_ms.to_bits(), (0.1f64 + 0.2).to_bits());
+
+    // Reordered columns, a comment, CRLF; unknown columns ignored.
+    let text = "path,gpus,root,bytes,broadcasts,launches,repeats,compute_alone_ms,\
+                compute_loaded_ms,bcast_alone_ms,bcast_loaded_ms,total_ms,x\r\n# c\r\n\
+                p2p,4,1,4096,3,2,1,1.5,2,3,4,5,y\r\n";
+    let r = &read_interference_csv(text.as_bytes()).unwrap()[0];
+    assert_eq!((r.gpus, r.root, r.bytes, r.broadcasts), (4, 1, 4096, 3));
+    assert_eq!((r.path.as_str(), r.compute_alone_ms), ("p2p", 1.5));
+
+    let bad = format!("{INTERFERENCE_CSV_HEADER}\n2,0,nccl,1G,20,27,5,1,1,1,1,1,,,\n");
+    let e = read_interference_csv(bad.as_bytes()).unwrap_err();
+    assert!(e.contains("line 2") && e.contains("bytes"), "{e}");
+    let short = format!("{INTERFERENCE_CSV_HEADER}\n\n2,0,nccl\n");
+    assert!(read_interference_csv(short.as_bytes())
+        .unwrap_err()
+        .contains("line 3"));
+    let e = read_interference_csv("gpus,root,path\n".as_bytes()).unwrap_err();
+    assert!(e.contains("line 1") && e.contains("bytes"), "{e}");
+    assert!(read_interference_csv(&b""[..]).is_err());
+    let mut r = irow("a,b", [1.0; 5]);
+    assert!(write_interference_csv(&[r.clone()], Vec::new()).is_err());
+    r.path = "ok".into();
+    assert!(write_interference_csv(&[r], Vec::new()).is_ok());
+}
+
+#[test]
+fn interference_plot() {
+    let dir = std::env::temp_dir();
+    let pid = std::process::id();
+    let render = |name: &str, rows: &[InterferenceRow]| {
+        let path = dir.join(format!("gpucast-bench-interference-{pid}-{name}.png"));
+        plot_interference(rows, &path, "interference, 2 GPUs, 20 x 1G (test)").unwrap();
+        let img = image::open(&path).unwrap().to_rgb8();
+        if std::env::var_os("KEEP_PLOT").is_none() {
+            std::fs::remove_file(&path).unwrap();
+        } else {
+            println!("kept {}", path.display());
+        }
+        img
+    };
+    let count = |img: &image::RgbImage, c: plotters::style::RGBColor| {
+        img.pixels().filter(|p| p.0 == [c.0, c.1, c.2]).count()
+    };
+    let img = render("full", &interference_rows());
+    assert_eq!(img.dimensions(), (1000, 600));
+    // Bars of both kinds; compute slowdowns (19.3 + 25.0 + 8.8 + 7.0 = 60.1) outweigh the
+    // broadcast ones (9.1 + 20.4 + 1.8 + 0.9 = 32.2) and cover as much more area.
+    let (compute, bcast) = (count(&img, COMPUTE_COLOR), count(&img, BCAST_COLOR));
+    let ratio = compute as f64 / bcast as f64;
+    assert!(
+        bcast > 1000 && (1.7..2.0).contains(&ratio),
+        "{compute} {bcast}"
+    );
+    // A negative slowdown draws a bar below the zero line, not nothing.
+    let mut rows = interference_rows();
+    for r in &mut rows {
+        r.compute_loaded_ms = r.compute_alone_ms * 0.9;
+        r.bcast_loaded_ms = f64::NAN;
+    }
+    let img = render("negative", &rows);
+    assert!(count(&img, COMPUTE_COLOR) > 1000);
+    assert!(count(&img, BCAST_COLOR) < 500); // the legend's mark only
+                                             // No rows: "no data" in the middle, no bars.
+    let img = render("empty", &[]);
+    assert!(count(&img, COMPUTE_COLOR) < 500);
+    let dark = dark_pixels(&img, [400, 600, 270, 330]);
+    assert!(dark > 100, "{dark} dark pixels where \"no data\" goes");
+    // An unwritable path is an error.
+    let bad = dir.join(format!("gpucast-no-such-dir-{pid}/x/i.png"));
+    assert!(plot_interference(&interference_rows(), &bad, "t").is_err());
+}

@@ -1,6 +1,7 @@
 //! Pure (no GPU) logic of the broadcast benchmark: measured rows, size sweeps,
 //! statistics, the nccl-tests style table, crossover analysis, CSV in and out,
-//! headline ratios and the PNG plot.
+//! headline ratios and the PNG plot; [`interference`] does the same for the
+//! `--interference` mode.
 //!
 //! The bench binary (`benches/broadcast.rs`) includes this file with `mod report;`
 //! and the CPU tests (`tests/bench_report.rs`) with a `#[path]` attribute. Each of
@@ -36,6 +37,8 @@ use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+pub mod interference;
 
 /// How the broadcasts were issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -488,6 +491,12 @@ fn format_section(out: &mut String, rows: &[Row], gpus: usize, mode: Mode, basel
         "# gpus: {gpus}  mode: {mode}  baseline: {}\n",
         if has_baseline { baseline } else { "(absent)" }
     ));
+    write_columns(out, &cols, sizes.len());
+}
+
+/// Writes `cols` (each with `rows` cells) as aligned text: a line of group names centered over
+/// their columns, the names, the units, then one line per row, every field right-aligned.
+fn write_columns(out: &mut String, cols: &[Column], rows: usize) {
     let widths: Vec<usize> = cols
         .iter()
         .map(|c| {
@@ -539,7 +548,7 @@ fn format_section(out: &mut String, rows: &[Row], gpus: usize, mode: Mode, basel
         out.push_str(line.trim_end());
         out.push('\n');
     }
-    for row in 0..sizes.len() {
+    for row in 0..rows {
         let mut line = String::from(" ");
         for (c, w) in cols.iter().zip(&widths) {
             line.push_str(SEP);
