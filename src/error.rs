@@ -187,7 +187,9 @@ pub enum Error {
     /// Work on the clique's streams did not finish within the bound `synchronize` waits
     /// (twice the timeout plus two seconds): work the caller queued on them, or a rank held
     /// back. Nothing was aborted; the work is still queued.
-    #[error("the streams did not finish within {waited_ms} ms (work queued on them is still running)")]
+    #[error(
+        "the streams did not finish within {waited_ms} ms (work queued on them is still running)"
+    )]
     StreamsBusy {
         /// How long it waited.
         waited_ms: u64,

@@ -91,9 +91,8 @@ impl Topology {
             }
         }
         // Ranks of one device (`shared_devices`) reach each other through local memory.
-        let all_nvlink = (0..n).all(|i| {
-            (0..n).all(|j| matches!(self.links[i][j], Link::NvLink | Link::SelfLink))
-        });
+        let all_nvlink = (0..n)
+            .all(|i| (0..n).all(|j| matches!(self.links[i][j], Link::NvLink | Link::SelfLink)));
         if all_nvlink || n <= 2 {
             Ok(())
         } else {

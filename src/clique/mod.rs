@@ -422,7 +422,8 @@ impl Clique {
     /// ([`Error::CommunicatorsAborted`]) creates new ones. Broadcasts after it are as on a new
     /// clique. Buffers written by the calls that failed keep undefined contents.
     pub fn recover(&self) -> Result<()> {
-        let ctxs: Vec<Arc<CudaContext>> = (0..self.len()).map(|r| self.context(r).clone()).collect();
+        let ctxs: Vec<Arc<CudaContext>> =
+            (0..self.len()).map(|r| self.context(r).clone()).collect();
         let timeout = self.timeout().max(Duration::from_secs(60));
         self.core.engine.recover(|| {
             let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();

@@ -157,7 +157,10 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     let nccl = if distinct {
         let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();
         // Every rank is here, so joining takes as long as NCCL's setup: a generous bound.
-        Nccl::Live(Comms::init_all(&refs, settings.timeout.max(Duration::from_secs(60)))?)
+        Nccl::Live(Comms::init_all(
+            &refs,
+            settings.timeout.max(Duration::from_secs(60)),
+        )?)
     } else {
         Nccl::Off("a device holds several ranks of this clique (`shared_devices`), and NCCL needs one device per rank".into())
     };

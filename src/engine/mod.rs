@@ -198,7 +198,11 @@ impl Engine {
             state,
         };
         guard.recover_if_needed()?;
-        if let Some(fault) = self.watchdog.as_ref().and_then(watchdog::Watchdog::take_fault) {
+        if let Some(fault) = self
+            .watchdog
+            .as_ref()
+            .and_then(watchdog::Watchdog::take_fault)
+        {
             return Err(fault);
         }
         Ok(guard)
@@ -321,7 +325,7 @@ impl EngineGuard<'_> {
     /// Waits for every stream, by polling, so that the wait stays bounded: it ends when the
     /// streams are idle, when the watchdog aborts NCCL (that error), or after twice the
     /// timeout plus two seconds ([`Error::StreamsBusy`]).
-    fn drain(&self) -> Result<()> {
+    fn drain(&mut self) -> Result<()> {
         let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
         let start = Instant::now();
         let mut pause = Duration::from_micros(2);
@@ -342,6 +346,12 @@ impl EngineGuard<'_> {
             }
             if idle {
                 return Ok(());
+            }
+            // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
+            // the next call).
+            if let Some(e) = self.state.p2p.as_ref().ok().and_then(P2p::take_error) {
+                self.state.desynced = true;
+                return Err(e);
             }
             if let Some(fault) = self
                 .engine
@@ -693,7 +703,11 @@ unsafe impl Send for GraphExec {}
 unsafe impl Sync for GraphExec {}
 
 impl GraphExec {
-    fn instantiate(ctx: Arc<CudaContext>, graph: sys::CUgraph, has_nccl: bool) -> Result<GraphExec> {
+    fn instantiate(
+        ctx: Arc<CudaContext>,
+        graph: sys::CUgraph,
+        has_nccl: bool,
+    ) -> Result<GraphExec> {
         // SAFETY: `graph` is a live graph from end_capture in the current context.
         match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
             Ok(exec) => Ok(GraphExec {

@@ -106,7 +106,8 @@ impl Watchdog {
             }
         };
         for (e, s) in start.iter().zip(streams) {
-            e.record(s).map_err(Error::cuda("recording a watchdog event"))?;
+            e.record(s)
+                .map_err(Error::cuda("recording a watchdog event"))?;
         }
         Ok(Begun { start, end })
     }
@@ -120,7 +121,8 @@ impl Watchdog {
         what: String,
     ) -> Result<()> {
         for (e, s) in begun.end.iter().zip(streams) {
-            e.record(s).map_err(Error::cuda("recording a watchdog event"))?;
+            e.record(s)
+                .map_err(Error::cuda("recording a watchdog event"))?;
         }
         let mut q = self.shared.queue();
         q.pending.push_back(Pending {

@@ -38,7 +38,10 @@ pub(crate) struct Comms {
 impl Comms {
     /// One communicator per rank of a clique of this process (rank i on `ctxs[i]`), within
     /// `timeout`.
-    pub(crate) fn init_all(ctxs: &[&cudarc::driver::CudaContext], timeout: Duration) -> Result<Comms> {
+    pub(crate) fn init_all(
+        ctxs: &[&cudarc::driver::CudaContext],
+        timeout: Duration,
+    ) -> Result<Comms> {
         let id = Comms::unique_id()?;
         let ranks: Vec<_> = ctxs.iter().enumerate().map(|(r, c)| (r, *c)).collect();
         Comms::init_ranks(&id, ctxs.len(), &ranks, timeout)
@@ -202,7 +205,9 @@ impl Comms {
                 match state {
                     0 => {}
                     lib::IN_PROGRESS => busy = true,
-                    e => self.lib.check(e, comm.0, || format!("{} (rank {rank})", during()))?,
+                    e => self
+                        .lib
+                        .check(e, comm.0, || format!("{} (rank {rank})", during()))?,
                 }
             }
             if !busy {

@@ -1,0 +1,190 @@
+//! Fault injection in one process: a rank held back on its stream (a host function that
+//! sleeps) under each path, eager and in a graph replay. Each fault must give its typed error
+//! within the timeout plus 100 ms (or, for NCCL, complete late and correct: see the watchdog's
+//! rule on local ranks held back), never hang, and leave a clique that `recover` makes whole:
+//! the broadcasts after it are checked bit for bit.
+//!
+//! `GPUCAST_FAULT_ROUNDS` (default 2) repeats the whole set; each round prints its detection
+//! times and the last line counts faults, errors and hangs. With one GPU the two ranks share
+//! it (no NCCL). Run with
+//! `cargo test --release --test faults -- --include-ignored --test-threads 1 --nocapture`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use gpucast::cudarc::driver::CudaSlice;
+use gpucast::{BroadcastOptions, Clique, Error, Path};
+use rand::RngCore;
+
+const TIMEOUT: Duration = Duration::from_millis(200);
+/// How far past the timeout an error may come.
+const SLACK: Duration = Duration::from_millis(100);
+
+fn clique() -> Clique {
+    let two = gpucast::device_count().expect("a CUDA driver") >= 2;
+    let devices: &[usize] = if two { &[0, 1] } else { &[0, 0] };
+    Clique::builder()
+        .devices(devices)
+        .shared_devices(!two)
+        .timeout(TIMEOUT)
+        .build()
+        .expect("a clique")
+}
+
+fn nccl_on(clique: &Clique) -> bool {
+    clique.ordinals()[0] != clique.ordinals()[1]
+}
+
+/// One broadcast of `n` random bytes on `path`, checked bit for bit.
+fn check(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+    let data: Vec<u8> = random_vec(n, rng);
+    let input = clique.stream(root).clone_htod(&data).unwrap();
+    let mut outputs = poisoned_outputs::<u8>(clique, n, rng);
+    clique
+        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .unwrap_or_else(|e| panic!("after recovery, {path:?} {n} B: {e}"));
+    clique.synchronize().unwrap();
+    for (rank, out) in outputs.iter().enumerate() {
+        assert_bytes_eq(
+            clique.stream(rank),
+            out,
+            &data,
+            &format!("after recovery, {path:?} {n} B rank {rank}"),
+        );
+    }
+}
+
+/// Everything runs after a fault and recovery.
+fn all_paths_work(clique: &Clique, rng: &mut impl RngCore) {
+    for n in [100usize, 300_000, 9 << 20] {
+        check(clique, 0, n, Path::P2p, rng);
+        check(clique, 1, n, Path::CopyEngine, rng);
+        if nccl_on(clique) {
+            check(clique, 1, n, Path::Nccl, rng);
+        }
+    }
+}
+
+/// Holds rank 1 back by `hold`, queues one broadcast on `path` from rank 0 and times
+/// `synchronize`.
+fn held_back(
+    clique: &Clique,
+    path: Path,
+    n: usize,
+    hold: Duration,
+) -> (gpucast::Result<()>, Duration) {
+    let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
+    let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+    clique.synchronize().unwrap();
+    stall(clique, 1, u64::try_from(hold.as_millis()).unwrap());
+    let t0 = Instant::now();
+    clique
+        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+        .unwrap();
+    let r = clique.synchronize();
+    (r, t0.elapsed())
+}
+
+#[derive(Default)]
+struct Counts {
+    faults: usize,
+    errors: usize,
+    late_ok: usize,
+    hangs: usize,
+    worst: Duration,
+}
+
+impl Counts {
+    fn timed_out(&mut self, what: &str, r: gpucast::Result<()>, took: Duration) {
+        self.faults += 1;
+        match r {
+            Err(Error::Timeout { .. }) => self.errors += 1,
+            other => panic!("{what}: expected a timeout, got {other:?}"),
+        }
+        assert!(
+            took <= TIMEOUT + SLACK,
+            "{what}: detected after {took:?} (timeout {TIMEOUT:?})"
+        );
+        self.worst = self.worst.max(took);
+        println!("  {what}: Timeout after {:.1} ms", took.as_secs_f64() * 1e3);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (two for the NCCL faults)"]
+fn stalled_ranks_are_detected_and_recovered_from() {
+    let rounds: usize = std::env::var("GPUCAST_FAULT_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let clique = clique();
+    let mut rng = rng();
+    let mut counts = Counts::default();
+    let hold = TIMEOUT * 3;
+    let watchdog = Instant::now();
+    for round in 0..rounds {
+        println!("round {round}");
+        // The P2P kernel, packet and pull protocols: rank 0 waits for rank 1 in the kernel.
+        for n in [4096usize, 1 << 20] {
+            let (r, took) = held_back(&clique, Path::P2p, n, hold);
+            counts.timed_out(&format!("P2P {n} B, rank 1 held back"), r, took);
+            clique.recover().unwrap();
+            all_paths_work(&clique, &mut rng);
+        }
+        // A graph replay with rank 1 held back.
+        let n = 50_000;
+        let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
+        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+        let mut graph = clique
+            .capture(|c| {
+                c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+            })
+            .unwrap();
+        graph.launch().unwrap();
+        clique.synchronize().unwrap();
+        stall(&clique, 1, u64::try_from(hold.as_millis()).unwrap());
+        let t0 = Instant::now();
+        graph.launch().unwrap();
+        let r = clique.synchronize();
+        counts.timed_out("graph replay, rank 1 held back", r, t0.elapsed());
+        clique.recover().unwrap();
+        graph.launch().unwrap();
+        clique.synchronize().unwrap();
+        drop(graph);
+        all_paths_work(&clique, &mut rng);
+        // The copy engines and NCCL wait for a rank held back on its own stream (nothing of
+        // theirs runs before it arrives): the call completes late and right, no error.
+        let mut late = vec![Path::CopyEngine];
+        if nccl_on(&clique) {
+            late.push(Path::Nccl);
+        }
+        for path in late {
+            let (r, took) = held_back(&clique, path, 1 << 20, TIMEOUT * 2);
+            r.unwrap_or_else(|e| panic!("{path:?} with rank 1 held back: {e}"));
+            assert!(
+                took < TIMEOUT * 2 + Duration::from_secs(1),
+                "{path:?}: {took:?}"
+            );
+            counts.late_ok += 1;
+            println!("  {path:?}, rank 1 held back {hold:?}: completed after {took:?}");
+            check(&clique, 0, 4096, path, &mut rng);
+        }
+        // A hang would stop the loop; the test binary's limit catches it.
+        if watchdog.elapsed() > Duration::from_secs(3600) {
+            counts.hangs += 1;
+            break;
+        }
+    }
+    println!(
+        "faults {} errors {} completed-late {} hangs {} worst detection {:.1} ms (timeout {} ms)",
+        counts.faults,
+        counts.errors,
+        counts.late_ok,
+        counts.hangs,
+        counts.worst.as_secs_f64() * 1e3,
+        TIMEOUT.as_millis()
+    );
+    assert_eq!(counts.errors, counts.faults);
+}
