@@ -223,12 +223,12 @@ impl Engine {
         if let Some(w) = &self.watchdog {
             drop(w.take_fault());
         }
-        guard.drain()?;
+        guard.drain(false)?;
         if let Some(flags) = &guard.state.ce_flags {
             flags.set(0)?;
         }
         if let Ok(p2p) = &guard.state.p2p {
-            drop(p2p.take_error());
+            drop(p2p.first_error());
             p2p.recover()?;
         }
         guard.state.desynced = false;
@@ -287,13 +287,13 @@ impl EngineGuard<'_> {
 
     fn recover_if_needed(&mut self) -> Result<()> {
         let error = match &self.state.p2p {
-            Ok(p2p) => p2p.take_error(),
+            Ok(p2p) => p2p.first_error(),
             Err(_) => None,
         };
         if error.is_none() && !self.state.desynced {
             return Ok(());
         }
-        self.drain()?;
+        self.drain(false)?;
         if let Some(flags) = &self.state.ce_flags {
             flags.set(0)?;
         }
@@ -323,9 +323,10 @@ impl EngineGuard<'_> {
     }
 
     /// Waits for every stream, by polling, so that the wait stays bounded: it ends when the
-    /// streams are idle, when the watchdog aborts NCCL (that error), or after twice the
-    /// timeout plus two seconds ([`Error::StreamsBusy`]).
-    fn drain(&mut self) -> Result<()> {
+    /// streams are idle, when the watchdog aborts NCCL (that error), when a P2P kernel times
+    /// out (that error, if `report_p2p`), or after twice the timeout plus two seconds
+    /// ([`Error::StreamsBusy`]).
+    fn drain(&mut self, report_p2p: bool) -> Result<()> {
         let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
         let start = Instant::now();
         let mut pause = Duration::from_micros(2);
@@ -349,7 +350,10 @@ impl EngineGuard<'_> {
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
             // the next call).
-            if let Some(e) = self.state.p2p.as_ref().ok().and_then(P2p::take_error) {
+            if let Some(e) = report_p2p
+                .then(|| self.state.p2p.as_ref().ok().and_then(P2p::first_error))
+                .flatten()
+            {
                 self.state.desynced = true;
                 return Err(e);
             }
@@ -527,7 +531,7 @@ impl EngineGuard<'_> {
     /// Blocks until every stream has finished, then reports a P2P timeout (after resetting the
     /// signal areas) or an asynchronous NCCL error.
     pub(crate) fn synchronize(&mut self) -> Result<()> {
-        self.drain()?;
+        self.drain(true)?;
         self.recover_if_needed()?;
         if let Some(fault) = self
             .engine

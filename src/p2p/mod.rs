@@ -593,7 +593,7 @@ impl P2p {
     }
 
     /// The first timeout any rank's kernel reported, if any (does not wait for the GPUs).
-    pub(crate) fn take_error(&self) -> Option<Error> {
+    pub(crate) fn first_error(&self) -> Option<Error> {
         (0..self.ranks.len()).find_map(|local| {
             let record = self.errors.read(local);
             (record != 0)
