@@ -6,7 +6,7 @@
 //! A [`Clique`] holds up to eight GPUs of this process: a context and a stream per GPU, peer
 //! access between every pair that supports it, one NCCL communicator per GPU, and a small signal
 //! area per GPU for gpucast's own kernel. [`Clique::broadcast`] copies the root's buffer into an
-//! output on every GPU along one of two paths:
+//! output on every GPU along one of three paths:
 //!
 //! - **NCCL**: `ncclBroadcast` in one group (NCCL is loaded at run time, `libnccl.so.2` included).
 //! - **P2P**: a kernel that every GPU runs, synchronised through flags in device memory. Small
@@ -14,14 +14,27 @@
 //!   peer's inbox; no barrier at all); medium ones a *pull* protocol (peers read the root's
 //!   buffer over NVLink after its arrival flag and report when done). Counters live on the
 //!   device, so the kernel can be captured in a CUDA graph; every wait is bounded by a timeout.
+//! - **Copy engine**: no kernel at all. Each rank copies the message from the rank before it in
+//!   a chain that starts at the root (`cuMemcpyAsync`, chunked beyond two ranks so that every
+//!   link carries it once), ordered by events, or by stream memory operations inside a graph.
+//!   It leaves every SM to the caller's compute.
 //!
 //! A [`Communicator`] is one rank of a job that runs one process per GPU (torchrun, Slurm,
 //! MPI): the same broadcasts, each process passing its own buffer, after a rendezvous through
 //! a TCP store that rank 0 hosts ([`rendezvous`]); ranks on one host share P2P memory.
 //!
-//! [`Path::Auto`] (the default) takes P2P when every pair of GPUs has peer access and the message
-//! is below a threshold measured on H200s, and NCCL otherwise. The caller can force a path or
-//! move the thresholds per clique, per call, or by environment variable.
+//! [`Path::Auto`] (the default) takes the copy engines for large messages, P2P for smaller ones
+//! when every pair of GPUs has peer access, and NCCL otherwise, at thresholds measured on H200s.
+//! The caller can force a path or move the thresholds per clique, per call, or by environment
+//! variable.
+//!
+//! ## Failures
+//!
+//! No wait is unbounded: P2P kernels time out on their own, and a watchdog thread aborts NCCL
+//! work that does not finish within the timeout once started (a dead peer process), so every
+//! stream moves on. Errors name what failed and which calls have undefined outputs;
+//! [`Clique::recover`] rebuilds what failed without a new process. The README's "Failure model"
+//! has the whole table.
 //!
 //! ## Example
 //!
@@ -87,7 +100,7 @@ pub use clique::{
 };
 pub use config::{
     env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS,
+    COPY_ENGINE_MIN_2_GPUS, DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS,
     DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, MODEL_FIXED_GAP_S,
     MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
 };

@@ -195,9 +195,12 @@ impl CliqueBuilder {
 ///
 /// # Failures
 /// Every P2P wait is bounded by the clique's timeout: a rank that does not arrive gives
-/// [`Error::Timeout`] and the signal areas are reset. An NCCL call that fails in the middle of a
-/// group aborts the communicators ([`Error::CommunicatorsAborted`] from then on). Dropping a
-/// clique never hangs.
+/// [`Error::Timeout`] and the signal areas are reset. A watchdog thread aborts the NCCL
+/// communicators when an NCCL broadcast that started on every rank has not finished within the
+/// timeout, or NCCL reports an error ([`Error::CommunicatorsAborted`], naming the calls with
+/// undefined outputs); so does an NCCL call that fails in the middle of a group.
+/// [`Clique::synchronize`] waits a bounded time, [`Clique::recover`] rebuilds what failed, and
+/// dropping a clique never hangs.
 pub struct Clique {
     core: Core,
     topology: Topology,
