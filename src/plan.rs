@@ -131,6 +131,156 @@ pub(crate) fn chunks(tensors: &[usize], bytes: &[usize], chunk: usize) -> Vec<Ch
     out
 }
 
+/// Chunks of one captured hand-off window: each has an arrival flag of its own.
+pub(crate) const WINDOW: usize = 64;
+
+/// A flag of one rank's copy-engine flag area (captured calls).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Flag {
+    /// Chunk `k` of the current window has arrived at this rank's predecessor (or, for `k = 0`
+    /// on the root's successor, the root's input is ready).
+    Arrive(usize),
+    /// This rank's successor has read all it needs from this rank's buffer.
+    Done,
+}
+
+/// One operation of a chained copy, queued on the stream of `rank`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChainOp {
+    /// Record `rank`'s chain event.
+    Record { rank: usize },
+    /// Make `rank` wait for the latest record of `of`'s chain event.
+    Wait { rank: usize, of: usize },
+    /// Copy chunk `chunk` into `rank`'s output from `from`'s buffer (the root's input when
+    /// `from` is the root).
+    Copy {
+        rank: usize,
+        from: usize,
+        chunk: usize,
+    },
+    /// Make `rank` wait until its flag `flag` is at least 1.
+    WaitFlag { rank: usize, flag: Flag },
+    /// Write `value` into flag `flag` of `owner`'s area, in order on `rank`'s stream.
+    WriteFlag {
+        rank: usize,
+        owner: usize,
+        flag: Flag,
+        value: u32,
+    },
+}
+
+/// The operations of an eager chained copy of `chunks` chunks along `order` (see
+/// [`chain`]), ordered by one event per rank. They are queued chunk by chunk, so the latest
+/// record of a predecessor's event, when its successor queues a wait on it, is the one after
+/// the same chunk. At the end every rank waits for its successor's last copy, so that no
+/// rank's stream moves past the call while its buffer is still read.
+pub(crate) fn eager_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
+    let n = order.len();
+    let mut ops = Vec::new();
+    if n < 2 || chunks == 0 {
+        return ops;
+    }
+    ops.push(ChainOp::Record { rank: order[0] });
+    for chunk in 0..chunks {
+        for i in 1..n {
+            let (rank, from) = (order[i], order[i - 1]);
+            // The root's event is recorded once, before the first chunk.
+            if i > 1 || chunk == 0 {
+                ops.push(ChainOp::Wait { rank, of: from });
+            }
+            ops.push(ChainOp::Copy { rank, from, chunk });
+            if i + 1 < n {
+                ops.push(ChainOp::Record { rank });
+            }
+        }
+    }
+    ops.push(ChainOp::Record { rank: order[n - 1] });
+    for i in 1..n {
+        ops.push(ChainOp::Wait {
+            rank: order[i - 1],
+            of: order[i],
+        });
+    }
+    ops
+}
+
+/// The operations of a captured chained copy: the same hand-offs as [`eager_ops`], through
+/// flags set to 1 by the writer and reset to 0 by the reader, so that every replay of a graph
+/// starts from zeroed flags. Chunks go in windows of [`WINDOW`], each closed by a full
+/// hand-off (every rank resets its arrival flags, then tells its predecessor it is done).
+pub(crate) fn captured_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
+    let n = order.len();
+    let mut ops = Vec::new();
+    if n < 2 {
+        return ops;
+    }
+    let mut first = 0;
+    while first < chunks {
+        let len = WINDOW.min(chunks - first);
+        ops.push(ChainOp::WriteFlag {
+            rank: order[0],
+            owner: order[1],
+            flag: Flag::Arrive(0),
+            value: 1,
+        });
+        for k in 0..len {
+            for i in 1..n {
+                let (rank, from) = (order[i], order[i - 1]);
+                if i > 1 || k == 0 {
+                    ops.push(ChainOp::WaitFlag {
+                        rank,
+                        flag: Flag::Arrive(k),
+                    });
+                }
+                ops.push(ChainOp::Copy {
+                    rank,
+                    from,
+                    chunk: first + k,
+                });
+                if i + 1 < n {
+                    ops.push(ChainOp::WriteFlag {
+                        rank,
+                        owner: order[i + 1],
+                        flag: Flag::Arrive(k),
+                        value: 1,
+                    });
+                }
+            }
+        }
+        for i in 1..n {
+            let rank = order[i];
+            for k in 0..len {
+                ops.push(ChainOp::WriteFlag {
+                    rank,
+                    owner: rank,
+                    flag: Flag::Arrive(k),
+                    value: 0,
+                });
+            }
+            ops.push(ChainOp::WriteFlag {
+                rank,
+                owner: order[i - 1],
+                flag: Flag::Done,
+                value: 1,
+            });
+        }
+        for &rank in &order[..n - 1] {
+            ops.push(ChainOp::WaitFlag {
+                rank,
+                flag: Flag::Done,
+            });
+            ops.push(ChainOp::WriteFlag {
+                rank,
+                owner: rank,
+                flag: Flag::Done,
+                value: 0,
+            });
+        }
+        first += len;
+    }
+    ops
+}
+
 /// What a fused broadcast did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FusedReport {
@@ -434,5 +584,134 @@ mod tests {
                 assert!(k <= CHUNKS_MAX, "{n} GPUs, {total} bytes: {k} chunks");
             }
         }
+    }
+
+    /// Runs `calls` (each a list of operations queued in that order) on a model of `n` streams:
+    /// at every step one stream whose next operation can run, picked at random, runs it. Events
+    /// are waited on as they were recorded when the wait was queued; flags as they are when the
+    /// wait runs. Checks that every copy reads a chunk its source holds, that every rank ends
+    /// with every chunk, that no stream finishes a call while its buffer is still to be read,
+    /// that nothing deadlocks and that the flags end at zero.
+    fn simulate(n: usize, root: usize, chunks: usize, calls: &[Vec<ChainOp>], seed: u64) {
+        use rand::{Rng, SeedableRng};
+        use std::collections::HashMap;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for ops in calls {
+            // Queue: per stream, (op, for waits the record index captured at queue time).
+            let mut queues: Vec<Vec<(ChainOp, Option<usize>)>> = vec![Vec::new(); n];
+            let mut records = vec![0usize; n];
+            for op in ops {
+                match *op {
+                    ChainOp::Record { rank } => {
+                        records[rank] += 1;
+                        queues[rank].push((*op, Some(records[rank])));
+                    }
+                    ChainOp::Wait { rank, of } => queues[rank].push((*op, Some(records[of]))),
+                    ChainOp::Copy { rank, .. }
+                    | ChainOp::WaitFlag { rank, .. }
+                    | ChainOp::WriteFlag { rank, .. } => queues[rank].push((*op, None)),
+                }
+            }
+            let mut done_records = vec![0usize; n];
+            let mut flags: HashMap<(usize, Flag), u32> = HashMap::new();
+            let mut has = vec![vec![false; chunks]; n];
+            has[root] = vec![true; chunks];
+            let mut reads_left: Vec<usize> = (0..n)
+                .map(|r| {
+                    ops.iter()
+                        .filter(|o| matches!(o, ChainOp::Copy { from, .. } if *from == r))
+                        .count()
+                })
+                .collect();
+            let mut heads = vec![0usize; n];
+            loop {
+                let runnable: Vec<usize> = (0..n)
+                    .filter(|&r| {
+                        heads[r] < queues[r].len()
+                            && match queues[r][heads[r]] {
+                                (ChainOp::Wait { of, .. }, Some(want)) => done_records[of] >= want,
+                                (ChainOp::WaitFlag { rank, flag }, _) => {
+                                    flags.get(&(rank, flag)).copied().unwrap_or(0) >= 1
+                                }
+                                _ => true,
+                            }
+                    })
+                    .collect();
+                if runnable.is_empty() {
+                    let stuck: Vec<_> = (0..n).filter(|&r| heads[r] < queues[r].len()).collect();
+                    assert!(stuck.is_empty(), "deadlock: streams {stuck:?} cannot go on");
+                    break;
+                }
+                let r = runnable[rng.random_range(0..runnable.len())];
+                match queues[r][heads[r]] {
+                    (ChainOp::Record { rank }, Some(i)) => done_records[rank] = i,
+                    (ChainOp::Copy { rank, from, chunk }, _) => {
+                        assert!(
+                            has[from][chunk],
+                            "rank {rank} read chunk {chunk} from rank {from} before it arrived"
+                        );
+                        has[rank][chunk] = true;
+                        reads_left[from] -= 1;
+                    }
+                    (
+                        ChainOp::WriteFlag {
+                            owner, flag, value, ..
+                        },
+                        _,
+                    ) => {
+                        flags.insert((owner, flag), value);
+                    }
+                    _ => {}
+                }
+                heads[r] += 1;
+                if heads[r] == queues[r].len() {
+                    assert_eq!(
+                        reads_left[r], 0,
+                        "rank {r}'s stream left the call while its buffer was still to be read"
+                    );
+                }
+            }
+            for (r, h) in has.iter().enumerate() {
+                assert!(h.iter().all(|&x| x), "rank {r} lacks a chunk");
+            }
+            assert!(flags.values().all(|&v| v == 0), "flags left set: {flags:?}");
+        }
+    }
+
+    #[test]
+    fn chained_copies_are_ordered_under_any_schedule() {
+        for n in 2..=8 {
+            for root in [0, n - 1, n / 2] {
+                let order = chain(root, n);
+                for chunks in [1usize, 2, 5, WINDOW, WINDOW + 3] {
+                    for seed in 0..8 {
+                        let eager = eager_ops(&order, chunks);
+                        simulate(n, root, chunks, &[eager.clone(), eager], seed);
+                        let captured = captured_ops(&order, chunks);
+                        // Two replays back to back: the flags must start from zero again.
+                        simulate(n, root, chunks, &[captured.clone(), captured], seed);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_model_catches_a_missing_wait() {
+        let order = chain(0, 3);
+        let mut ops = eager_ops(&order, 4);
+        // Drop the wait of the last rank for its predecessor's second chunk.
+        let second = ops
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| matches!(o, ChainOp::Wait { rank: 2, of: 1 }))
+            .map(|(i, _)| i)
+            .nth(1)
+            .unwrap();
+        ops.remove(second);
+        let caught = (0..64).any(|seed| {
+            std::panic::catch_unwind(|| simulate(3, 0, 4, &[ops.clone()], seed)).is_err()
+        });
+        assert!(caught);
     }
 }

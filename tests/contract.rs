@@ -410,7 +410,7 @@ fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
         // A fresh clique per source: a second stream turns cudarc's event tracking on for the
         // clique's contexts, and the first source must be tested without it.
         let clique = two_gpus();
-        for path in [Path::P2p, Path::Nccl] {
+        for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
             for n in [4096usize, 4 << 20] {
                 single_cases(&clique, source, path, n, &mut rng);
             }
@@ -428,7 +428,7 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
     for source in [Source::CliqueStreams, Source::SecondStream] {
         let clique = two_gpus();
         let streams = streams_of(&clique, source);
-        for path in [Path::P2p, Path::Nccl] {
+        for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
             let n = 1 << 20;
             let data: Vec<u32> = random_vec(n, &mut rng);
             let input = upload(&streams[0], &data);
@@ -592,7 +592,7 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                     let data: Vec<u32> = random_vec(n, &mut rng);
                     let input = upload(&streams[root], &data);
                     let mut outputs = poisoned(&streams, n);
-                    let path = [Path::Auto, Path::P2p, Path::Nccl][i % 3];
+                    let path = [Path::Auto, Path::P2p, Path::Nccl, Path::CopyEngine][i % 4];
                     clique
                         .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
                         .unwrap();
@@ -625,6 +625,7 @@ fn raw_pointers_on_the_callers_streams() {
         (3000usize, Path::P2p),
         (3 << 20, Path::P2p),
         (5000, Path::Nccl),
+        (3 << 20, Path::CopyEngine),
     ] {
         let data: Vec<u32> = random_vec(n, &mut rng);
         let mut input = upload(&streams[0], &data);

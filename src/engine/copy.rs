@@ -21,10 +21,8 @@ use cudarc::driver::{result, CudaContext};
 
 use super::{EngineGuard, Item};
 use crate::error::{Error, Result};
-use crate::plan::{self, Chunk};
+use crate::plan::{self, ChainOp, Chunk, Flag, WINDOW};
 
-/// Chunks of one captured hand-off window: one arrival flag each.
-const WINDOW: usize = 64;
 /// Index of the "successor done" flag after the arrival flags.
 const DONE: usize = WINDOW;
 /// Bytes of one rank's flag area.
@@ -51,12 +49,13 @@ impl Flags {
         Ok(flags)
     }
 
-    fn arrive(&self, rank: usize, k: usize) -> u64 {
-        self.areas[rank].1 + 4 * k as u64
-    }
-
-    fn done(&self, rank: usize) -> u64 {
-        self.arrive(rank, DONE)
+    /// The device address of `rank`'s flag `flag`.
+    fn addr(&self, rank: usize, flag: Flag) -> u64 {
+        let index = match flag {
+            Flag::Arrive(k) => k,
+            Flag::Done => DONE,
+        };
+        self.areas[rank].1 + 4 * index as u64
     }
 
     /// Sets every flag of every rank to `value`, from the host. With 0 after the streams are
@@ -118,29 +117,17 @@ impl EngineGuard<'_> {
                 unsafe { self.copy(root, it.dsts[root], it.src, it.bytes()) }?;
             }
         }
-        if n == 1 || chunks.is_empty() {
-            return Ok(());
-        }
+        let capturing = self
+            .engine
+            .capturing
+            .load(std::sync::atomic::Ordering::Acquire);
+        let ops = if capturing {
+            plan::captured_ops(&order, chunks.len())
+        } else {
+            plan::eager_ops(&order, chunks.len())
+        };
         // SAFETY: per this function's contract.
-        unsafe {
-            if self
-                .engine
-                .capturing
-                .load(std::sync::atomic::Ordering::Acquire)
-            {
-                self.chain_captured(&order, items, &chunks)
-            } else {
-                self.chain_eager(&order, items, &chunks)
-            }
-        }
-    }
-
-    /// The source of `chunk` for rank `order[i]`: its predecessor's output, or the root's input.
-    fn source(order: &[usize], i: usize, items: &[Item], c: &Chunk) -> u64 {
-        let it = &items[c.tensor];
-        let pred = order[i - 1];
-        let base = if i == 1 { it.src } else { it.dsts[pred] };
-        base + c.offset as u64
+        unsafe { self.queue(root, items, &chunks, &ops) }
     }
 
     /// # Safety
@@ -162,121 +149,88 @@ impl EngineGuard<'_> {
         self.engine.ranks[rank].stream.get().cu_stream()
     }
 
-    /// Records rank `rank`'s copy-engine event on its stream.
-    fn signal_event(&self, rank: usize) -> Result<()> {
-        let event = self.state.ce_events[rank].cu_event();
-        // SAFETY: the event belongs to the rank's context, the stream too.
-        unsafe { result::event::record(event, self.raw_stream(rank)) }
-            .map_err(Error::cuda("recording a copy-engine event"))
-    }
-
-    /// Makes `rank`'s stream wait for the latest record of `of`'s copy-engine event.
-    fn wait_event(&self, rank: usize, of: usize) -> Result<()> {
-        let event = self.state.ce_events[of].cu_event();
-        // SAFETY: live stream and event; events of another device may be waited on.
-        unsafe {
-            result::stream::wait_event(
-                self.raw_stream(rank),
-                event,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .map_err(Error::cuda("ordering copy-engine ranks"))
-    }
-
+    /// Queues `ops` (from [`plan::eager_ops`] or [`plan::captured_ops`]) over `chunks` of
+    /// `items`, `root` being the chain's first rank.
+    ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn chain_eager(
+    unsafe fn queue(
         &mut self,
-        order: &[usize],
+        root: usize,
         items: &[Item],
         chunks: &[Chunk],
+        ops: &[ChainOp],
     ) -> Result<()> {
-        let n = order.len();
-        self.signal_event(order[0])?;
-        for (k, c) in chunks.iter().enumerate() {
-            for i in 1..n {
-                let me = order[i];
-                // The root's event was recorded once, before the first chunk.
-                if i > 1 || k == 0 {
-                    self.wait_event(me, order[i - 1])?;
-                }
-                let dst = items[c.tensor].dsts[me] + c.offset as u64;
-                // SAFETY: per this function's contract.
-                unsafe { self.copy(me, dst, Self::source(order, i, items, c), c.len) }?;
-                if i + 1 < n {
-                    self.signal_event(me)?;
-                }
-            }
-        }
-        // Every rank but the last waits until its successor has read all of its buffer (the
-        // latest record of each event but the last rank's is after its last copy).
-        self.signal_event(order[n - 1])?;
-        for i in 1..n {
-            self.wait_event(order[i - 1], order[i])?;
-        }
-        Ok(())
-    }
-
-    /// Queues a wait on the stream of `rank` until the flag at `addr` is at least 1.
-    fn wait_flag(&self, rank: usize, addr: u64) -> Result<()> {
-        let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-        // SAFETY: `addr` is a live flag of the engine's areas, reachable from this device.
-        unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, flags).result() }
-            .map_err(Error::cuda("queueing a copy-engine flag wait"))
-    }
-
-    /// Queues a write of `value` to the flag at `addr` on the stream of `rank`, after the work
-    /// before it (with a memory barrier: the copies it follows are visible first).
-    fn write_flag(&self, rank: usize, addr: u64, value: u32) -> Result<()> {
-        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-        // SAFETY: as in `wait_flag`.
-        unsafe { sys::cuStreamWriteValue32_v2(self.raw_stream(rank), addr, value, flags).result() }
-            .map_err(Error::cuda("queueing a copy-engine flag write"))
-    }
-
-    /// # Safety
-    /// As for [`EngineGuard::run`].
-    unsafe fn chain_captured(
-        &mut self,
-        order: &[usize],
-        items: &[Item],
-        chunks: &[Chunk],
-    ) -> Result<()> {
-        let n = order.len();
-        if self.state.ce_flags.is_none() {
+        if ops.iter().any(|o| matches!(o, ChainOp::WaitFlag { .. }))
+            && self.state.ce_flags.is_none()
+        {
             let ctxs: Vec<_> = self.engine.ranks.iter().map(|r| r.ctx.clone()).collect();
             self.state.ce_flags = Some(Flags::new(&ctxs)?);
         }
-        let flags = self.state.ce_flags.as_ref().expect("created above");
-        for window in chunks.chunks(WINDOW) {
-            self.write_flag(order[0], flags.arrive(order[1], 0), 1)?;
-            for (k, c) in window.iter().enumerate() {
-                for i in 1..n {
-                    let me = order[i];
-                    if i > 1 || k == 0 {
-                        self.wait_flag(me, flags.arrive(me, k))?;
-                    }
-                    let dst = items[c.tensor].dsts[me] + c.offset as u64;
-                    // SAFETY: per this function's contract.
-                    unsafe { self.copy(me, dst, Self::source(order, i, items, c), c.len) }?;
-                    if i + 1 < n {
-                        self.write_flag(me, flags.arrive(order[i + 1], k), 1)?;
-                    }
+        for op in ops {
+            match *op {
+                ChainOp::Record { rank } => {
+                    let event = self.state.ce_events[rank].cu_event();
+                    // SAFETY: the event and the stream belong to the rank's context.
+                    unsafe { result::event::record(event, self.raw_stream(rank)) }
+                        .map_err(Error::cuda("recording a copy-engine event"))?;
                 }
-            }
-            for i in 1..n {
-                let me = order[i];
-                for k in 0..window.len() {
-                    self.write_flag(me, flags.arrive(me, k), 0)?;
+                ChainOp::Wait { rank, of } => {
+                    let event = self.state.ce_events[of].cu_event();
+                    // SAFETY: live stream and event; events of another device may be waited on.
+                    unsafe {
+                        result::stream::wait_event(
+                            self.raw_stream(rank),
+                            event,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    }
+                    .map_err(Error::cuda("ordering copy-engine ranks"))?;
                 }
-                self.write_flag(me, flags.done(order[i - 1]), 1)?;
-            }
-            for &me in &order[..n - 1] {
-                self.wait_flag(me, flags.done(me))?;
-                self.write_flag(me, flags.done(me), 0)?;
+                ChainOp::Copy { rank, from, chunk } => {
+                    let c = &chunks[chunk];
+                    let it = &items[c.tensor];
+                    let base = if from == root { it.src } else { it.dsts[from] };
+                    let off = c.offset as u64;
+                    // SAFETY: per this function's contract: both buffers hold the tensor, and
+                    // the chunk lies inside it.
+                    unsafe { self.copy(rank, it.dsts[rank] + off, base + off, c.len) }?;
+                }
+                ChainOp::WaitFlag { rank, flag } => {
+                    let addr = self.flags().addr(rank, flag);
+                    let mode = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+                    // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
+                    // device (peer access between every pair).
+                    unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }
+                        .result()
+                        .map_err(Error::cuda("queueing a copy-engine flag wait"))?;
+                }
+                ChainOp::WriteFlag {
+                    rank,
+                    owner,
+                    flag,
+                    value,
+                } => {
+                    let addr = self.flags().addr(owner, flag);
+                    // The default write follows the work before it with a memory barrier: the
+                    // copies it announces are visible first.
+                    let mode = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+                    // SAFETY: as for the wait.
+                    unsafe {
+                        sys::cuStreamWriteValue32_v2(self.raw_stream(rank), addr, value, mode)
+                    }
+                    .result()
+                    .map_err(Error::cuda("queueing a copy-engine flag write"))?;
+                }
             }
         }
         Ok(())
+    }
+
+    fn flags(&self) -> &Flags {
+        self.state
+            .ce_flags
+            .as_ref()
+            .expect("made before the first flag operation")
     }
 }
