@@ -510,3 +510,28 @@ fn a_stalled_rank_is_named_by_the_all_gather_timeout() {
         }
     }
 }
+
+/// The process hosting the store (rank 0) is killed after every rank joined: the others get an
+/// error as soon as they next talk to the store, long before their timeout.
+#[test]
+fn the_store_host_dying_fails_the_other_ranks_fast() {
+    let mut job = Job::new(Duration::from_secs(20));
+    job.spawn("join", 0, 2);
+    job.spawn("join", 1, 2);
+    // Both ranks are in the job after well under a second; "join" then waits 1.5 s before
+    // its barrier.
+    thread::sleep(Duration::from_millis(800));
+    let (_, mut host) = job.children.remove(0);
+    host.kill().unwrap();
+    host.wait().unwrap();
+    let killed = Instant::now();
+    let outcomes = job.wait();
+    let o = &outcomes[0];
+    assert_eq!(o.rank, 1);
+    assert_ne!(o.kind, "Ok", "{o:?}");
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "rank 1 noticed after {:?}: {o:?}",
+        killed.elapsed()
+    );
+}

@@ -192,7 +192,7 @@ impl Comms {
     /// passes ([`Error::NcclTimeout`]; the caller aborts).
     fn wait_ready(&self, deadline: Instant, during: impl Fn() -> String) -> Result<()> {
         let start = Instant::now();
-        let mut pause = Duration::from_micros(20);
+        let mut pause = Duration::from_micros(1);
         loop {
             let mut busy = false;
             for (rank, comm) in self.comms.iter().enumerate() {
@@ -219,7 +219,12 @@ impl Comms {
                     waited_ms: millis(start.elapsed()),
                 });
             }
-            std::thread::sleep(pause);
+            // Spin briefly (a connected communicator finishes within microseconds), then sleep.
+            if pause < Duration::from_micros(64) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+            }
             pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
