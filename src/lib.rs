@@ -93,6 +93,7 @@ mod plan;
 pub mod rendezvous;
 mod tensor;
 mod topology;
+mod wait;
 
 pub use clique::{
     device_count, Capture, Clique, CliqueBuilder, CliqueGraph, Communicator, CommunicatorBuilder,

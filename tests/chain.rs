@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
-use gpucast::{BroadcastOptions, Clique, DeviceTensor, DeviceTensorMut, Element, Error, Path};
+use gpucast::{BroadcastOptions, Clique, Element, Error, Path};
 use rand::RngCore;
 
 /// Four ranks alternating over GPUs 0 and 1 (or `other` first), all on GPU 0 when it is alone.
@@ -98,30 +98,7 @@ fn chain_in_place_and_fused() {
     let clique = shared(&four_ranks(1));
     let mut rng = rng();
     for root in [0usize, 2, 3] {
-        let n = (9 << 20) + 11;
-        let data: Vec<u8> = random_vec(n, &mut rng);
-        let mut bufs: Vec<CudaSlice<u8>> = (0..4)
-            .map(|r| {
-                let init = if r == root {
-                    data.clone()
-                } else {
-                    random_vec(n, &mut rng)
-                };
-                clique.stream(r).clone_htod(&init).unwrap()
-            })
-            .collect();
-        clique
-            .broadcast_in_place_with(root, &mut bufs, &BroadcastOptions::path(Path::CopyEngine))
-            .unwrap();
-        clique.synchronize().unwrap();
-        for (rank, b) in bufs.iter().enumerate() {
-            assert_bytes_eq(
-                clique.stream(rank),
-                b,
-                &data,
-                &format!("in place root {root} rank {rank}"),
-            );
-        }
+        check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::CopyEngine, &mut rng);
     }
     let sizes = [5usize, 0, (6 << 20) + 1, 4096, 3 << 20];
     let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
@@ -129,28 +106,8 @@ fn chain_in_place_and_fused() {
         .iter()
         .map(|d| clique.stream(2).clone_htod(d).unwrap())
         .collect();
-    let mut lists: Vec<Vec<CudaSlice<u8>>> = (0..4)
-        .map(|r| {
-            sizes
-                .iter()
-                .map(|&n| {
-                    clique
-                        .stream(r)
-                        .clone_htod(&random_vec::<u8>(n, &mut rng))
-                        .unwrap()
-                })
-                .collect()
-        })
-        .collect();
-    let ins: Vec<&dyn DeviceTensor> = inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
-    let mut outs: Vec<Vec<&mut dyn DeviceTensorMut>> = lists
-        .iter_mut()
-        .map(|row| {
-            row.iter_mut()
-                .map(|t| t as &mut dyn DeviceTensorMut)
-                .collect()
-        })
-        .collect();
+    let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
+    let (ins, mut outs) = as_tensors(&inputs, &mut lists);
     let report = clique
         .broadcast_many_with(
             2,

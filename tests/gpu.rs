@@ -166,29 +166,7 @@ fn in_place_every_root_and_path() {
     for n in [1usize, 4095, 40_000, (1 << 20) + 7] {
         for root in 0..2 {
             for path in PATHS {
-                let data: Vec<bf16> = random_vec(n, &mut rng);
-                let mut bufs: Vec<CudaSlice<bf16>> = (0..2)
-                    .map(|r| {
-                        let init = if r == root {
-                            data.clone()
-                        } else {
-                            random_vec(n, &mut rng)
-                        };
-                        clique.stream(r).clone_htod(&init).unwrap()
-                    })
-                    .collect();
-                clique
-                    .broadcast_in_place_with(root, &mut bufs, &BroadcastOptions::path(path))
-                    .unwrap();
-                clique.synchronize().unwrap();
-                for (rank, b) in bufs.iter().enumerate() {
-                    assert_bytes_eq(
-                        clique.stream(rank),
-                        b,
-                        &data,
-                        &format!("in place n={n} root={root} {path:?} rank {rank}"),
-                    );
-                }
+                check_in_place::<bf16>(&clique, root, n, path, &mut rng);
             }
         }
     }
@@ -431,19 +409,7 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
         .map(|d| clique.stream(1).clone_htod(d).unwrap())
         .collect();
     let mut single = poisoned_outputs::<u8>(&clique, sizes[2], &mut rng);
-    let mut lists: Vec<Vec<CudaSlice<u8>>> = (0..2)
-        .map(|r| {
-            sizes
-                .iter()
-                .map(|&n| {
-                    clique
-                        .stream(r)
-                        .clone_htod(&random_vec::<u8>(n, &mut rng))
-                        .unwrap()
-                })
-                .collect()
-        })
-        .collect();
+    let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
     let mut graph = clique
         .capture(|c| {
             c.broadcast_with(

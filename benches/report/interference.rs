@@ -241,36 +241,9 @@ pub fn write_interference_csv(rows: &[InterferenceRow], mut w: impl Write) -> io
 /// at least the measured columns, in any order (others are ignored); blank lines and lines
 /// starting with `#` are skipped. An error names the 1-based line number.
 pub fn read_interference_csv(r: impl BufRead) -> Result<Vec<InterferenceRow>, String> {
-    let mut index: Option<(Vec<usize>, usize)> = None;
     let mut rows = Vec::new();
-    for (n, line) in r.lines().enumerate() {
-        let lineno = n + 1;
-        let line = line.map_err(|e| format!("line {lineno}: {e}"))?;
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let Some((idx, width)) = &index else {
-            let idx = NEEDED
-                .iter()
-                .map(|name| {
-                    fields
-                        .iter()
-                        .position(|f| f == name)
-                        .ok_or_else(|| format!("line {lineno}: header lacks column {name:?}"))
-                })
-                .collect::<Result<_, _>>()?;
-            index = Some((idx, fields.len()));
-            continue;
-        };
-        if fields.len() != *width {
-            return Err(format!(
-                "line {lineno}: {} fields, the header has {width}",
-                fields.len()
-            ));
-        }
-        let get = |i: usize| fields[idx[i]];
+    for (lineno, fields) in super::csv_records(r, &NEEDED)? {
+        let get = |i: usize| fields[i].as_str();
         let int = |i: usize| {
             get(i)
                 .parse::<u64>()
@@ -303,9 +276,6 @@ pub fn read_interference_csv(r: impl BufRead) -> Result<Vec<InterferenceRow>, St
             bcast_loaded_ms: ms(10)?,
             total_ms: ms(11)?,
         });
-    }
-    if index.is_none() {
-        return Err("line 1: no CSV header (empty input)".to_string());
     }
     Ok(rows)
 }

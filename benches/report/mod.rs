@@ -610,35 +610,9 @@ pub fn read_csv(r: impl BufRead) -> Result<Vec<Row>, String> {
         "gpus", "mode", "path", "route", "bytes", "count", "dtype", "root", "time_us", "min_us",
         "max_us",
     ];
-    let mut index: Option<(Vec<usize>, usize)> = None;
     let mut rows = Vec::new();
-    for (n, line) in r.lines().enumerate() {
-        let lineno = n + 1;
-        let line = line.map_err(|e| format!("line {lineno}: {e}"))?;
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let Some((idx, width)) = &index else {
-            let mut idx = Vec::with_capacity(NEEDED.len());
-            for name in NEEDED {
-                let pos = fields
-                    .iter()
-                    .position(|f| *f == name)
-                    .ok_or_else(|| format!("line {lineno}: header lacks column {name:?}"))?;
-                idx.push(pos);
-            }
-            index = Some((idx, fields.len()));
-            continue;
-        };
-        if fields.len() != *width {
-            return Err(format!(
-                "line {lineno}: {} fields, the header has {width}",
-                fields.len()
-            ));
-        }
-        let get = |i: usize| fields[idx[i]];
+    for (lineno, fields) in csv_records(r, &NEEDED)? {
+        let get = |i: usize| fields[i].as_str();
         fn num<T: FromStr>(lineno: usize, name: &str, s: &str) -> Result<T, String> {
             s.parse()
                 .map_err(|_| format!("line {lineno}: bad {name} {s:?}"))
@@ -666,10 +640,50 @@ pub fn read_csv(r: impl BufRead) -> Result<Vec<Row>, String> {
             max_us: num(lineno, "max_us", get(10))?,
         });
     }
+    Ok(rows)
+}
+
+/// The data lines of a CSV whose first non-blank line is a header: for each, its 1-based line
+/// number and the fields of the columns `needed`, in that order (the header may name them in
+/// any order, and other columns). Blank lines and lines starting with `#` are skipped; a line
+/// with another number of fields than the header, a header without a needed column, or no
+/// header at all is an error naming the line.
+pub fn csv_records(r: impl BufRead, needed: &[&str]) -> Result<Vec<(usize, Vec<String>)>, String> {
+    let mut index: Option<(Vec<usize>, usize)> = None;
+    let mut records = Vec::new();
+    for (n, line) in r.lines().enumerate() {
+        let lineno = n + 1;
+        let line = line.map_err(|e| format!("line {lineno}: {e}"))?;
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split(',').map(str::trim).collect();
+        let Some((idx, width)) = &index else {
+            let idx = needed
+                .iter()
+                .map(|name| {
+                    fields
+                        .iter()
+                        .position(|f| f == name)
+                        .ok_or_else(|| format!("line {lineno}: header lacks column {name:?}"))
+                })
+                .collect::<Result<_, _>>()?;
+            index = Some((idx, fields.len()));
+            continue;
+        };
+        if fields.len() != *width {
+            return Err(format!(
+                "line {lineno}: {} fields, the header has {width}",
+                fields.len()
+            ));
+        }
+        records.push((lineno, idx.iter().map(|&i| fields[i].to_string()).collect()));
+    }
     if index.is_none() {
         return Err("line 1: no CSV header (empty input)".to_string());
     }
-    Ok(rows)
+    Ok(records)
 }
 
 /// One ratio range as words: `2.60x-3.10x faster (median 2.80x)`. `ratios` are

@@ -189,40 +189,27 @@ impl Engine {
     /// out, or a launch reached only some ranks), drains every stream and resets the signal
     /// areas, so that no new work queues behind a broken state; a timeout is then reported.
     pub(crate) fn lock(&self) -> Result<EngineGuard<'_>> {
-        if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
-            return Err(Error::CaptureInProgress);
-        }
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut guard = EngineGuard {
-            engine: self,
-            state,
-        };
+        let mut guard = self.guard()?;
         guard.recover_if_needed()?;
-        if let Some(fault) = self
-            .watchdog
-            .as_ref()
-            .and_then(watchdog::Watchdog::take_fault)
-        {
+        if let Some(fault) = self.fault() {
             return Err(fault);
         }
         Ok(guard)
+    }
+
+    /// The watchdog's abort not reported yet, if any (reported once).
+    fn fault(&self) -> Option<Error> {
+        self.watchdog
+            .as_ref()
+            .and_then(watchdog::Watchdog::take_fault)
     }
 
     /// Rebuilds what failures closed, without a new process: waits for the streams (bounded,
     /// see `drain`), resets the P2P signal areas and the copy-engine flags, drops errors not yet
     /// reported, and when the NCCL communicators were aborted replaces them with `rebuild()`.
     pub(crate) fn recover(&self, rebuild: impl FnOnce() -> Result<Comms>) -> Result<()> {
-        if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
-            return Err(Error::CaptureInProgress);
-        }
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let mut guard = EngineGuard {
-            engine: self,
-            state,
-        };
-        if let Some(w) = &self.watchdog {
-            drop(w.take_fault());
-        }
+        let mut guard = self.guard()?;
+        drop(self.fault());
         guard.drain(false)?;
         if let Some(flags) = &guard.state.ce_flags {
             flags.set(0)?;
@@ -243,6 +230,19 @@ impl Engine {
     /// Number of calls queued so far (see `Clique::calls`).
     pub(crate) fn calls(&self) -> u64 {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).calls
+    }
+
+    /// The bare lock (no recovery): an error on the capturing thread, where it would wait for
+    /// itself.
+    fn guard(&self) -> Result<EngineGuard<'_>> {
+        if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
+            return Err(Error::CaptureInProgress);
+        }
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(EngineGuard {
+            engine: self,
+            state,
+        })
     }
 
     fn capture_owned_here(&self) -> bool {
@@ -329,7 +329,7 @@ impl EngineGuard<'_> {
     fn drain(&mut self, report_p2p: bool) -> Result<()> {
         let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
         let start = Instant::now();
-        let mut pause = Duration::from_micros(2);
+        let mut backoff = crate::wait::Backoff::new();
         loop {
             let mut idle = true;
             for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -357,12 +357,7 @@ impl EngineGuard<'_> {
                 self.state.desynced = true;
                 return Err(e);
             }
-            if let Some(fault) = self
-                .engine
-                .watchdog
-                .as_ref()
-                .and_then(watchdog::Watchdog::take_fault)
-            {
+            if let Some(fault) = self.engine.fault() {
                 return Err(fault);
             }
             if start.elapsed() > limit {
@@ -370,12 +365,7 @@ impl EngineGuard<'_> {
                     waited_ms: crate::nccl::millis(start.elapsed()),
                 });
             }
-            if pause < Duration::from_micros(64) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause);
-            }
-            pause = (pause * 2).min(Duration::from_millis(1));
+            backoff.pause();
         }
     }
 
@@ -533,12 +523,7 @@ impl EngineGuard<'_> {
     pub(crate) fn synchronize(&mut self) -> Result<()> {
         self.drain(true)?;
         self.recover_if_needed()?;
-        if let Some(fault) = self
-            .engine
-            .watchdog
-            .as_ref()
-            .and_then(watchdog::Watchdog::take_fault)
-        {
+        if let Some(fault) = self.engine.fault() {
             return Err(fault);
         }
         let mut nccl = self.state.nccl.lock().unwrap_or_else(|e| e.into_inner());

@@ -5,6 +5,8 @@ mod lib;
 use std::ffi::{c_int, c_void};
 use std::time::{Duration, Instant};
 
+use crate::wait::Backoff;
+
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
 
@@ -192,45 +194,23 @@ impl Comms {
     /// passes ([`Error::NcclTimeout`]; the caller aborts).
     fn wait_ready(&self, deadline: Instant, during: impl Fn() -> String) -> Result<()> {
         let start = Instant::now();
-        let mut pause = Duration::from_micros(1);
-        loop {
-            let mut busy = false;
-            for (rank, comm) in self.comms.iter().enumerate() {
-                let mut state: lib::RawResult = 0;
-                // SAFETY: `comm` is live; `state` is a valid out pointer.
-                let code = unsafe { (self.lib.comm_get_async_error)(comm.0, &mut state) };
-                self.lib.check(code, comm.0, || {
-                    format!("ncclCommGetAsyncError on rank {rank}")
-                })?;
-                match state {
-                    0 => {}
-                    lib::IN_PROGRESS => busy = true,
-                    e => self
-                        .lib
-                        .check(e, comm.0, || format!("{} (rank {rank})", during()))?,
-                }
-            }
-            if !busy {
-                return Ok(());
-            }
+        let mut backoff = Backoff::new();
+        while self.busy(&during)? {
             if Instant::now() >= deadline {
                 return Err(Error::NcclTimeout {
                     during: during(),
                     waited_ms: millis(start.elapsed()),
                 });
             }
-            // Spin briefly (a connected communicator finishes within microseconds), then sleep.
-            if pause < Duration::from_micros(64) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause);
-            }
-            pause = (pause * 2).min(Duration::from_millis(1));
+            backoff.pause();
         }
+        Ok(())
     }
 
-    /// The first asynchronous error any communicator reports, if any.
-    pub(crate) fn async_error(&self) -> Result<()> {
+    /// Whether a communicator still has a call in progress; the first error any reports
+    /// (`during` says what the call was).
+    fn busy(&self, during: impl Fn() -> String) -> Result<bool> {
+        let mut busy = false;
         for (rank, comm) in self.comms.iter().enumerate() {
             let mut state: lib::RawResult = 0;
             // SAFETY: `comm` is live; `state` is a valid out pointer.
@@ -238,13 +218,20 @@ impl Comms {
             self.lib.check(code, comm.0, || {
                 format!("ncclCommGetAsyncError on rank {rank}")
             })?;
-            if state != 0 && state != lib::IN_PROGRESS {
-                self.lib.check(state, comm.0, || {
-                    format!("asynchronous NCCL error on rank {rank}")
-                })?;
+            match state {
+                0 => {}
+                lib::IN_PROGRESS => busy = true,
+                e => self
+                    .lib
+                    .check(e, comm.0, || format!("{} (rank {rank})", during()))?,
             }
         }
-        Ok(())
+        Ok(busy)
+    }
+
+    /// The first asynchronous error any communicator reports, if any.
+    pub(crate) fn async_error(&self) -> Result<()> {
+        self.busy(|| "asynchronous NCCL error".into()).map(|_| ())
     }
 
     /// Aborts every communicator: NCCL stops their kernels and frees them without waiting for

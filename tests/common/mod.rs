@@ -106,3 +106,80 @@ pub fn stall_stream(stream: &CudaStream, ms: u64) {
     }
     .unwrap();
 }
+
+/// One list per rank of poisoned `u8` outputs of `sizes[t]` bytes, on each rank's stream.
+pub fn poisoned_lists(
+    clique: &Clique,
+    sizes: &[usize],
+    rng: &mut impl RngCore,
+) -> Vec<Vec<CudaSlice<u8>>> {
+    (0..clique.len())
+        .map(|r| {
+            sizes
+                .iter()
+                .map(|&n| {
+                    clique
+                        .stream(r)
+                        .clone_htod(&random_vec::<u8>(n, rng))
+                        .expect("upload poison")
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Inputs and output lists as the trait objects a fused call takes.
+pub fn as_tensors<'a, T: Element>(
+    inputs: &'a [CudaSlice<T>],
+    lists: &'a mut [Vec<CudaSlice<T>>],
+) -> (
+    Vec<&'a dyn gpucast::DeviceTensor>,
+    Vec<Vec<&'a mut dyn gpucast::DeviceTensorMut>>,
+) {
+    let ins = inputs
+        .iter()
+        .map(|t| t as &dyn gpucast::DeviceTensor)
+        .collect();
+    let outs = lists
+        .iter_mut()
+        .map(|row| {
+            row.iter_mut()
+                .map(|t| t as &mut dyn gpucast::DeviceTensorMut)
+                .collect()
+        })
+        .collect();
+    (ins, outs)
+}
+
+/// An in-place broadcast of `n` random elements from `root` on `path` (every other rank's
+/// buffer holds other random data first), checked bit for bit on every rank.
+pub fn check_in_place<T: Element>(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    path: gpucast::Path,
+    rng: &mut impl RngCore,
+) {
+    let data: Vec<T> = random_vec(n, rng);
+    let mut bufs: Vec<CudaSlice<T>> = (0..clique.len())
+        .map(|r| {
+            let init = if r == root {
+                data.clone()
+            } else {
+                random_vec(n, rng)
+            };
+            clique.stream(r).clone_htod(&init).expect("upload")
+        })
+        .collect();
+    clique
+        .broadcast_in_place_with(root, &mut bufs, &gpucast::BroadcastOptions::path(path))
+        .unwrap_or_else(|e| panic!("in place n={n} root={root} {path:?}: {e}"));
+    clique.synchronize().unwrap();
+    for (rank, b) in bufs.iter().enumerate() {
+        let what = format!(
+            "in place, {} ranks, n={n} root={root} {path:?} rank {rank}",
+            clique.len()
+        );
+        assert_bytes_eq(clique.stream(rank), b, &data, &what);
+    }
+}

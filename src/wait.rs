@@ -1,0 +1,46 @@
+//! Polling waits: spin briefly (most waits end within microseconds), then sleep with a growing
+//! pause, so that a long wait costs no CPU and a short one no latency.
+
+use std::time::Duration;
+
+/// The pause between two polls.
+pub(crate) struct Backoff {
+    pause: Duration,
+}
+
+impl Backoff {
+    /// Longest pause: the delay a long wait may add after its condition holds.
+    pub(crate) const MAX: Duration = Duration::from_millis(1);
+    /// Below this pause the thread yields instead of sleeping.
+    const SPIN: Duration = Duration::from_micros(64);
+
+    pub(crate) fn new() -> Backoff {
+        Backoff {
+            pause: Duration::from_micros(1),
+        }
+    }
+
+    /// Waits before the next poll.
+    pub(crate) fn pause(&mut self) {
+        if self.pause < Self::SPIN {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(self.pause);
+        }
+        self.pause = (self.pause * 2).min(Self::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pauses_grow_to_the_cap() {
+        let mut b = Backoff::new();
+        for _ in 0..20 {
+            b.pause();
+        }
+        assert_eq!(b.pause, Backoff::MAX);
+    }
+}
