@@ -1,8 +1,9 @@
 //! Fault injection in one process: a rank held back on its stream (a host function that
-//! sleeps) under each path, eager and in a graph replay. Each fault must give its typed error
-//! within the timeout plus 100 ms (or, for NCCL, complete late and correct: see the watchdog's
-//! rule on local ranks held back), never hang, and leave a clique that `recover` makes whole:
-//! the broadcasts after it are checked bit for bit.
+//! sleeps) under the P2P kernel and NCCL, eager and in a graph replay. Where a rank waits for
+//! the one held back (a P2P pull or packet peer, an NCCL kernel), the fault must give its typed
+//! error within the timeout plus 100 ms, never hang, and leave a clique that `recover` makes
+//! whole: the broadcasts after it are checked bit for bit. Where nothing waits (a packet
+//! receiver held back, the copy engines), the call must complete late and right.
 //!
 //! `GPUCAST_FAULT_ROUNDS` (default 2) repeats the whole set; each round prints its detection
 //! times and the last line counts faults, errors and hangs. With one GPU the two ranks share
@@ -98,11 +99,16 @@ struct Counts {
 }
 
 impl Counts {
+    /// A fault that must give `Error::Timeout` (the P2P kernel) or, for NCCL,
+    /// `Error::CommunicatorsAborted` naming the call, within the timeout plus `SLACK`.
     fn timed_out(&mut self, what: &str, r: gpucast::Result<()>, took: Duration) {
         self.faults += 1;
         match r {
             Err(Error::Timeout { .. }) => self.errors += 1,
-            other => panic!("{what}: expected a timeout, got {other:?}"),
+            Err(Error::CommunicatorsAborted {
+                undefined_calls, ..
+            }) if !undefined_calls.is_empty() => self.errors += 1,
+            other => panic!("{what}: expected a timeout or an abort, got {other:?}"),
         }
         assert!(
             took <= TIMEOUT + SLACK,
@@ -156,15 +162,20 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         clique.synchronize().unwrap();
         drop(graph);
         all_paths_work(&clique, &mut rng);
-        // Nothing waits for a rank held back on its own stream here: a packet receiver (the
-        // root does not wait for it), the copy engines (ordered by events) and NCCL (the
-        // watchdog does not abort a local rank that has not started). The call completes late
-        // and right, with no error.
-        let mut late = vec![(Path::P2p, 4096usize), (Path::CopyEngine, 1 << 20)];
+        // NCCL: the root's kernel waits for rank 1 held back (or rank 1's for the root); the
+        // watchdog aborts the communicators, and recovery makes new ones.
         if nccl_on(&clique) {
-            late.push((Path::Nccl, 1 << 20));
+            for (n, held) in [(4096usize, 1usize), (1 << 20, 0)] {
+                let (r, took) = held_back(&clique, Path::Nccl, n, held, hold);
+                counts.timed_out(&format!("NCCL {n} B, rank {held} held back"), r, took);
+                clique.recover().unwrap();
+                all_paths_work(&clique, &mut rng);
+            }
         }
-        for (path, n) in late {
+        // Nothing waits for a rank held back on its own stream here: a packet receiver (the
+        // root does not wait for it) and the copy engines (ordered by events, no kernel). The
+        // call completes late and right, with no error.
+        for (path, n) in [(Path::P2p, 4096usize), (Path::CopyEngine, 1 << 20)] {
             let held = TIMEOUT * 2;
             let (r, took) = held_back(&clique, path, n, 1, held);
             r.unwrap_or_else(|e| panic!("{path:?} with rank 1 held back: {e}"));

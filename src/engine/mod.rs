@@ -219,7 +219,7 @@ impl Engine {
             p2p.recover()?;
         }
         guard.state.desynced = false;
-        let mut nccl = guard.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+        let mut nccl = guard.nccl()?;
         if matches!(*nccl, Nccl::Aborted(_)) {
             *nccl = Nccl::Live(rebuild()?);
             tracing::info!("NCCL communicators rebuilt");
@@ -369,6 +369,16 @@ impl EngineGuard<'_> {
         }
     }
 
+    /// The NCCL state. The watchdog holds it while an abort waits for kernels queued behind
+    /// work on the streams; waiting for it is bounded like [`EngineGuard::drain`].
+    fn nccl(&self) -> Result<MutexGuard<'_, Nccl>> {
+        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
+        lock_within(&self.state.nccl, limit).ok_or_else(|| Error::NcclTimeout {
+            during: "waiting for an abort of the NCCL communicators to finish".into(),
+            waited_ms: crate::nccl::millis(limit),
+        })
+    }
+
     /// The P2P path's availability.
     pub(crate) fn p2p(&mut self) -> Result<&mut P2p> {
         self.state.p2p.as_mut().map_err(|e| e.clone())
@@ -443,7 +453,7 @@ impl EngineGuard<'_> {
                     let own: Vec<&Arc<CudaStream>> =
                         self.engine.ranks.iter().map(|r| r.stream.get()).collect();
                     let begun = watch.map(|w| w.begin(&own)).transpose()?;
-                    let mut nccl = self.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut nccl = self.nccl()?;
                     let comms = nccl.live()?;
                     let entries = tensors
                         .iter()
@@ -526,7 +536,7 @@ impl EngineGuard<'_> {
         if let Some(fault) = self.engine.fault() {
             return Err(fault);
         }
-        let mut nccl = self.state.nccl.lock().unwrap_or_else(|e| e.into_inner());
+        let mut nccl = self.nccl()?;
         match &mut *nccl {
             Nccl::Live(comms) => comms.async_error(),
             Nccl::Aborted(_) | Nccl::Off(_) => Ok(()),
@@ -676,6 +686,20 @@ impl EngineGuard<'_> {
     }
 }
 
+/// Locks `m`, waiting at most `limit`.
+fn lock_within(m: &Mutex<Nccl>, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
+    let start = Instant::now();
+    let mut backoff = crate::wait::Backoff::new();
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < limit => backoff.pause(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        }
+    }
+}
+
 /// One instantiated graph of one rank.
 pub(crate) struct GraphExec {
     ctx: Arc<CudaContext>,
@@ -745,15 +769,19 @@ impl Drop for Engine {
             .unwrap_or_else(|e| e.into_inner())
             .nccl
             .clone();
-        let mut nccl = shared.lock().unwrap_or_else(|e| e.into_inner());
-        if !idle {
-            nccl.abort("the clique was dropped while work was still running".into());
-            idle = self.wait_idle(Duration::from_secs(1));
+        // The watchdog may hold NCCL while its abort waits for queued kernels.
+        match lock_within(&shared, Duration::from_secs(1)) {
+            Some(mut nccl) => {
+                if !idle {
+                    nccl.abort("the clique was dropped while work was still running".into());
+                    idle = self.wait_idle(Duration::from_secs(1));
+                }
+                if idle {
+                    *nccl = Nccl::Aborted("dropped".into());
+                }
+            }
+            None => idle = false,
         }
-        if idle {
-            *nccl = Nccl::Aborted("dropped".into());
-        }
-        drop(nccl);
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         if idle {
             state.p2p = Err(Error::P2pUnavailable("dropped".into()));

@@ -4,17 +4,18 @@
 //!
 //! Each NCCL broadcast (and each graph launch that holds one) is queued here with an event
 //! before and after it on every local rank's stream. The thread sleeps while nothing is
-//! queued; otherwise it looks every [`POLL`]: when a broadcast has started on every local rank
-//! (its start events passed) and has not finished `timeout` later, or NCCL reports an
-//! asynchronous error, it aborts the communicators (`ncclCommAbort`: their kernels return, the
-//! streams move on) and keeps the error, naming the calls whose outputs are undefined, for the
-//! next call.
+//! queued; otherwise it looks every [`POLL`]: when a broadcast has started on some local rank
+//! (a start event passed: that rank's NCCL kernel waits for its peers) and has not finished
+//! `timeout` later, or NCCL reports an asynchronous error, it keeps the error for the next
+//! call, naming the calls whose outputs are undefined, then aborts the communicators
+//! (`ncclCommAbort`: their kernels return, the streams move on). This is the P2P kernel's rule
+//! too: a rank that waits longer than the timeout for a peer is a fault.
 //!
-//! A local rank still held back by work queued before the broadcast on its stream is not
-//! aborted: its NCCL kernel would start later on a communicator already freed. Its peers
-//! wait; the broadcast completes when it arrives. (In a job of several processes, the peers
-//! in other processes time out and abort on their own; this rank then times out once its
-//! kernel has started.)
+//! NCCL's abort waits for the kernels already queued on the communicators (they see the abort
+//! flag and return at once), so a local rank held back by work queued before the broadcast
+//! delays the abort's end, never frees what a queued kernel still uses. The thread does the
+//! abort; callers see the error at once and wait for the abort only if they need NCCL again
+//! (bounded, see `Engine::nccl`).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -158,10 +159,18 @@ pub(crate) struct Begun {
     end: Vec<CudaEvent>,
 }
 
+/// Whether an event has passed. An error other than "not ready" (a context gone bad) counts
+/// as passed: the work will not finish, and the next call reports the error itself.
+fn passed(e: &CudaEvent) -> bool {
+    e.try_is_complete().unwrap_or(true)
+}
+
 fn all_passed(events: &[CudaEvent]) -> bool {
-    // An error other than "not ready" (a context gone bad) counts as passed: the work will
-    // not finish, and the next call reports the error itself.
-    events.iter().all(|e| e.try_is_complete().unwrap_or(true))
+    events.iter().all(passed)
+}
+
+fn any_passed(events: &[CudaEvent]) -> bool {
+    events.iter().any(passed)
 }
 
 /// The thread's loop.
@@ -181,18 +190,14 @@ fn watch(shared: &Shared) {
         }
         let mut late = None;
         for p in q.pending.iter_mut() {
-            if p.started.is_none() && all_passed(&p.start) {
+            if p.started.is_none() && any_passed(&p.start) {
                 p.started = Some(now);
-            }
-            if p.started.is_none() {
-                // Later calls queue behind this one on the same streams.
-                break;
             }
             if let Some(t) = p.started {
                 if now.duration_since(t) > shared.timeout && late.is_none() {
                     late = Some(format!(
-                        "call {} ({}) did not finish within {} ms of starting on every local \
-                         rank: a peer did not arrive",
+                        "call {} ({}) did not finish within {} ms of starting: a peer did not \
+                         arrive",
                         p.call,
                         p.what,
                         millis(shared.timeout)
@@ -221,18 +226,20 @@ fn watch(shared: &Shared) {
             let undefined: Vec<u64> = q.pending.iter().map(|p| p.call).collect();
             let spare: Vec<_> = q.pending.drain(..).map(|p| (p.start, p.end)).collect();
             q.spare.extend(spare);
+            // The error first: callers learn of the fault while the abort waits for queued
+            // kernels.
+            q.fault = Some(Error::CommunicatorsAborted {
+                reason: reason.clone(),
+                undefined_calls: undefined.clone(),
+            });
             drop(q);
             tracing::error!(%reason, ?undefined, "aborting NCCL");
             shared
                 .nccl
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .abort(reason.clone());
+                .abort(reason);
             q = shared.queue();
-            q.fault = Some(Error::CommunicatorsAborted {
-                reason,
-                undefined_calls: undefined,
-            });
             continue;
         }
         let (guard, _) = shared

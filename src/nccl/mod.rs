@@ -240,6 +240,8 @@ impl Comms {
         for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
             // SAFETY: `comm` is live and never used again.
             let code = unsafe { (self.lib.comm_abort)(comm.0) };
+            // A non-blocking communicator may finish its abort in the background.
+            let code = if code == lib::IN_PROGRESS { 0 } else { code };
             if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
                 format!("ncclCommAbort rank {rank}")
             }) {
@@ -256,6 +258,7 @@ impl Drop for Comms {
         for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
             // SAFETY: `comm` is live and is not used again.
             let code = unsafe { (self.lib.comm_destroy)(comm.0) };
+            let code = if code == lib::IN_PROGRESS { 0 } else { code };
             if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
                 format!("ncclCommDestroy rank {rank}")
             }) {
