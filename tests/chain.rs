@@ -191,3 +191,45 @@ fn captured_chain_replays() {
         );
     }
 }
+
+/// A graph of many copy-engine broadcasts (each waits on flags): every rank's graph must go
+/// out although the first one's device stalls on flags the second one writes.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn a_graph_of_many_copy_engine_broadcasts() {
+    let clique = shared(&[0, 1]);
+    let mut rng = rng();
+    let n = 256 << 10;
+    let data: Vec<u8> = random_vec(n, &mut rng);
+    let mut input = clique.stream(0).clone_htod(&vec![0u8; n]).unwrap();
+    let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+    // SAFETY: the buffers outlive the graph (dropped after it) and are written only on the
+    // clique's streams, in order with the replays.
+    let mut graph = unsafe {
+        clique.capture_unchecked(|c| {
+            for _ in 0..1000 {
+                c.broadcast_with(
+                    0,
+                    &input,
+                    &mut outputs,
+                    &BroadcastOptions::path(Path::CopyEngine),
+                )?;
+            }
+            Ok(())
+        })
+    }
+    .unwrap();
+    for replay in 0..3 {
+        clique.stream(0).memcpy_htod(&data, &mut input).unwrap();
+        graph.launch().unwrap();
+        clique.synchronize().unwrap();
+        for (rank, out) in outputs.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(rank),
+                out,
+                &data,
+                &format!("replay {replay} rank {rank}"),
+            );
+        }
+    }
+}

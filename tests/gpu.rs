@@ -692,7 +692,7 @@ fn fused_mixed_types_and_sizes() {
                 clique.synchronize().unwrap();
                 assert_eq!(report.tensors, specs.len());
                 assert_eq!(
-                    report.p2p_tensors + report.nccl_tensors,
+                    report.p2p_tensors + report.nccl_tensors + report.copy_engine_tensors,
                     specs.len() - 1,
                     "the empty tensor is skipped"
                 );

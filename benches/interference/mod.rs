@@ -32,7 +32,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use gpucast::cudarc::driver::sys::{CUdevice_attribute, CUevent_flags};
 use gpucast::cudarc::driver::{
-    result, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    result, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
     PushKernelArg,
 };
 use gpucast::{BroadcastOptions, Clique, Path};
@@ -193,8 +193,7 @@ fn slowest_ms(start: &[CudaEvent], end: &[CudaEvent]) -> Result<f64> {
 enum How {
     /// `Clique::broadcast_with` with these options.
     Options(BroadcastOptions),
-    /// `Clique::copy_engine_raw`: the copy engines without gpucast's ordering (the root's own
-    /// output is not written).
+    /// `Clique::copy_engine_raw`: the copy engines without gpucast's ordering.
     CopyEngineRaw,
 }
 
@@ -221,7 +220,8 @@ fn how_for(clique: &Clique, name: &str) -> Result<Option<How>> {
 }
 
 /// The broadcasts of a measurement: `count` from `root`, back to back, the same buffers each
-/// time.
+/// time, in place (the root's buffer is the source, as when a model's weights are broadcast):
+/// no path then spends a copy on the root's own output, and the copy engines run alone.
 struct Broadcasts {
     input: CudaSlice<u8>,
     outputs: Vec<CudaSlice<u8>>,
@@ -234,20 +234,20 @@ impl Broadcasts {
     fn once(&mut self, clique: &Clique, how: &How) -> Result<()> {
         match how {
             How::Options(opts) => {
-                clique.broadcast_with(self.root, &self.input, &mut self.outputs, opts)?;
+                clique.broadcast_in_place_with(self.root, &mut self.outputs, opts)?;
             }
             How::CopyEngineRaw => {
-                let (src, _r) = self.input.device_ptr(clique.stream(self.root));
                 let dsts: Vec<u64> = self
                     .outputs
                     .iter_mut()
                     .enumerate()
                     .map(|(r, o)| o.device_ptr_mut(clique.stream(r)).0)
                     .collect();
+                let src = dsts[self.root];
                 // SAFETY: every buffer holds `input.len()` bytes on its rank's device and lives
                 // in `self` until the streams have passed the copies (every measurement ends
                 // synchronised); the input is only read.
-                unsafe { clique.copy_engine_raw(self.root, src, &dsts, self.input.len()) }?;
+                unsafe { clique.copy_engine_raw(self.root, src, &dsts, self.host.len()) }?;
             }
         }
         Ok(())
@@ -264,6 +264,10 @@ impl Broadcasts {
     fn verify(&mut self, clique: &Clique, how: &How) -> Result<()> {
         for (r, o) in self.outputs.iter_mut().enumerate() {
             let s = clique.stream(r);
+            if r == self.root {
+                s.memcpy_dtod(&self.input, o)?;
+                continue;
+            }
             let (p, _g) = o.device_ptr_mut(s);
             // SAFETY: `p` points to `host.len()` bytes on this stream's device.
             unsafe { result::memset_d8_async(p, 0xA5 ^ r as u8, self.host.len(), s.cu_stream()) }?;
@@ -271,9 +275,6 @@ impl Broadcasts {
         self.once(clique, how)?;
         clique.synchronize()?;
         for r in 0..clique.len() {
-            if matches!(how, How::CopyEngineRaw) && r == self.root {
-                continue;
-            }
             let got: Vec<u8> = clique.stream(r).clone_dtoh(&self.outputs[r])?;
             if got != self.host {
                 let i = got.iter().zip(&self.host).position(|(a, b)| a != b);

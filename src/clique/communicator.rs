@@ -209,7 +209,7 @@ impl Communicator {
             id.try_into()
                 .map_err(|_| Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into()))?,
         );
-        let comms = Comms::init_ranks(&id, world, &[(rank, &ctx)], init_timeout)?;
+        let comms = Comms::init_ranks(&id, world, &[(rank, ctx.clone())], init_timeout)?;
 
         // Rounds 3 and 4 (on one host): shared memory for the P2P kernel.
         let p2p = if !same_host {

@@ -428,10 +428,9 @@ impl Clique {
         let ctxs: Vec<Arc<CudaContext>> =
             (0..self.len()).map(|r| self.context(r).clone()).collect();
         let timeout = self.timeout().max(Duration::from_secs(60));
-        self.core.engine.recover(|| {
-            let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();
-            crate::nccl::Comms::init_all(&refs, timeout)
-        })
+        self.core
+            .engine
+            .recover(|| crate::nccl::Comms::init_all(&ctxs, timeout))
     }
 
     /// Number of calls queued so far on this clique: broadcasts (single or fused, the first is

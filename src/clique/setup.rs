@@ -155,10 +155,9 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     let topology = enable_peer_access(&ordinals, &ctxs)?;
     let distinct = (0..ordinals.len()).all(|i| !ordinals[..i].contains(&ordinals[i]));
     let nccl = if distinct {
-        let refs: Vec<&CudaContext> = ctxs.iter().map(|c| &**c).collect();
         // Every rank is here, so joining takes as long as NCCL's setup: a generous bound.
         Nccl::Live(Comms::init_all(
-            &refs,
+            &ctxs,
             settings.timeout.max(Duration::from_secs(60)),
         )?)
     } else {

@@ -110,6 +110,21 @@ impl EngineGuard<'_> {
         let total = tensors.iter().map(|&t| bytes[t]).sum();
         let chunks = plan::chunks(tensors, &bytes, plan::chunk_bytes(total, n));
         let order = plan::chain(root, n);
+        let capturing = self
+            .engine
+            .capturing
+            .load(std::sync::atomic::Ordering::Acquire);
+        self.state.captured_ce |= capturing;
+        let ops = if capturing {
+            plan::captured_ops(&order, chunks.len())
+        } else {
+            plan::eager_ops(&order, chunks.len())
+        };
+        // The root announces its input (the first operation) before it copies its own output,
+        // so that the peers' copies overlap that local one instead of waiting for it.
+        let split = ops.len().min(1);
+        // SAFETY: per this function's contract.
+        unsafe { self.queue(root, items, &chunks, &ops[..split]) }?;
         for &t in tensors {
             let it = &items[t];
             if it.dsts[root] != it.src {
@@ -117,17 +132,8 @@ impl EngineGuard<'_> {
                 unsafe { self.copy(root, it.dsts[root], it.src, it.bytes()) }?;
             }
         }
-        let capturing = self
-            .engine
-            .capturing
-            .load(std::sync::atomic::Ordering::Acquire);
-        let ops = if capturing {
-            plan::captured_ops(&order, chunks.len())
-        } else {
-            plan::eager_ops(&order, chunks.len())
-        };
         // SAFETY: per this function's contract.
-        unsafe { self.queue(root, items, &chunks, &ops) }
+        unsafe { self.queue(root, items, &chunks, &ops[split..]) }
     }
 
     /// # Safety
@@ -161,7 +167,9 @@ impl EngineGuard<'_> {
         chunks: &[Chunk],
         ops: &[ChainOp],
     ) -> Result<()> {
-        if ops.iter().any(|o| matches!(o, ChainOp::WaitFlag { .. }))
+        if ops
+            .iter()
+            .any(|o| matches!(o, ChainOp::WaitFlag { .. } | ChainOp::WriteFlag { .. }))
             && self.state.ce_flags.is_none()
         {
             let ctxs: Vec<_> = self.engine.ranks.iter().map(|r| r.ctx.clone()).collect();

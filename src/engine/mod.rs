@@ -84,6 +84,8 @@ struct State {
     calls: u64,
     /// An NCCL step was queued inside the capture in progress.
     captured_nccl: bool,
+    /// A copy-engine step was queued inside the capture in progress.
+    captured_ce: bool,
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
@@ -150,6 +152,7 @@ impl Engine {
                 nccl,
                 calls: 0,
                 captured_nccl: false,
+                captured_ce: false,
                 p2p,
                 events,
                 ce_events,
@@ -570,6 +573,7 @@ impl EngineGuard<'_> {
     /// enqueue on the streams being captured). On an error the ones begun are ended.
     pub(crate) fn begin_capture(&mut self) -> Result<()> {
         self.state.captured_nccl = false;
+        self.state.captured_ce = false;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
             if let Err(e) = r.stream.get().begin_capture(mode) {
@@ -602,6 +606,7 @@ impl EngineGuard<'_> {
     /// graph would leave its peers waiting at every replay, so that is an error.
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
         let has_nccl = std::mem::take(&mut self.state.captured_nccl);
+        let has_ce = std::mem::take(&mut self.state.captured_ce);
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
         for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -619,7 +624,7 @@ impl EngineGuard<'_> {
                         ),
                     }));
                 }
-                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph, has_nccl) {
+                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph, has_nccl, has_ce) {
                     Ok(exec) => execs.push(exec),
                     Err(e) => status = status.and(Err(e)),
                 },
@@ -646,14 +651,47 @@ impl EngineGuard<'_> {
             .filter(|_| execs.first().is_some_and(|g| g.has_nccl));
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
-        for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
-            let launched = r.ctx.bind_to_thread().and_then(|()| {
+        let launch = |r: &Rank, g: &GraphExec| {
+            r.ctx.bind_to_thread().and_then(|()| {
                 // SAFETY: `g` was instantiated from this rank's capture and is alive; launches
                 // of one graph are serialised by the engine's lock.
                 unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
-            });
+            })
+        };
+        // A graph whose copies wait on flags (stream memory operations) stalls its device's
+        // command queue until a peer's graph writes them; a launch may then block the host
+        // until that peer's graph runs. So such graphs go out from one thread per rank.
+        let together = execs.first().is_some_and(|g| g.has_ce) && execs.len() > 1;
+        let results: Vec<_> = if together {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = self
+                    .engine
+                    .ranks
+                    .iter()
+                    .zip(execs)
+                    .map(|(r, g)| s.spawn(move || launch(r, g)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or(Err(result::DriverError(
+                            sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
+                        )))
+                    })
+                    .collect()
+            })
+        } else {
+            Vec::new()
+        };
+        for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
+            let launched = if together {
+                results[rank]
+            } else {
+                launch(r, g)
+            };
             if let Err(e) = launched {
-                if rank > 0 {
+                // The ranks whose graphs went out wait for this one.
+                if rank > 0 || results.iter().any(std::result::Result::is_ok) {
                     self.state.desynced = true;
                     if let Some(flags) = &self.state.ce_flags {
                         flags.set(1)?;
@@ -707,6 +745,8 @@ pub(crate) struct GraphExec {
     exec: sys::CUgraphExec,
     /// The graph holds NCCL broadcasts: its launches are watched.
     has_nccl: bool,
+    /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
+    has_ce: bool,
 }
 
 // SAFETY: graph handles may be used from any thread as long as calls on one graph do not
@@ -720,6 +760,7 @@ impl GraphExec {
         ctx: Arc<CudaContext>,
         graph: sys::CUgraph,
         has_nccl: bool,
+        has_ce: bool,
     ) -> Result<GraphExec> {
         // SAFETY: `graph` is a live graph from end_capture in the current context.
         match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
@@ -728,6 +769,7 @@ impl GraphExec {
                 graph,
                 exec,
                 has_nccl,
+                has_ce,
             }),
             Err(e) => {
                 // SAFETY: the graph is not used again.

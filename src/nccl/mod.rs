@@ -3,6 +3,9 @@
 mod lib;
 
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
 use std::time::{Duration, Instant};
 
 use crate::wait::Backoff;
@@ -40,12 +43,9 @@ pub(crate) struct Comms {
 impl Comms {
     /// One communicator per rank of a clique of this process (rank i on `ctxs[i]`), within
     /// `timeout`.
-    pub(crate) fn init_all(
-        ctxs: &[&cudarc::driver::CudaContext],
-        timeout: Duration,
-    ) -> Result<Comms> {
+    pub(crate) fn init_all(ctxs: &[Arc<CudaContext>], timeout: Duration) -> Result<Comms> {
         let id = Comms::unique_id()?;
-        let ranks: Vec<_> = ctxs.iter().enumerate().map(|(r, c)| (r, *c)).collect();
+        let ranks: Vec<_> = ctxs.iter().cloned().enumerate().collect();
         Comms::init_ranks(&id, ctxs.len(), &ranks, timeout)
     }
 
@@ -60,70 +60,53 @@ impl Comms {
     }
 
     /// One communicator per local rank of a job of `world` ranks that shares `id`:
-    /// `ranks[i]` is (global rank, context) of local rank i. Waits until every rank of the job
-    /// has joined (`ncclCommInitRankConfig`, in one group for several local ranks), at most
-    /// `timeout`: the communicators are non-blocking, so that no NCCL call can block for
-    /// longer than gpucast lets it.
+    /// `ranks[i]` is (global rank, context) of local rank i, ready within `timeout`.
+    ///
+    /// The communicators are blocking ones: a non-blocking NCCL communicator starts a thread at
+    /// every group end, which costs about 150 us per broadcast. What may block is bounded
+    /// instead: joining the job (`ncclCommInitRankConfig`) and connecting to the peers (a
+    /// first one-byte broadcast, which sets up the ring every broadcast uses) run on a helper
+    /// thread that this call waits for at most `timeout`. If it gives up, the helper aborts the
+    /// communicators when (if ever) NCCL returns.
     pub(crate) fn init_ranks(
         id: &UniqueId,
         world: usize,
-        ranks: &[(usize, &cudarc::driver::CudaContext)],
+        ranks: &[(usize, Arc<CudaContext>)],
         timeout: Duration,
     ) -> Result<Comms> {
-        let deadline = Instant::now() + timeout;
         let lib = NcclLib::get()?;
-        let n = c_int::try_from(world).expect("world sizes are validated");
-        let mut raw = vec![std::ptr::null_mut(); ranks.len()];
-        let grouped = ranks.len() > 1;
-        if grouped {
-            // SAFETY: no preconditions.
-            let code = unsafe { (lib.group_start)() };
-            lib.check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
-        }
-        let mut status = Ok(());
-        let pending = |code| if code == lib::IN_PROGRESS { 0 } else { code };
-        for ((global, ctx), slot) in ranks.iter().zip(&mut raw) {
-            // NCCL takes the device from the calling thread's current context.
-            if let Err(e) = ctx.bind_to_thread() {
-                status = Err(Error::Cuda {
-                    during: "binding a context for NCCL".into(),
-                    source: e,
-                });
-                break;
-            }
-            let mut config = Config::new();
-            config.blocking = 0;
-            let rank = c_int::try_from(*global).expect("ranks are validated");
-            // SAFETY: `slot` is an out pointer, `id` the job's id, `config` a valid config.
-            let code = unsafe { (lib.comm_init_rank_config)(slot, n, *id, rank, &mut config) };
-            if let Err(e) = lib.check(pending(code), std::ptr::null_mut(), || {
-                format!("ncclCommInitRankConfig for rank {global} of {world}")
-            }) {
-                status = Err(e);
-                break;
-            }
-        }
-        if grouped {
-            // SAFETY: matches the ncclGroupStart above.
-            let code = unsafe { (lib.group_end)() };
-            status = status.and(lib.check(pending(code), std::ptr::null_mut(), || {
-                "ncclGroupEnd after ncclCommInitRankConfig".into()
-            }));
-        }
-        let comms = Comms {
-            lib,
-            comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
-        };
-        if status.is_ok() {
-            status = comms.wait_ready(deadline, || {
-                format!("creating the NCCL communicators of a job of {world} ranks (a rank did not join)")
-            });
-        }
-        match status {
-            Ok(()) => Ok(comms),
-            Err(e) => {
-                comms.abort();
-                Err(e)
+        let id = *id;
+        let ranks = ranks.to_vec();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let abandoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gave_up = abandoned.clone();
+        std::thread::Builder::new()
+            .name("gpucast-nccl-init".into())
+            .spawn(move || {
+                let made = join_and_connect(lib, &id, world, &ranks);
+                if gave_up.load(std::sync::atomic::Ordering::Acquire) {
+                    if let Ok(comms) = made {
+                        comms.abort();
+                    }
+                } else {
+                    drop(tx.send(made));
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("starting the NCCL init thread: {e}")))?;
+        match rx.recv_timeout(timeout) {
+            Ok(made) => made,
+            Err(_) => {
+                abandoned.store(true, std::sync::atomic::Ordering::Release);
+                // The helper may have sent just before the flag was set.
+                if let Ok(Ok(comms)) = rx.try_recv() {
+                    comms.abort();
+                }
+                Err(Error::NcclTimeout {
+                    during: format!(
+                        "creating the NCCL communicators of a job of {world} ranks (a rank did not join)"
+                    ),
+                    waited_ms: millis(timeout),
+                })
             }
         }
     }
@@ -266,6 +249,131 @@ impl Drop for Comms {
             }
         }
     }
+}
+
+/// Joins the job and connects to the peers, on the calling thread (see [`Comms::init_ranks`]).
+fn join_and_connect(
+    lib: &'static NcclLib,
+    id: &UniqueId,
+    world: usize,
+    ranks: &[(usize, Arc<CudaContext>)],
+) -> Result<Comms> {
+    let n = c_int::try_from(world).expect("world sizes are validated");
+    let mut raw = vec![std::ptr::null_mut(); ranks.len()];
+    let grouped = ranks.len() > 1;
+    if grouped {
+        // SAFETY: no preconditions.
+        let code = unsafe { (lib.group_start)() };
+        lib.check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
+    }
+    let mut status = Ok(());
+    for ((global, ctx), slot) in ranks.iter().zip(&mut raw) {
+        // NCCL takes the device from the calling thread's current context.
+        if let Err(e) = ctx.bind_to_thread() {
+            status = Err(Error::Cuda {
+                during: "binding a context for NCCL".into(),
+                source: e,
+            });
+            break;
+        }
+        let mut config = Config::new();
+        config.blocking = 1;
+        let rank = c_int::try_from(*global).expect("ranks are validated");
+        // SAFETY: `slot` is an out pointer, `id` the job's id, `config` a valid config.
+        let code = unsafe { (lib.comm_init_rank_config)(slot, n, *id, rank, &mut config) };
+        if let Err(e) = lib.check(code, std::ptr::null_mut(), || {
+            format!("ncclCommInitRankConfig for rank {global} of {world}")
+        }) {
+            status = Err(e);
+            break;
+        }
+    }
+    if grouped {
+        // SAFETY: matches the ncclGroupStart above.
+        let code = unsafe { (lib.group_end)() };
+        status = status.and(lib.check(code, std::ptr::null_mut(), || {
+            "ncclGroupEnd after ncclCommInitRankConfig".into()
+        }));
+    }
+    let mut comms = Comms {
+        lib,
+        comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
+    };
+    if status.is_ok() {
+        status = connect(&mut comms, ranks);
+    }
+    match status {
+        Ok(()) => Ok(comms),
+        Err(e) => {
+            comms.abort();
+            Err(e)
+        }
+    }
+}
+
+/// A one-byte broadcast from rank 0 on fresh streams, waited for: NCCL connects each
+/// communicator to its ring peers at its first broadcast, which blocks until they are there.
+fn connect(comms: &mut Comms, ranks: &[(usize, Arc<CudaContext>)]) -> Result<()> {
+    let mut bufs = Vec::new();
+    let mut streams = Vec::new();
+    let mut status = (|| {
+        for (_, ctx) in ranks {
+            ctx.bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: a plain allocation and a plain stream of the current context, both
+            // released below once the stream is idle.
+            let buf = unsafe { cudarc::driver::result::malloc_sync(16) }
+                .map_err(Error::cuda("allocating NCCL's first buffer"))?;
+            bufs.push((ctx.clone(), buf));
+            let stream = cudarc::driver::result::stream::create(
+                cudarc::driver::result::stream::StreamKind::NonBlocking,
+            )
+            .map_err(Error::cuda("creating a stream for NCCL's first broadcast"))?;
+            streams.push((ctx.clone(), stream));
+        }
+        let ops: Vec<RankOp> = bufs
+            .iter()
+            .zip(&streams)
+            .map(|((_, b), (_, s))| RankOp {
+                send: *b,
+                recv: *b,
+                stream: *s,
+            })
+            .collect();
+        let u8_type = cudarc::nccl::sys::ncclDataType_t::ncclUint8;
+        // SAFETY: each buffer holds 16 bytes on its rank's device, each stream is live; both
+        // outlive the broadcast (synchronised below).
+        unsafe {
+            // The helper thread's caller bounds the whole; a year stands for no bound here.
+            let unbounded = Duration::from_secs(365 * 24 * 3600);
+            comms.broadcast_group(0, std::iter::once((1, u8_type, ops.as_slice())), unbounded)
+        }?;
+        for ((ctx, s), rank) in streams.iter().zip(0..) {
+            ctx.bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            // SAFETY: a live stream of the current context.
+            unsafe { cudarc::driver::result::stream::synchronize(*s) }.map_err(Error::cuda(
+                format!("NCCL's first broadcast on rank {rank}"),
+            ))?;
+        }
+        Ok(())
+    })();
+    for (ctx, s) in streams {
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: idle (synchronised above) or never used.
+            let _ = unsafe { cudarc::driver::result::stream::destroy(s) };
+        }
+    }
+    for (ctx, b) in bufs {
+        if ctx.bind_to_thread().is_ok() {
+            // SAFETY: the streams that used it are idle or gone.
+            let r = unsafe { cudarc::driver::result::free_sync(b) };
+            if status.is_ok() {
+                status = r.map_err(Error::cuda("freeing NCCL's first buffer"));
+            }
+        }
+    }
+    status
 }
 
 /// Whole milliseconds of `d`, saturating.
