@@ -128,8 +128,13 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (8, 1 << 20, 32 << 10, (1 << 20) + 1),
 ];
 
-/// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs.
-pub const COPY_ENGINE_MIN_2_GPUS: usize = 8 << 20;
+/// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs. Measured on 2 H200
+/// (results/h200x2/large): out of place, the chain ties the P2P kernel from 256 MiB up eager
+/// (742 against 821 us at 256 MiB, 3113 against 3090 us at 1 GiB: the root's own copy shares
+/// its copy engine) and wins in graphs (2927 against 3083 us at 1 GiB); below, it loses (eager
+/// 393 against 383 us at 128 MiB; graphs 402 against 377 us). In place, or beside compute
+/// (no SM taken: 0.0% compute slowdown against 24% for NCCL and P2P), it is the better path.
+pub const COPY_ENGINE_MIN_2_GPUS: usize = 256 << 20;
 
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
 /// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
