@@ -136,6 +136,11 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
 /// (no SM taken: 0.0% compute slowdown against 24% for NCCL and P2P), it is the better path.
 pub const COPY_ENGINE_MIN_2_GPUS: usize = 256 << 20;
 
+/// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
+/// memory operations: two runs on 2 H200 agreed only at 1 GiB (2927 and 2868 us against 3083
+/// and 3030 us for the P2P kernel); from 128 to 512 MiB they disagreed by up to 8%.
+pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 1 << 30;
+
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
 /// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
 pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
@@ -534,10 +539,19 @@ impl Settings {
                 "must be longer than zero (every wait would fail at once)".into(),
             ));
         }
+        let mut graph_thresholds = thresholds;
+        if gpus <= 2
+            && req
+                .copy_engine_threshold
+                .or(env.copy_engine_threshold)
+                .is_none()
+        {
+            graph_thresholds.copy_engine_min_bytes = COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS;
+        }
         Ok(Settings {
             path: req.path.or(env.path).unwrap_or_default(),
             thresholds,
-            graph_thresholds: thresholds,
+            graph_thresholds,
             timeout,
             parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
         })
@@ -850,6 +864,24 @@ mod tests {
         assert_eq!(parse_bytes("12Q"), None);
         assert_eq!(parse_bytes(""), None);
         assert_eq!(parse_bytes("99999999999999999999G"), None);
+    }
+
+    #[test]
+    fn graphs_take_the_copy_engines_later_unless_told() {
+        let two = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        assert_eq!(two.thresholds.copy_engine_min_bytes, COPY_ENGINE_MIN_2_GPUS);
+        assert_eq!(
+            two.graph_thresholds.copy_engine_min_bytes,
+            COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS
+        );
+        let set = Requested {
+            copy_engine_threshold: Some(1 << 20),
+            ..Requested::default()
+        };
+        let two = Settings::resolve(&set, &Env::default(), 2).unwrap();
+        assert_eq!(two.graph_thresholds.copy_engine_min_bytes, 1 << 20);
+        let four = Settings::resolve(&Requested::default(), &Env::default(), 4).unwrap();
+        assert_eq!(four.graph_thresholds, four.thresholds);
     }
 
     #[test]
