@@ -126,6 +126,9 @@ impl Watchdog {
                 .map_err(Error::cuda("recording a watchdog event"))?;
         }
         let mut q = self.shared.queue();
+        // The thread sleeps without a deadline only while nothing is queued; otherwise it looks
+        // again within POLL by itself, and a wake-up (a system call) would be wasted.
+        let asleep = q.pending.is_empty();
         q.pending.push_back(Pending {
             call,
             what,
@@ -134,7 +137,9 @@ impl Watchdog {
             started: None,
         });
         drop(q);
-        self.shared.wake.notify_one();
+        if asleep {
+            self.shared.wake.notify_one();
+        }
         Ok(())
     }
 
