@@ -165,8 +165,8 @@ impl Comms {
             return Err(e);
         }
         if code == lib::IN_PROGRESS {
-            // Non-blocking communicators finish the group's work (connecting to peers on the
-            // first call) in the background.
+            // gpucast makes blocking communicators, but NCCL_COMM_BLOCKING=0 in the environment
+            // overrides that: a non-blocking one finishes the group's work in the background.
             return self.wait_ready(deadline, || "queueing a grouped ncclBroadcast".into());
         }
         self.lib
