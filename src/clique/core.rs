@@ -234,13 +234,7 @@ impl Core {
         outputs: &mut OutputLists<'_, '_>,
         options: &BroadcastOptions,
     ) -> Result<FusedReport> {
-        let in_infos: Option<Vec<_>> =
-            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
-        let out_infos: Vec<Vec<_>> = outputs
-            .iter()
-            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
-            .collect();
-        let shapes = args::check_many(&self.ranks(), root, in_infos.as_deref(), &out_infos, false)?;
+        let shapes = self.check_lists(root, inputs, outputs, false)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         let steps = self.plan(&bytes, options, false)?;
         let report = FusedReport::of(&steps, &bytes);
@@ -307,6 +301,24 @@ impl Core {
         // and ordered for the queued work (see `access`).
         foreign.around(&mut engine, |e| unsafe { e.run(root, &items, &steps) })?;
         Ok(report)
+    }
+
+    /// The shapes of a fused call's tensors, after checking the lists against the ranks
+    /// (`single`: one tensor of a single-broadcast call, named as such in errors).
+    pub(crate) fn check_lists(
+        &self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: &OutputLists<'_, '_>,
+        single: bool,
+    ) -> Result<Vec<args::Shape>> {
+        let in_infos: Option<Vec<_>> =
+            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
+        let out_infos: Vec<Vec<_>> = outputs
+            .iter()
+            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
+            .collect();
+        args::check_many(&self.ranks(), root, in_infos.as_deref(), &out_infos, single)
     }
 
     /// Blocks until every broadcast queued so far has finished on every local GPU.

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::access::{self, Foreign};
-use super::{args, Clique, Core};
+use super::access::Foreign;
+use super::{Clique, Core};
 use crate::config::{BroadcastOptions, MAX_GPUS};
 use crate::engine::{EngineGuard, GraphExec, Item};
 use crate::error::Result;
@@ -48,14 +48,7 @@ impl<'c> Session<'c> {
         single: bool,
     ) -> Result<FusedReport> {
         let core = self.core;
-        let in_infos: Option<Vec<_>> =
-            inputs.map(|i| i.iter().map(|t| access::info_of_dyn(*t)).collect());
-        let out_infos: Vec<Vec<_>> = outputs
-            .iter()
-            .map(|l| l.iter().map(|t| access::info_of_dyn(&**t)).collect())
-            .collect();
-        let shapes =
-            args::check_many(&core.ranks(), root, in_infos.as_deref(), &out_infos, single)?;
+        let shapes = core.check_lists(root, inputs, outputs, single)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         let steps = core.plan(&bytes, options, true)?;
         let root_local = core.globals.iter().position(|&g| g == root);
