@@ -64,7 +64,7 @@ impl Config {
         }
     }
 }
-type CommFn = unsafe extern "C" fn(ncclComm_t) -> RawResult;
+pub(crate) type CommFn = unsafe extern "C" fn(ncclComm_t) -> RawResult;
 type CommAsyncErrorFn = unsafe extern "C" fn(ncclComm_t, *mut RawResult) -> RawResult;
 type GroupFn = unsafe extern "C" fn() -> RawResult;
 type BroadcastFn = unsafe extern "C" fn(

@@ -220,15 +220,23 @@ impl Comms {
     /// Aborts every communicator: NCCL stops their kernels and frees them without waiting for
     /// peers. Consumes the communicators.
     pub(crate) fn abort(mut self) {
+        let abort = self.lib.comm_abort;
+        self.release(abort, "ncclCommAbort");
+    }
+
+    /// Ends every communicator with `end` (`ncclCommDestroy` or `ncclCommAbort`), logging
+    /// failures: nothing is left to use afterwards.
+    fn release(&mut self, end: lib::CommFn, name: &str) {
         for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
             // SAFETY: `comm` is live and never used again.
-            let code = unsafe { (self.lib.comm_abort)(comm.0) };
-            // A non-blocking communicator may finish its abort in the background.
+            let code = unsafe { end(comm.0) };
+            // A non-blocking communicator may finish in the background.
             let code = if code == lib::IN_PROGRESS { 0 } else { code };
-            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
-                format!("ncclCommAbort rank {rank}")
-            }) {
-                tracing::warn!(error = %e, "could not abort an NCCL communicator");
+            if let Err(e) = self
+                .lib
+                .check(code, std::ptr::null_mut(), || format!("{name} rank {rank}"))
+            {
+                tracing::warn!(error = %e, "could not end an NCCL communicator");
             }
         }
     }
@@ -238,16 +246,8 @@ impl Drop for Comms {
     /// Destroys the communicators. The engine only lets this run when their streams are idle
     /// (it aborts them otherwise), so `ncclCommDestroy` has nothing to wait for.
     fn drop(&mut self) {
-        for (rank, comm) in std::mem::take(&mut self.comms).into_iter().enumerate() {
-            // SAFETY: `comm` is live and is not used again.
-            let code = unsafe { (self.lib.comm_destroy)(comm.0) };
-            let code = if code == lib::IN_PROGRESS { 0 } else { code };
-            if let Err(e) = self.lib.check(code, std::ptr::null_mut(), || {
-                format!("ncclCommDestroy rank {rank}")
-            }) {
-                tracing::warn!(error = %e, "could not destroy an NCCL communicator");
-            }
-        }
+        let destroy = self.lib.comm_destroy;
+        self.release(destroy, "ncclCommDestroy");
     }
 }
 
