@@ -292,7 +292,7 @@ pub const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
 pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
 pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
-/// Default path of new cliques: `auto`, `nccl` or `p2p`.
+/// Default path of new cliques: `auto`, `nccl`, `p2p` or `copy-engine`.
 pub const PATH_ENV: &str = "GPUCAST_PATH";
 /// The NCCL library file to load instead of searching `libnccl.so.2` and `libnccl.so`.
 pub const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";

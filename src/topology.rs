@@ -80,15 +80,8 @@ impl Topology {
     /// exactly two GPUs); otherwise the reason, as a sentence.
     pub fn p2p_support(&self) -> Result<(), String> {
         let n = self.len();
-        for i in 0..n {
-            for j in 0..n {
-                if !self.links[i][j].has_p2p() {
-                    return Err(format!(
-                        "device {} cannot access device {} directly (no peer access)",
-                        self.ordinals[i], self.ordinals[j]
-                    ));
-                }
-            }
+        if let Some(why) = self.missing_peer_access() {
+            return Err(why);
         }
         // Ranks of one device (`shared_devices`) reach each other through local memory.
         let all_nvlink = (0..n)
@@ -107,18 +100,24 @@ impl Topology {
     /// `Ok` when every pair has peer access, so that each rank's copy engines can read its
     /// predecessor's buffer directly; otherwise the reason, as the error a forced call returns.
     pub(crate) fn copy_engine_support(&self) -> Result<(), crate::Error> {
-        let n = self.len();
-        for i in 0..n {
-            for j in 0..n {
-                if !self.links[i][j].has_p2p() {
-                    return Err(crate::Error::CopyEngineUnavailable(format!(
-                        "device {} cannot access device {} directly (no peer access)",
-                        self.ordinals[i], self.ordinals[j]
-                    )));
-                }
-            }
+        match self.missing_peer_access() {
+            Some(why) => Err(crate::Error::CopyEngineUnavailable(why)),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// The first pair without peer access, as a sentence.
+    fn missing_peer_access(&self) -> Option<String> {
+        let n = self.len();
+        (0..n)
+            .flat_map(|i| (0..n).map(move |j| (i, j)))
+            .find(|&(i, j)| !self.links[i][j].has_p2p())
+            .map(|(i, j)| {
+                format!(
+                    "device {} cannot access device {} directly (no peer access)",
+                    self.ordinals[i], self.ordinals[j]
+                )
+            })
     }
 }
 
