@@ -267,19 +267,36 @@ impl Engine {
     /// Waits until every stream is idle or `limit` passes; whether they all became idle.
     fn wait_idle(&self, limit: Duration) -> bool {
         let start = Instant::now();
+        let mut backoff = crate::wait::Backoff::new();
         loop {
-            let idle = self
-                .ranks
-                .iter()
-                .all(|r| r.ctx.bind_to_thread().is_ok() && streams::is_idle(r.stream.get()));
-            if idle {
+            // A stream in error never counts as idle here: its work may still run.
+            if self.streams_idle().unwrap_or(false) {
                 return true;
             }
             if start.elapsed() > limit {
                 return false;
             }
-            std::thread::sleep(Duration::from_micros(200));
+            backoff.pause();
         }
+    }
+
+    /// Whether every stream has finished its work; a stream's CUDA error, naming its rank.
+    fn streams_idle(&self) -> Result<bool> {
+        let mut idle = true;
+        for (rank, r) in self.ranks.iter().enumerate() {
+            // SAFETY: the stream is live (owned by the engine).
+            match unsafe { sys::cuStreamQuery(r.stream.get().cu_stream()) } {
+                sys::CUresult::CUDA_SUCCESS => {}
+                sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
+                e => {
+                    return Err(Error::Cuda {
+                        during: format!("draining rank {rank}"),
+                        source: result::DriverError(e),
+                    })
+                }
+            }
+        }
+        Ok(idle)
     }
 }
 
@@ -334,21 +351,7 @@ impl EngineGuard<'_> {
         let start = Instant::now();
         let mut backoff = crate::wait::Backoff::new();
         loop {
-            let mut idle = true;
-            for (rank, r) in self.engine.ranks.iter().enumerate() {
-                // SAFETY: the stream is live (owned by the engine).
-                match unsafe { sys::cuStreamQuery(r.stream.get().cu_stream()) } {
-                    sys::CUresult::CUDA_SUCCESS => {}
-                    sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
-                    e => {
-                        return Err(Error::Cuda {
-                            during: format!("draining rank {rank}"),
-                            source: result::DriverError(e),
-                        })
-                    }
-                }
-            }
-            if idle {
+            if self.engine.streams_idle()? {
                 return Ok(());
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at

@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
 
@@ -86,11 +86,4 @@ impl Drop for EngineStream {
             }
         }
     }
-}
-
-/// Whether `stream` has finished all its work (`cuStreamQuery`), without waiting.
-pub(crate) fn is_idle(stream: &CudaStream) -> bool {
-    // SAFETY: the stream is live (held by the caller).
-    let status = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
-    status == sys::CUresult::CUDA_SUCCESS
 }
