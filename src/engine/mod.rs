@@ -458,9 +458,10 @@ impl EngineGuard<'_> {
                     let watch = self.engine.watchdog.as_ref().filter(|_| !capturing);
                     let own: Vec<&Arc<CudaStream>> =
                         self.engine.ranks.iter().map(|r| r.stream.get()).collect();
-                    let begun = watch.map(|w| w.begin(&own)).transpose()?;
                     let mut nccl = self.nccl()?;
                     let comms = nccl.live()?;
+                    // Only once NCCL is known to be live: an aborted path records nothing.
+                    let begun = watch.map(|w| w.begin(&own)).transpose()?;
                     let entries = tensors
                         .iter()
                         .zip(&ops)
