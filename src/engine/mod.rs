@@ -666,15 +666,11 @@ impl EngineGuard<'_> {
         // command queue until a peer's graph writes them; a launch may then block the host
         // until that peer's graph runs. So such graphs go out from one thread per rank.
         let together = execs.first().is_some_and(|g| g.has_ce) && execs.len() > 1;
+        let pairs = self.engine.ranks.iter().zip(execs);
+        // One result per rank launched: every rank when together, else up to the first failure.
         let results: Vec<_> = if together {
             std::thread::scope(|s| {
-                let handles: Vec<_> = self
-                    .engine
-                    .ranks
-                    .iter()
-                    .zip(execs)
-                    .map(|(r, g)| s.spawn(move || launch(r, g)))
-                    .collect();
+                let handles: Vec<_> = pairs.map(|(r, g)| s.spawn(move || launch(r, g))).collect();
                 handles
                     .into_iter()
                     .map(|h| {
@@ -685,27 +681,27 @@ impl EngineGuard<'_> {
                     .collect()
             })
         } else {
-            Vec::new()
-        };
-        for (rank, (r, g)) in self.engine.ranks.iter().zip(execs).enumerate() {
-            let launched = if together {
-                results[rank]
-            } else {
-                launch(r, g)
-            };
-            if let Err(e) = launched {
-                // The ranks whose graphs went out wait for this one.
-                if rank > 0 || results.iter().any(std::result::Result::is_ok) {
-                    self.state.desynced = true;
-                    if let Some(flags) = &self.state.ce_flags {
-                        flags.set(1)?;
-                    }
+            let mut launched = Vec::with_capacity(execs.len());
+            for (r, g) in pairs {
+                launched.push(launch(r, g));
+                if launched.last().is_some_and(std::result::Result::is_err) {
+                    break;
                 }
-                return Err(Error::Cuda {
-                    during: format!("launching the graph of rank {rank}"),
-                    source: e,
-                });
             }
+            launched
+        };
+        if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
+            // The ranks whose graphs went out wait for this one.
+            if results.iter().any(std::result::Result::is_ok) {
+                self.state.desynced = true;
+                if let Some(flags) = &self.state.ce_flags {
+                    flags.set(1)?;
+                }
+            }
+            return Err(Error::Cuda {
+                during: format!("launching the graph of rank {rank}"),
+                source: e,
+            });
         }
         if let (Some(w), Some(begun)) = (watch, begun) {
             let what = "a graph launch with NCCL broadcasts".to_string();
