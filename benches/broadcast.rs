@@ -70,7 +70,8 @@ struct Args {
     /// Paths to measure: nccl, p2p, auto, copy-engine (gpucast's route), copy-engine-raw
     /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor;
     /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); and the P2P kernel
-    /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull. Default:
+    /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull (fan-out),
+    /// p2p-chain (each rank forwards to the next; any number of GPUs). Default:
     /// nccl, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
     /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
     /// p2p, auto, nccl, raw-nccl, launch-floor. With --interference: nccl, p2p, auto,
@@ -573,7 +574,8 @@ impl EmptyKernel {
     }
 }
 
-/// Broadcast options of a path name (`p2p-packet` and `p2p-pull` force the kernel's protocol).
+/// Broadcast options of a path name (`p2p-packet`, `p2p-pull` and `p2p-chain` force the
+/// kernel's protocol).
 fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
         "p2p-packet" => BroadcastOptions {
@@ -585,6 +587,13 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
         "p2p-pull" => BroadcastOptions {
             path: Some(Path::P2p),
             packet_threshold: Some(0),
+            p2p_chain_threshold: Some(usize::MAX),
+            ..Default::default()
+        },
+        "p2p-chain" => BroadcastOptions {
+            path: Some(Path::P2p),
+            packet_threshold: Some(0),
+            p2p_chain_threshold: Some(0),
             ..Default::default()
         },
         p => BroadcastOptions::path(Path::parse(p).with_context(|| format!("unknown path {p}"))?),

@@ -68,6 +68,11 @@ pub enum Route {
     /// P2P, pull protocol: peers read the root's buffer after its arrival flag, and tell the
     /// root when they are done. For medium and large messages.
     P2pPull,
+    /// P2P, chain protocol: each rank reads the message from the rank before it in a chain
+    /// that starts at the root, piece by piece, and forwards it, so that every link carries it
+    /// once whatever the number of ranks. For large messages on more than two ranks of one
+    /// process.
+    P2pChain,
     /// The copy engines: each rank copies the message from the rank before it in a chain that
     /// starts at the root, in chunks, so that every link carries it once. For large messages.
     CopyEngine,
@@ -81,13 +86,14 @@ impl Route {
             Route::Nccl => "nccl",
             Route::P2pPacket => "p2p-packet",
             Route::P2pPull => "p2p-pull",
+            Route::P2pChain => "p2p-chain",
             Route::CopyEngine => "copy-engine",
         }
     }
 
     /// Whether this route runs the P2P kernel.
     pub fn is_p2p(self) -> bool {
-        matches!(self, Route::P2pPacket | Route::P2pPull)
+        matches!(self, Route::P2pPacket | Route::P2pPull | Route::P2pChain)
     }
 }
 
@@ -102,6 +108,10 @@ pub struct Thresholds {
     /// `Auto` uses the copy engines for messages of at least this many bytes, where they can
     /// run (ranks of one process); `usize::MAX` never.
     pub copy_engine_min_bytes: usize,
+    /// The P2P kernel sends messages of at least this many bytes (above the packet switch)
+    /// along the chain of ranks ([`Route::P2pChain`]) instead of letting every peer read the
+    /// root, where the ranks share one process; `usize::MAX` never.
+    pub p2p_chain_min_bytes: usize,
 }
 
 /// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch, copy-engine
@@ -140,6 +150,20 @@ pub const COPY_ENGINE_MIN_2_GPUS: usize = 256 << 20;
 /// memory operations: two runs on 2 H200 agreed only at 1 GiB (2927 and 2868 us against 3083
 /// and 3030 us for the P2P kernel); from 128 to 512 MiB they disagreed by up to 8%.
 pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 1 << 30;
+
+/// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
+/// GPUs. With 2 GPUs both carry the message over the one link once, and fan-out needs no
+/// hand-off per piece: never. Beyond, fan-out makes the root's links carry the message N-1
+/// times while the chain carries it once per link, so the chain takes over where `Auto` leaves
+/// the P2P kernel for a path of one copy per link (`copy_engine_min`, the cost model's
+/// crossover).
+pub fn chain_min_bytes(n: usize, copy_engine_min: usize) -> usize {
+    if n <= 2 {
+        usize::MAX
+    } else {
+        copy_engine_min
+    }
+}
 
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
 /// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
@@ -197,6 +221,7 @@ impl Thresholds {
             p2p_max_bytes: row.1,
             packet_max_bytes: row.2,
             copy_engine_min_bytes: row.3,
+            p2p_chain_min_bytes: chain_min_bytes(n, row.3),
         }
     }
 }
@@ -212,6 +237,8 @@ pub struct BroadcastOptions {
     pub packet_threshold: Option<usize>,
     /// `Auto`'s copy-engine start in bytes for this call; `None` takes the clique's.
     pub copy_engine_threshold: Option<usize>,
+    /// The P2P kernel's chain start in bytes for this call; `None` takes the clique's.
+    pub p2p_chain_threshold: Option<usize>,
 }
 
 impl BroadcastOptions {
@@ -231,6 +258,9 @@ pub(crate) struct Available<'a> {
     pub copy_engine: std::result::Result<(), &'a Error>,
     /// `false` only where NCCL is off (a device holding several ranks).
     pub nccl: bool,
+    /// Whether the P2P kernel may chain: every rank's buffers are addressable here (the ranks
+    /// share one process).
+    pub p2p_chain: bool,
 }
 
 /// Resolves `path` for a message of `bytes` bytes, given which routes can run.
@@ -246,6 +276,8 @@ pub(crate) fn choose(
     let p2p_route = || {
         if bytes <= thresholds.packet_max_bytes.min(PACKET_MAX_BYTES) {
             Route::P2pPacket
+        } else if available.p2p_chain && bytes >= thresholds.p2p_chain_min_bytes {
+            Route::P2pChain
         } else {
             Route::P2pPull
         }
@@ -288,6 +320,8 @@ pub const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
 pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
 /// `Auto`'s copy-engine start (bytes, suffixes allowed).
 pub const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
+/// Where a P2P broadcast of more than two ranks goes along the chain (bytes, suffixes allowed).
+pub const P2P_CHAIN_THRESHOLD_ENV: &str = "GPUCAST_P2P_CHAIN_THRESHOLD";
 /// Bound on every wait, in milliseconds (a positive integer).
 pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
@@ -309,7 +343,7 @@ pub const JOB_TOKEN_ENV: &str = "GPUCAST_JOB_TOKEN";
 pub const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
 
 /// Every variable above with a one-line description, for documentation and error messages.
-pub const ENV_VARS: [(&str, &str); 12] = [
+pub const ENV_VARS: [(&str, &str); 13] = [
     (PATH_ENV, "default path: auto, nccl, p2p or copy-engine"),
     (
         P2P_THRESHOLD_ENV,
@@ -322,6 +356,10 @@ pub const ENV_VARS: [(&str, &str); 12] = [
     (
         COPY_ENGINE_THRESHOLD_ENV,
         "Auto's smallest copy-engine message, bytes",
+    ),
+    (
+        P2P_CHAIN_THRESHOLD_ENV,
+        "smallest P2P message sent along the chain of ranks, bytes",
     ),
     (TIMEOUT_ENV, "bound on every wait, milliseconds (> 0)"),
     (
@@ -364,6 +402,7 @@ pub(crate) struct Env {
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
     pub copy_engine_threshold: Option<usize>,
+    pub p2p_chain_threshold: Option<usize>,
     pub timeout: Option<Duration>,
     pub parallel_launch: Option<bool>,
 }
@@ -431,6 +470,7 @@ impl Env {
             p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
             packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
             copy_engine_threshold: bytes(COPY_ENGINE_THRESHOLD_ENV)?,
+            p2p_chain_threshold: bytes(P2P_CHAIN_THRESHOLD_ENV)?,
             timeout,
             parallel_launch,
         })
@@ -515,6 +555,7 @@ pub(crate) struct Requested {
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
     pub copy_engine_threshold: Option<usize>,
+    pub p2p_chain_threshold: Option<usize>,
     pub timeout: Option<Duration>,
     pub parallel_launch: Option<bool>,
 }
@@ -531,6 +572,9 @@ impl Settings {
         }
         if let Some(t) = req.copy_engine_threshold.or(env.copy_engine_threshold) {
             thresholds.copy_engine_min_bytes = t;
+        }
+        if let Some(t) = req.p2p_chain_threshold.or(env.p2p_chain_threshold) {
+            thresholds.p2p_chain_min_bytes = t;
         }
         let timeout = req.timeout.or(env.timeout).unwrap_or(DEFAULT_TIMEOUT);
         if timeout.is_zero() {
@@ -573,6 +617,9 @@ impl Settings {
         }
         if let Some(p) = options.copy_engine_threshold {
             t.copy_engine_min_bytes = p;
+        }
+        if let Some(p) = options.p2p_chain_threshold {
+            t.p2p_chain_min_bytes = p;
         }
         t
     }
@@ -756,6 +803,7 @@ mod tests {
             p2p_max_bytes: 1 << 20,
             packet_max_bytes: 64 << 10,
             copy_engine_min_bytes: 64 << 20,
+            p2p_chain_min_bytes: usize::MAX,
         };
         let no = Error::P2pUnavailable("GPU 0 and 1 lack peer access".into());
         let no_ce = Error::CopyEngineUnavailable("ranks in other processes".into());
@@ -763,6 +811,7 @@ mod tests {
             p2p,
             copy_engine: Err(&no_ce),
             nccl: true,
+            p2p_chain: false,
         };
         let c = |path, bytes, ok: bool| {
             choose(
@@ -801,6 +850,7 @@ mod tests {
             p2p_max_bytes: 1 << 30,
             packet_max_bytes: 1 << 30,
             copy_engine_min_bytes: usize::MAX,
+            p2p_chain_min_bytes: usize::MAX,
         };
         assert_eq!(
             choose(Path::P2p, PACKET_MAX_BYTES + 1, p2p_only(Ok(())), &big).unwrap(),
@@ -811,6 +861,7 @@ mod tests {
             p2p: Ok(()),
             copy_engine: Ok(()),
             nccl: true,
+            p2p_chain: false,
         };
         assert_eq!(
             choose(Path::Auto, (64 << 20) - 1, all, &t).unwrap(),
@@ -824,6 +875,7 @@ mod tests {
             p2p: Err(&no),
             copy_engine: Ok(()),
             nccl: true,
+            p2p_chain: false,
         };
         assert_eq!(
             choose(Path::Auto, 1 << 30, ce_only, &t).unwrap(),
@@ -882,6 +934,55 @@ mod tests {
         assert_eq!(two.graph_thresholds.copy_engine_min_bytes, 1 << 20);
         let four = Settings::resolve(&Requested::default(), &Env::default(), 4).unwrap();
         assert_eq!(four.graph_thresholds, four.thresholds);
+    }
+
+    #[test]
+    fn the_p2p_kernel_chains_large_messages_beyond_two_ranks_of_one_process() {
+        let two = Thresholds::for_gpus(2);
+        assert_eq!(two.p2p_chain_min_bytes, usize::MAX);
+        for n in 3..=MAX_GPUS {
+            let t = Thresholds::for_gpus(n);
+            assert_eq!(t.p2p_chain_min_bytes, t.copy_engine_min_bytes, "{n} GPUs");
+            assert!(t.p2p_chain_min_bytes > t.packet_max_bytes, "{n} GPUs");
+        }
+        let t = Thresholds::for_gpus(4);
+        let here = Available {
+            p2p: Ok(()),
+            copy_engine: Ok(()),
+            nccl: true,
+            p2p_chain: true,
+        };
+        let c = |bytes, available| choose(Path::P2p, bytes, available, &t).unwrap();
+        assert_eq!(c(t.p2p_chain_min_bytes, here), Route::P2pChain);
+        assert_eq!(c(t.p2p_chain_min_bytes - 1, here), Route::P2pPull);
+        assert_eq!(c(1024, here), Route::P2pPacket);
+        let apart = Available {
+            p2p_chain: false,
+            ..here
+        };
+        assert_eq!(c(1 << 30, apart), Route::P2pPull);
+        // Auto prefers the copy engines there: no SM, the same one copy per link.
+        assert_eq!(
+            choose(Path::Auto, 1 << 30, here, &t).unwrap(),
+            Route::CopyEngine
+        );
+        // The threshold follows builder, environment and call, like the others.
+        let env = env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "8M")]).unwrap();
+        let s = Settings::resolve(&Requested::default(), &env, 2).unwrap();
+        assert_eq!(s.thresholds.p2p_chain_min_bytes, 8 << 20);
+        assert_eq!(s.graph_thresholds.p2p_chain_min_bytes, 8 << 20);
+        let req = Requested {
+            p2p_chain_threshold: Some(1 << 20),
+            ..Requested::default()
+        };
+        let s = Settings::resolve(&req, &env, 2).unwrap();
+        assert_eq!(s.thresholds.p2p_chain_min_bytes, 1 << 20);
+        let call = BroadcastOptions {
+            p2p_chain_threshold: Some(0),
+            ..BroadcastOptions::default()
+        };
+        assert_eq!(s.thresholds_for(&call, true).p2p_chain_min_bytes, 0);
+        assert!(env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "lots")]).is_err());
     }
 
     #[test]

@@ -54,6 +54,13 @@ pub(crate) fn plan(
             tensors: ce_tensors,
         });
     }
+    // A chained tensor is a launch of its own: the fused kernel fans out from the root.
+    let (chained, p2p_tensors): (Vec<_>, Vec<_>) = p2p_tensors
+        .into_iter()
+        .partition(|&(_, route)| route == Route::P2pChain);
+    for (tensor, route) in chained {
+        steps.push(Step::P2pOne { tensor, route });
+    }
     let per_list = if fuse { LIST_MAX } else { 1 };
     for chunk in p2p_tensors.chunks(per_list) {
         steps.push(match chunk {
@@ -358,6 +365,7 @@ mod tests {
             p2p,
             copy_engine: Err(no_ce()),
             nccl: true,
+            p2p_chain: false,
         }
     }
 
@@ -379,6 +387,7 @@ mod tests {
             p2p_max_bytes: 1000,
             packet_max_bytes: 100,
             copy_engine_min_bytes: usize::MAX,
+            p2p_chain_min_bytes: usize::MAX,
         };
         let sizes = [10usize, 0, 5000, 1000, 1001, 3];
         let steps = plan(&sizes, Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
@@ -418,6 +427,7 @@ mod tests {
             p2p_max_bytes: usize::MAX,
             packet_max_bytes: 100,
             copy_engine_min_bytes: usize::MAX,
+            p2p_chain_min_bytes: usize::MAX,
         };
         assert_eq!(
             plan(&[64], Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap(),
@@ -462,6 +472,7 @@ mod tests {
             p2p_max_bytes: usize::MAX,
             packet_max_bytes: 100,
             copy_engine_min_bytes: usize::MAX,
+            p2p_chain_min_bytes: usize::MAX,
         };
         let unfused = plan(&[10, 500, 0], Path::P2p, p2p_only(Ok(())), &t, 2, false).unwrap();
         assert_eq!(
@@ -497,11 +508,13 @@ mod tests {
             p2p_max_bytes: 1000,
             packet_max_bytes: 100,
             copy_engine_min_bytes: 5000,
+            p2p_chain_min_bytes: usize::MAX,
         };
         let both = Available {
             p2p: Ok(()),
             copy_engine: Ok(()),
             nccl: true,
+            p2p_chain: false,
         };
         let sizes = [10usize, 6000, 2000, 0, 5000];
         let steps = plan(&sizes, Path::Auto, both, &t, 2, true).unwrap();
@@ -535,6 +548,51 @@ mod tests {
                 tensors: vec![0, 1, 2, 4]
             }]
         );
+    }
+
+    #[test]
+    fn chained_p2p_tensors_are_launches_of_their_own() {
+        let t = Thresholds {
+            p2p_max_bytes: 1000,
+            packet_max_bytes: 100,
+            copy_engine_min_bytes: usize::MAX,
+            p2p_chain_min_bytes: 3000,
+        };
+        let chained = Available {
+            p2p: Ok(()),
+            copy_engine: Err(no_ce()),
+            nccl: true,
+            p2p_chain: true,
+        };
+        let sizes = [5000usize, 200, 3000, 2999, 10];
+        let steps = plan(&sizes, Path::P2p, chained, &t, 4, true).unwrap();
+        assert_eq!(
+            steps,
+            vec![
+                Step::P2pOne {
+                    tensor: 0,
+                    route: Route::P2pChain
+                },
+                Step::P2pOne {
+                    tensor: 2,
+                    route: Route::P2pChain
+                },
+                Step::P2pList {
+                    tensors: vec![1, 3, 4]
+                },
+            ]
+        );
+        // Across processes the same tensors fan out from the root (staged, one at a time).
+        let apart = Available {
+            p2p_chain: false,
+            ..chained
+        };
+        let steps = plan(&sizes, Path::P2p, apart, &t, 4, false).unwrap();
+        assert!(steps.iter().all(|s| matches!(
+            s,
+            Step::P2pOne { route, .. } if *route != Route::P2pChain
+        )));
+        assert_eq!(steps.len(), 5);
     }
 
     #[test]

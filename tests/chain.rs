@@ -32,11 +32,31 @@ fn shared(devices: &[usize]) -> Clique {
 }
 
 fn check<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+    check_with::<T>(clique, root, n, &BroadcastOptions::path(path), rng);
+}
+
+/// The P2P kernel's chain at any size (on two ranks it is otherwise never taken).
+fn p2p_chain() -> BroadcastOptions {
+    BroadcastOptions {
+        packet_threshold: Some(0),
+        p2p_chain_threshold: Some(0),
+        ..BroadcastOptions::path(Path::P2p)
+    }
+}
+
+fn check_with<T: Element>(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    options: &BroadcastOptions,
+    rng: &mut impl RngCore,
+) {
+    let path = options;
     let data: Vec<T> = random_vec(n, rng);
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<T>(clique, n, rng);
     clique
-        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .broadcast_with(root, &input, &mut outputs, options)
         .unwrap_or_else(|e| panic!("{} n={n} root={root} {path:?}: {e}", T::DTYPE));
     drop(input);
     clique.synchronize().unwrap();
@@ -99,6 +119,8 @@ fn chain_in_place_and_fused() {
     let mut rng = rng();
     for root in [0usize, 2, 3] {
         check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::CopyEngine, &mut rng);
+        // Beyond 2 MiB on 4 ranks, the P2P kernel chains.
+        check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::P2p, &mut rng);
     }
     let sizes = [5usize, 0, (6 << 20) + 1, 4096, 3 << 20];
     let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
@@ -106,26 +128,138 @@ fn chain_in_place_and_fused() {
         .iter()
         .map(|d| clique.stream(2).clone_htod(d).unwrap())
         .collect();
-    let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
-    let (ins, mut outs) = as_tensors(&inputs, &mut lists);
-    let report = clique
-        .broadcast_many_with(
-            2,
-            &ins,
-            &mut outs,
-            &BroadcastOptions::path(Path::CopyEngine),
-        )
-        .unwrap();
-    assert_eq!(report.copy_engine_tensors, 4);
-    drop(outs);
+    for path in [Path::CopyEngine, Path::P2p] {
+        let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
+        let (ins, mut outs) = as_tensors(&inputs, &mut lists);
+        let report = clique
+            .broadcast_many_with(2, &ins, &mut outs, &BroadcastOptions::path(path))
+            .unwrap();
+        match path {
+            Path::CopyEngine => assert_eq!(report.copy_engine_tensors, 4),
+            // Two chained launches, one fused launch of the two small tensors.
+            _ => assert_eq!((report.p2p_tensors, report.p2p_launches), (4, 3)),
+        }
+        drop(outs);
+        clique.synchronize().unwrap();
+        for (r, list) in lists.iter().enumerate() {
+            for (t, buf) in list.iter().enumerate() {
+                assert_bytes_eq(
+                    clique.stream(r),
+                    buf,
+                    &datas[t],
+                    &format!("fused tensor {t} rank {r} {path:?}"),
+                );
+            }
+        }
+    }
+}
+
+/// Chained P2P broadcasts queued back to back from every root, with no wait between them:
+/// each rank's counters and hand-offs must line up call after call, and a rank must not
+/// overwrite its output while its successor still reads the previous call's data from it.
+#[test]
+#[ignore = "needs a CUDA GPU (two for NVLink hops)"]
+fn p2p_chain_back_to_back_from_every_root() {
+    let clique = shared(&four_ranks(0));
+    let mut rng = rng();
+    let sizes: Vec<usize> = (0..12)
+        .map(|i| match i % 3 {
+            0 => (3 << 20) + 4099 * i,
+            1 => (17 << 20) + i,
+            _ => 100_000 + i, // a fan-out pull between chains
+        })
+        .collect();
+    let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
+    let inputs: Vec<CudaSlice<u8>> = datas
+        .iter()
+        .enumerate()
+        .map(|(i, d)| clique.stream(i % 4).clone_htod(d).unwrap())
+        .collect();
+    let mut outputs: Vec<Vec<CudaSlice<u8>>> = sizes
+        .iter()
+        .map(|&n| poisoned_outputs(&clique, n, &mut rng))
+        .collect();
     clique.synchronize().unwrap();
-    for (r, list) in lists.iter().enumerate() {
-        for (t, buf) in list.iter().enumerate() {
+    for (i, (input, outs)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
+        clique
+            .broadcast_with(i % 4, input, outs, &BroadcastOptions::path(Path::P2p))
+            .unwrap();
+    }
+    // The same outputs twice in a row from different roots: the second call's data wins.
+    let n = 20 << 20;
+    let mut shared_outs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+    let (first, second): (Vec<u8>, Vec<u8>) = (random_vec(n, &mut rng), random_vec(n, &mut rng));
+    let a = clique.stream(1).clone_htod(&first).unwrap();
+    let b = clique.stream(3).clone_htod(&second).unwrap();
+    clique
+        .broadcast_with(1, &a, &mut shared_outs, &BroadcastOptions::path(Path::P2p))
+        .unwrap();
+    clique
+        .broadcast_with(3, &b, &mut shared_outs, &BroadcastOptions::path(Path::P2p))
+        .unwrap();
+    drop((a, b));
+    clique.synchronize().unwrap();
+    for (i, outs) in outputs.iter().enumerate() {
+        for (rank, out) in outs.iter().enumerate() {
+            let what = format!("call {i} ({} B, root {}) rank {rank}", sizes[i], i % 4);
+            assert_bytes_eq(clique.stream(rank), out, &datas[i], &what);
+        }
+    }
+    for (rank, out) in shared_outs.iter().enumerate() {
+        assert_bytes_eq(
+            clique.stream(rank),
+            out,
+            &second,
+            &format!("reused rank {rank}"),
+        );
+    }
+}
+
+/// The P2P chain between two real GPUs (every hop over NVLink), told to run at any size:
+/// every root, dtype and size, in place.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn p2p_chain_between_two_gpus() {
+    let clique = two_gpus();
+    let mut rng = rng();
+    let chain = p2p_chain();
+    for root in 0..2 {
+        for n in [
+            1usize,
+            17,
+            4097,
+            (32 << 10) + 1,
+            (1 << 20) + 3,
+            (64 << 20) + 13,
+        ] {
+            check_with::<u8>(&clique, root, n, &chain, &mut rng);
+        }
+        check_with::<f32>(&clique, root, 3_000_001, &chain, &mut rng);
+        check_with::<half::bf16>(&clique, root, 5_000_003, &chain, &mut rng);
+        check_with::<u64>(&clique, root, 2_000_003, &chain, &mut rng);
+        // In place: the root's successor reads the root's buffer itself.
+        let n = (5 << 20) + 9;
+        let data: Vec<u8> = random_vec(n, &mut rng);
+        let mut bufs: Vec<CudaSlice<u8>> = (0..2)
+            .map(|r| {
+                let init = if r == root {
+                    data.clone()
+                } else {
+                    random_vec(n, &mut rng)
+                };
+                clique.stream(r).clone_htod(&init).unwrap()
+            })
+            .collect();
+        clique
+            .broadcast_in_place_with(root, &mut bufs, &chain)
+            .unwrap();
+        clique.synchronize().unwrap();
+        for (rank, b) in bufs.iter().enumerate() {
             assert_bytes_eq(
-                clique.stream(r),
-                buf,
-                &datas[t],
-                &format!("fused tensor {t} rank {r}"),
+                clique.stream(rank),
+                b,
+                &data,
+                &format!("in place rank {rank}"),
             );
         }
     }
@@ -138,6 +272,12 @@ fn chain_in_place_and_fused() {
 fn captured_chain_replays() {
     let clique = shared(&four_ranks(0));
     let mut rng = rng();
+    for path in [Path::CopyEngine, Path::P2p] {
+        captured_replays(&clique, path, &mut rng);
+    }
+}
+
+fn captured_replays(clique: &Clique, path: Path, rng: &mut impl RngCore) {
     let cases = [(0usize, (10 << 20) + 3), (3, 1000), (1, 5 << 20)];
     let mut inputs: Vec<CudaSlice<u8>> = cases
         .iter()
@@ -145,7 +285,7 @@ fn captured_chain_replays() {
         .collect();
     let mut outputs: Vec<Vec<CudaSlice<u8>>> = cases
         .iter()
-        .map(|&(_, n)| poisoned_outputs(&clique, n, &mut rng))
+        .map(|&(_, n)| poisoned_outputs(clique, n, rng))
         .collect();
     clique.synchronize().unwrap();
     // SAFETY: the buffers outlive the graph (dropped after it) and are written only on the
@@ -153,17 +293,14 @@ fn captured_chain_replays() {
     let mut graph = unsafe {
         clique.capture_unchecked(|c| {
             for (input, (outs, &(root, _))) in inputs.iter().zip(outputs.iter_mut().zip(&cases)) {
-                c.broadcast_with(root, input, outs, &BroadcastOptions::path(Path::CopyEngine))?;
+                c.broadcast_with(root, input, outs, &BroadcastOptions::path(path))?;
             }
             Ok(())
         })
     }
     .unwrap();
     for replay in 0..4 {
-        let datas: Vec<Vec<u8>> = cases
-            .iter()
-            .map(|&(_, n)| random_vec(n, &mut rng))
-            .collect();
+        let datas: Vec<Vec<u8>> = cases.iter().map(|&(_, n)| random_vec(n, rng)).collect();
         for (i, &(root, _)) in cases.iter().enumerate() {
             clique
                 .stream(root)
@@ -178,17 +315,11 @@ fn captured_chain_replays() {
                     clique.stream(rank),
                     out,
                     &datas[i],
-                    &format!("replay {replay} case {i} (root {root}, {n} B) rank {rank}"),
+                    &format!("{path:?} replay {replay} case {i} (root {root}, {n} B) rank {rank}"),
                 );
             }
         }
-        check::<u8>(
-            &clique,
-            replay % 4,
-            (4 << 20) + 1,
-            Path::CopyEngine,
-            &mut rng,
-        );
+        check::<u8>(clique, replay % 4, (4 << 20) + 1, path, rng);
     }
 }
 

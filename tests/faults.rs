@@ -38,13 +38,33 @@ fn nccl_on(clique: &Clique) -> bool {
     clique.ordinals()[0] != clique.ordinals()[1]
 }
 
+/// The P2P kernel's chain protocol at any size (on two ranks it is otherwise never taken).
+fn chain() -> BroadcastOptions {
+    BroadcastOptions {
+        packet_threshold: Some(0),
+        p2p_chain_threshold: Some(0),
+        ..BroadcastOptions::path(Path::P2p)
+    }
+}
+
 /// One broadcast of `n` random bytes on `path`, checked bit for bit.
 fn check(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+    check_with(clique, root, n, &BroadcastOptions::path(path), rng);
+}
+
+fn check_with(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    options: &BroadcastOptions,
+    rng: &mut impl RngCore,
+) {
+    let path = options.path;
     let data: Vec<u8> = random_vec(n, rng);
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<u8>(clique, n, rng);
     clique
-        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .broadcast_with(root, &input, &mut outputs, options)
         .unwrap_or_else(|e| panic!("after recovery, {path:?} {n} B: {e}"));
     clique.synchronize().unwrap();
     for (rank, out) in outputs.iter().enumerate() {
@@ -62,6 +82,7 @@ fn all_paths_work(clique: &Clique, rng: &mut impl RngCore) {
     for n in [100usize, 300_000, 9 << 20] {
         check(clique, 0, n, Path::P2p, rng);
         check(clique, 1, n, Path::CopyEngine, rng);
+        check_with(clique, 1, n, &chain(), rng);
         if nccl_on(clique) {
             check(clique, 1, n, Path::Nccl, rng);
         }
@@ -77,13 +98,23 @@ fn held_back(
     held: usize,
     hold: Duration,
 ) -> (gpucast::Result<()>, Duration) {
+    held_back_with(clique, &BroadcastOptions::path(path), n, held, hold)
+}
+
+fn held_back_with(
+    clique: &Clique,
+    options: &BroadcastOptions,
+    n: usize,
+    held: usize,
+    hold: Duration,
+) -> (gpucast::Result<()>, Duration) {
     let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
     let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
     clique.synchronize().unwrap();
     stall(clique, held, u64::try_from(hold.as_millis()).unwrap());
     let t0 = Instant::now();
     clique
-        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+        .broadcast_with(0, &input, &mut outputs, options)
         .unwrap();
     let r = clique.synchronize();
     (r, t0.elapsed())
@@ -138,6 +169,14 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         for (n, held) in [(4096usize, 0usize), (1 << 20, 0), (1 << 20, 1)] {
             let (r, took) = held_back(&clique, Path::P2p, n, held, hold);
             counts.timed_out(&format!("P2P {n} B, rank {held} held back"), r, took);
+            clique.recover().unwrap();
+            all_paths_work(&clique, &mut rng);
+        }
+        // The chain: the root's successor waits for a root held back, and the root waits for
+        // its successor held back to finish reading.
+        for held in [0usize, 1] {
+            let (r, took) = held_back_with(&clique, &chain(), 3 << 20, held, hold);
+            counts.timed_out(&format!("P2P chain, rank {held} held back"), r, took);
             clique.recover().unwrap();
             all_paths_work(&clique, &mut rng);
         }

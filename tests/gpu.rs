@@ -124,10 +124,22 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
     let clique = two_gpus();
     let mut rng = rng();
     let offsets = [0usize, 1, 2, 3, 5, 8, 13, 16];
-    for len in [1usize, 17, 1000, 70_000, 300_000] {
+    // The P2P kernel's chain, which two ranks take only when told (pieces of 32 KiB and up).
+    let chain = BroadcastOptions {
+        packet_threshold: Some(0),
+        p2p_chain_threshold: Some(0),
+        ..BroadcastOptions::path(Path::P2p)
+    };
+    for len in [1usize, 17, 1000, 70_000, 300_000, (3 << 20) + 5] {
         for (i, &src_off) in offsets.iter().enumerate() {
             let dst_off = offsets[(i * 3 + len) % offsets.len()];
-            for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
+            let options = [Path::P2p, Path::Nccl, Path::CopyEngine].map(BroadcastOptions::path);
+            for opts in options.iter().chain([&chain]) {
+                let path = if opts == &chain {
+                    "P2P chain".to_string()
+                } else {
+                    format!("{:?}", opts.path.unwrap())
+                };
                 let total = len + 32;
                 let src_all: Vec<u8> = random_vec(total, &mut rng);
                 let input = clique.stream(0).clone_htod(&src_all).unwrap();
@@ -141,16 +153,13 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
                         .iter_mut()
                         .map(|o| o.slice_mut(dst_off..dst_off + len))
                         .collect();
-                    clique
-                        .broadcast_with(0, &view, &mut views, &BroadcastOptions::path(path))
-                        .unwrap();
+                    clique.broadcast_with(0, &view, &mut views, opts).unwrap();
                 }
                 clique.synchronize().unwrap();
                 for (rank, out) in outs.iter().enumerate() {
                     let mut want = guards[rank].clone();
                     want[dst_off..dst_off + len].copy_from_slice(&src_all[src_off..src_off + len]);
-                    let what =
-                        format!("len={len} src+{src_off} dst+{dst_off} {path:?} rank {rank}");
+                    let what = format!("len={len} src+{src_off} dst+{dst_off} {path} rank {rank}");
                     assert_bytes_eq(clique.stream(rank), out, &want, &what);
                 }
             }

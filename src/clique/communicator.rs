@@ -264,7 +264,7 @@ impl Communicator {
                         .into(),
                 )),
                 nccl_on: true,
-                fuse: world == 1,
+                one_process: world == 1,
             },
             job,
             host,

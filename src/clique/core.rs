@@ -30,9 +30,10 @@ pub(crate) struct Core {
     pub(crate) copy_engine: std::result::Result<(), Error>,
     /// Whether NCCL runs here (off where a device holds several ranks).
     pub(crate) nccl_on: bool,
-    /// Whether P2P tensors of one call may share a launch (not across processes, where peers
-    /// read the root's tensors from a staging buffer one at a time).
-    pub(crate) fuse: bool,
+    /// Whether this process drives every rank of the job. Then P2P tensors of one call may
+    /// share a launch and the P2P kernel may chain; across processes peers read the root's
+    /// tensors from a staging buffer, one at a time.
+    pub(crate) one_process: bool,
 }
 
 impl Core {
@@ -62,6 +63,7 @@ impl Core {
             p2p: self.p2p.as_ref().map(|_| ()),
             copy_engine: self.copy_engine.as_ref().map(|_| ()),
             nccl: self.nccl_on,
+            p2p_chain: self.one_process,
         }
     }
 
@@ -98,7 +100,7 @@ impl Core {
             self.available(),
             &self.engine.settings().thresholds_for(options, in_graph),
             self.world,
-            self.fuse,
+            self.one_process,
         )
     }
 

@@ -60,6 +60,15 @@ macro_rules! settings_setters {
             self
         }
 
+        /// The P2P kernel sends messages of at least this many bytes along the chain of
+        /// ranks (each reads its predecessor and forwards) instead of every peer reading the
+        /// root; ranks of one process only. By default from `Auto`'s copy-engine start on more
+        /// than 2 GPUs, never on 2.
+        pub fn p2p_chain_threshold(mut self, bytes: usize) -> Self {
+            self.requested.p2p_chain_threshold = Some(bytes);
+            self
+        }
+
         /// Longest any wait of a broadcast may take (a P2P kernel waiting for a peer) before it
         /// is reported as [`Error::Timeout`]. Must be longer than zero.
         pub fn timeout(mut self, timeout: std::time::Duration) -> Self {
@@ -143,7 +152,7 @@ impl CliqueBuilder {
                 p2p: built.p2p,
                 copy_engine: built.topology.copy_engine_support(),
                 nccl_on: built.nccl_on,
-                fuse: true,
+                one_process: true,
             },
             topology: built.topology,
         };

@@ -29,6 +29,13 @@ pub(crate) const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BY
 pub(crate) const PACKET_BYTES_PER_BLOCK: usize = 2048;
 /// Bytes a pull block aims for before the grid stops growing.
 pub(crate) const PULL_BYTES_PER_BLOCK: usize = 16 << 10;
+/// Smallest piece of a chained message: a hand-off per piece costs a fence and a flag.
+pub(crate) const CHAIN_PIECE_MIN: usize = 32 << 10;
+/// Largest piece of a chained message.
+pub(crate) const CHAIN_PIECE_MAX: usize = 1 << 20;
+/// Pieces each block of a chained launch aims for: the chain fills in N-2 piece times, so a
+/// deep pipeline keeps that fill small (6/64 of the time on 8 GPUs).
+pub(crate) const CHAIN_PIECES_PER_BLOCK: usize = 64;
 /// Most copies in one fused P2P launch (the table travels in the 4 KiB parameter space).
 pub(crate) const LIST_MAX: usize = 120;
 
@@ -48,8 +55,9 @@ pub(crate) struct Params {
     pub unit: u32,
     pub head: u32,
     pub chunk: u32,
-    pub pad0: u32,
-    pub pad1: u32,
+    /// Chain protocol: the buffer this rank reads (its predecessor's output, or the root's
+    /// input); elsewhere 0.
+    pub from: u64,
 }
 
 // SAFETY: `repr(C)`, `Copy`, integers only; its layout is checked against kernel.cu at every
@@ -114,8 +122,7 @@ pub(crate) const STRUCTS: [StructAbi; 3] = [
             ("unit", "u32", 1, offset_of!(Params, unit)),
             ("head", "u32", 1, offset_of!(Params, head)),
             ("chunk", "u32", 1, offset_of!(Params, chunk)),
-            ("pad0", "u32", 1, offset_of!(Params, pad0)),
-            ("pad1", "u32", 1, offset_of!(Params, pad1)),
+            ("from", "u64", 1, offset_of!(Params, from)),
         ],
     },
     StructAbi {
@@ -185,8 +192,14 @@ pub(crate) mod layout {
     pub const ARRIVE: usize = PACKET_ACK + B * MAX_GPUS;
     /// `[block][peer]`: pull op `peer` finished reading (written by `peer`).
     pub const DONE: usize = ARRIVE + B * MAX_GPUS;
+    /// `[block]`: pieces this GPU's block has passed along chains so far (written by itself).
+    pub const CHAIN_SEQ: usize = DONE + B * MAX_GPUS;
+    /// `[block][pred]`: pieces the predecessor `pred` has made readable (written by `pred`).
+    pub const CHAIN_READY: usize = CHAIN_SEQ + B;
+    /// `[block][succ]`: pieces the successor `succ` has finished reading (written by `succ`).
+    pub const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
     /// Words of flags.
-    pub const SIGNAL_WORDS: usize = DONE + B * MAX_GPUS;
+    pub const SIGNAL_WORDS: usize = CHAIN_DONE + B * MAX_GPUS;
     /// Byte offset of the packet inbox, after the flags.
     pub const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
     /// Bytes of inbox: a ring of slots per block, each twice a block's data region.
@@ -197,7 +210,7 @@ pub(crate) mod layout {
 }
 
 /// The `#define`s the kernel source needs, from the constants above.
-pub(crate) fn defines() -> [(&'static str, usize); 11] {
+pub(crate) fn defines() -> [(&'static str, usize); 14] {
     [
         ("GPUCAST_MAX_GPUS", MAX_GPUS),
         ("GPUCAST_THREADS", THREADS as usize),
@@ -208,6 +221,9 @@ pub(crate) fn defines() -> [(&'static str, usize); 11] {
         ("GPUCAST_PACKET_ACK", layout::PACKET_ACK),
         ("GPUCAST_ARRIVE", layout::ARRIVE),
         ("GPUCAST_DONE", layout::DONE),
+        ("GPUCAST_CHAIN_SEQ", layout::CHAIN_SEQ),
+        ("GPUCAST_CHAIN_READY", layout::CHAIN_READY),
+        ("GPUCAST_CHAIN_DONE", layout::CHAIN_DONE),
         ("GPUCAST_INBOX_OFFSET", layout::INBOX_OFFSET),
         ("GPUCAST_LIST_MAX", LIST_MAX),
     ]
@@ -220,7 +236,8 @@ pub(crate) struct Geometry {
     pub blocks: u32,
     /// Threads per block.
     pub threads: u32,
-    /// Packet protocol: data bytes per block (a multiple of 16). Pull: 0.
+    /// Packet protocol: data bytes per block (a multiple of 16). Chain: bytes per piece (a
+    /// multiple of 16 KiB). Pull: 0.
     pub chunk: u32,
 }
 
@@ -252,6 +269,37 @@ pub(crate) fn pull_geometry(bytes: usize) -> Geometry {
         blocks: u32::try_from(blocks).expect("at most MAX_BLOCKS"),
         threads: THREADS,
         chunk: 0,
+    }
+}
+
+/// Geometry of a chained launch for `bytes` (> 0): pieces of [`CHAIN_PIECE_MIN`] to
+/// [`CHAIN_PIECE_MAX`] bytes, about [`CHAIN_PIECES_PER_BLOCK`] per block, and no block without
+/// a piece. Piece `j` is bytes `[j * chunk, (j + 1) * chunk)` and belongs to block
+/// `j % blocks`; the split depends on the size alone, so every rank of the chain agrees on it.
+pub(crate) fn chain_geometry(bytes: usize) -> Geometry {
+    assert!(bytes > 0, "chain of 0 bytes");
+    let piece = bytes
+        .div_ceil(MAX_BLOCKS as usize * CHAIN_PIECES_PER_BLOCK)
+        .next_multiple_of(16 << 10)
+        .clamp(CHAIN_PIECE_MIN, CHAIN_PIECE_MAX);
+    let blocks = bytes.div_ceil(piece).min(MAX_BLOCKS as usize);
+    Geometry {
+        blocks: u32::try_from(blocks).expect("at most MAX_BLOCKS"),
+        threads: THREADS,
+        chunk: u32::try_from(piece).expect("at most CHAIN_PIECE_MAX"),
+    }
+}
+
+/// The pieces block `block` of a chained launch of `bytes` bytes carries (as the kernel
+/// counts them).
+#[cfg(test)]
+pub(crate) fn chain_pieces_of_block(bytes: usize, g: Geometry, block: u32) -> u64 {
+    let pieces = bytes.div_ceil(g.chunk as usize) as u64;
+    let (b, blocks) = (u64::from(block), u64::from(g.blocks));
+    if pieces > b {
+        (pieces - b).div_ceil(blocks)
+    } else {
+        0
     }
 }
 
@@ -357,13 +405,16 @@ mod tests {
         use layout::*;
         const {
             assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
-            assert!(ARRIVE < DONE && DONE < SIGNAL_WORDS);
+            assert!(ARRIVE < DONE && DONE < CHAIN_SEQ && CHAIN_SEQ < CHAIN_READY);
+            assert!(CHAIN_READY < CHAIN_DONE && CHAIN_DONE < SIGNAL_WORDS);
             assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET.is_multiple_of(4096));
             assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
             assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
         }
+        assert_eq!(CHAIN_SEQ - DONE, MAX_BLOCKS as usize * MAX_GPUS);
+        assert_eq!(CHAIN_READY - CHAIN_SEQ, MAX_BLOCKS as usize);
         assert_eq!(
-            DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1,
+            CHAIN_DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1,
             SIGNAL_WORDS - 1
         );
     }
@@ -410,6 +461,47 @@ mod tests {
         assert_eq!(pull_geometry(PULL_BYTES_PER_BLOCK).blocks, 1);
         assert_eq!(pull_geometry(PULL_BYTES_PER_BLOCK + 1).blocks, 2);
         assert_eq!(pull_geometry(1 << 30).blocks, MAX_BLOCKS);
+    }
+
+    #[test]
+    fn chain_geometry_gives_every_block_pieces_and_covers_every_byte() {
+        for bytes in [
+            1usize,
+            16,
+            (32 << 10) - 1,
+            32 << 10,
+            (32 << 10) + 1,
+            (4 << 20) + 3,
+            (13 << 20) + 5,
+            64 << 20,
+            (1 << 30) + 7,
+            8 << 30,
+        ] {
+            let g = chain_geometry(bytes);
+            let piece = g.chunk as usize;
+            assert!(
+                (CHAIN_PIECE_MIN..=CHAIN_PIECE_MAX).contains(&piece),
+                "{bytes}"
+            );
+            assert_eq!(piece % (16 << 10), 0, "pieces keep 16-byte units whole");
+            assert!(g.blocks >= 1 && g.blocks <= MAX_BLOCKS, "{bytes}: {g:?}");
+            let per_block: Vec<u64> = (0..g.blocks)
+                .map(|b| chain_pieces_of_block(bytes, g, b))
+                .collect();
+            assert!(per_block.iter().all(|&c| c >= 1), "{bytes}: a block idles");
+            let total: u64 = per_block.iter().sum();
+            assert_eq!(total, bytes.div_ceil(piece) as u64, "{bytes}");
+            // Blocks differ by at most one piece.
+            let (lo, hi) = (per_block.iter().min(), per_block.iter().max());
+            assert!(hi.unwrap() - lo.unwrap() <= 1, "{bytes}");
+        }
+        // Large messages are deep pipelines of whole blocks.
+        let g = chain_geometry(1 << 30);
+        assert_eq!(g.blocks, MAX_BLOCKS);
+        assert_eq!(
+            chain_pieces_of_block(1 << 30, g, 0),
+            CHAIN_PIECES_PER_BLOCK as u64
+        );
     }
 
     #[test]

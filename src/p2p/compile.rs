@@ -12,6 +12,7 @@ const KERNEL: &str = include_str!("kernel.cu");
 pub(crate) const PACKET_KERNEL: &str = "gpucast_packet";
 pub(crate) const PULL_KERNEL: &str = "gpucast_pull";
 pub(crate) const PULL_LIST_KERNEL: &str = "gpucast_pull_list";
+pub(crate) const CHAIN_KERNEL: &str = "gpucast_chain";
 
 /// The full source handed to NVRTC: the ABI's constants as #defines, its types and parameter
 /// structs (with a `static_assert` on each size), then the kernels.

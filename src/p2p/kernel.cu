@@ -15,6 +15,8 @@
 #define PHASE_PACKET_DATA 2u  // peer waits for the root's packets
 #define PHASE_PULL_ARRIVE 3u  // peer waits for the root to arrive
 #define PHASE_PULL_DONE 4u    // root waits for peers to finish reading
+#define PHASE_CHAIN_DATA 5u   // rank waits for its predecessor's piece
+#define PHASE_CHAIN_DONE 6u   // rank waits for its successor to finish reading
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
@@ -327,4 +329,124 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull_list(
                           if (!is_root || e.dst != e.src) copy_bytes(e.src, e.dst, e.bytes, e.unit, e.head);
                       }
                   });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chain protocol (large messages, more than two GPUs). The ranks form a chain that starts at the
+// root: root, root + 1, ..., root + N - 1 (mod N). Each rank reads the message from its
+// predecessor (the root's successor from the root's input) piece by piece and tells its
+// successor which pieces it may read, so every link carries the message once whatever N, and
+// a rank forwards piece k while it receives piece k + G. Piece j is bytes [j*chunk, (j+1)*chunk)
+// and belongs to block j % G on every rank; a block's counters count its pieces over all chains,
+// so ranks agree on them without a barrier. Before it ends, every rank but the last waits until
+// its successor has read all of its pieces: later work on its stream may then overwrite them.
+
+// Copies units of W over one block, four loads in flight per thread.
+template <typename W>
+__device__ __forceinline__ void block_units(const W* s, W* d, u64 n) {
+    u64 i = threadIdx.x;
+    const u64 stride = blockDim.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        W a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+        d[i] = a;
+        d[i + stride] = b;
+        d[i + 2 * stride] = c;
+        d[i + 3 * stride] = e;
+    }
+    for (; i < n; i += stride) d[i] = s[i];
+}
+
+// Copies bytes [lo, hi) of src to dst with one block. Offsets congruent to `head` modulo `unit`
+// are `unit`-aligned in both buffers; lo is a multiple of 16, so the block copies at most
+// unit - 1 bytes one at a time on each side of the aligned body.
+__device__ void block_copy(u64 src_addr, u64 dst_addr, u64 lo, u64 hi, u32 unit, u32 head) {
+    const unsigned char* s = (const unsigned char*)src_addr;
+    unsigned char* d = (unsigned char*)dst_addr;
+    u64 a = lo + (head + unit - (u32)(lo % unit)) % unit;
+    if (a > hi) a = hi;
+    const u64 n = (hi - a) / unit;
+    const u64 e = a + n * unit;
+    const u32 t = threadIdx.x;
+    if (t < a - lo) d[lo + t] = s[lo + t];
+    if (t < hi - e) d[e + t] = s[e + t];
+    s += a;
+    d += a;
+    switch (unit) {
+        case 16: block_units((const uint4*)s, (uint4*)d, n); break;
+        case 8: block_units((const u64*)s, (u64*)d, n); break;
+        case 4: block_units((const u32*)s, (u32*)d, n); break;
+        case 2: block_units((const unsigned short*)s, (unsigned short*)d, n); break;
+        default: block_units(s, d, n); break;
+    }
+}
+
+// At least two blocks per SM: where one GPU holds several ranks (tests), every rank's blocks
+// must be resident at once, since a rank's blocks wait for its predecessor's.
+extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(const Params p) {
+    __shared__ int abort_flag;
+    __shared__ u32 s_base;
+    const u32 b = blockIdx.x;
+    const u32 t = threadIdx.x;
+    const u32 blocks = gridDim.x;
+    const u32 n = p.nranks;
+    u32* mine = signal_of(p, p.rank);
+    const Bound bound = {p.error_slot, p.timeout_ns};
+    const u32 pos = (p.rank + n - p.root) % n;
+    const u32 pred = (p.rank + n - 1) % n;
+    const u32 succ = (p.rank + 1) % n;
+    const bool last = pos == n - 1;
+    const u64 pieces = (p.bytes + p.chunk - 1) / p.chunk;
+    const u32 count = pieces > b ? (u32)((pieces - b + blocks - 1) / blocks) : 0u;
+    u32* to_succ = signal_of(p, succ) + GPUCAST_CHAIN_READY + b * GPUCAST_MAX_GPUS + p.rank;
+    if (t == 0) {
+        abort_flag = 0;
+        s_base = ld_volatile(mine + GPUCAST_CHAIN_SEQ + b);
+    }
+    __syncthreads();
+    const u32 base = s_base;
+
+    if (pos == 0) {
+        // The root's stream reached this kernel, so its input is ready: every piece at once.
+        if (t == 0) st_release(to_succ, base + count);
+        if (p.dst != p.src) {
+            for (u32 k = 0; k < count; k++) {
+                const u64 lo = ((u64)k * blocks + b) * p.chunk;
+                const u64 hi = lo + p.chunk < p.bytes ? lo + p.chunk : p.bytes;
+                block_copy(p.src, p.dst, lo, hi, p.unit, p.head);
+            }
+        }
+    } else {
+        const u32* ready = mine + GPUCAST_CHAIN_READY + b * GPUCAST_MAX_GPUS + pred;
+        for (u32 k = 0; k < count; k++) {
+            if (t == 0) wait_flag(ready, base + k + 1, bound, PHASE_CHAIN_DATA, base + k + 1, &abort_flag);
+            __syncthreads();
+            if (abort_flag) return;
+            const u64 lo = ((u64)k * blocks + b) * p.chunk;
+            const u64 hi = lo + p.chunk < p.bytes ? lo + p.chunk : p.bytes;
+            block_copy(p.from, p.dst, lo, hi, p.unit, p.head);
+            if (!last) {
+                // Every thread's stores of the piece happen before thread 0's release.
+                __syncthreads();
+                if (t == 0) {
+                    __threadfence_system();
+                    st_release(to_succ, base + k + 1);
+                }
+            }
+        }
+        // Every thread's loads of the predecessor's buffer have returned.
+        __syncthreads();
+        if (t == 0) {
+            st_release(signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank,
+                       base + count);
+        }
+    }
+    if (!last) {
+        if (t == 0) {
+            wait_flag(mine + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + succ, base + count, bound,
+                      PHASE_CHAIN_DONE, base + count, &abort_flag);
+        }
+        __syncthreads();
+        if (abort_flag) return;
+    }
+    if (t == 0) st_volatile(mine + GPUCAST_CHAIN_SEQ + b, base + count);
 }

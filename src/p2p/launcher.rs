@@ -294,8 +294,7 @@ mod tests {
                 unit: 0,
                 head: 0,
                 chunk: 0,
-                pad0: 0,
-                pad1: 0,
+                from: 0,
             },
         }
     }

@@ -29,6 +29,7 @@ struct RankKernels {
     packet: CudaFunction,
     pull: CudaFunction,
     pull_list: CudaFunction,
+    chain: CudaFunction,
     /// Flags + packet inbox ([`layout::TOTAL_BYTES`]): plain `cuMemAlloc` memory that every peer
     /// reaches through peer access (one process), or the head of this rank's shared memory.
     signal: CUdeviceptr,
@@ -299,10 +300,11 @@ impl P2p {
                     .load_function(name)
                     .map_err(Error::cuda(format!("finding {name} on rank {local}")))
             };
-            let (packet, pull, pull_list) = (
+            let (packet, pull, pull_list, chain) = (
                 load(compile::PACKET_KERNEL)?,
                 load(compile::PULL_KERNEL)?,
                 load(compile::PULL_LIST_KERNEL)?,
+                load(compile::CHAIN_KERNEL)?,
             );
             let mut error_dev: CUdeviceptr = 0;
             ctx.bind_to_thread()
@@ -324,6 +326,7 @@ impl P2p {
                 packet,
                 pull,
                 pull_list,
+                chain,
                 signal: 0,
                 plain: false,
                 error_dev,
@@ -364,8 +367,7 @@ impl P2p {
             unit: 1,
             head: 0,
             chunk,
-            pad0: 0,
-            pad1: 0,
+            from: 0,
         }
     }
 
@@ -384,6 +386,11 @@ impl P2p {
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
+        if route == Route::P2pChain && self.staging.is_some() {
+            return Err(Error::P2pUnavailable(
+                "the P2P chain reads every rank's output: ranks of one process only".into(),
+            ));
+        }
         let Some(st) = self.staging.as_ref().filter(|_| route == Route::P2pPull) else {
             // SAFETY: per this function's contract.
             return unsafe { self.launch_kernels(route, root, src, bytes, dsts, streams) };
@@ -450,13 +457,18 @@ impl P2p {
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
-        let geometry = if route == Route::P2pPacket {
-            abi::packet_geometry(bytes)
-        } else {
-            abi::pull_geometry(bytes)
+        let geometry = match route {
+            Route::P2pPacket => abi::packet_geometry(bytes),
+            Route::P2pChain => abi::chain_geometry(bytes),
+            _ => abi::pull_geometry(bytes),
         };
         let mut params = self.base_params(root, src, bytes, geometry.chunk);
         let n = self.ranks.len();
+        let from = if route == Route::P2pChain {
+            self.chain_sources(root, src, dsts)?
+        } else {
+            [0; MAX_GPUS]
+        };
         let mut jobs = [launcher::Job {
             func: std::ptr::null_mut(),
             blocks: geometry.blocks,
@@ -468,13 +480,21 @@ impl P2p {
             params.rank = self.global[rank];
             params.dst = dsts[rank];
             params.error_slot = r.error_dev;
-            let func: CUfunction = if route == Route::P2pPacket {
-                r.packet.cu_function()
-            } else {
-                let a = abi::co_alignment(params.src, params.dst, params.bytes);
-                params.unit = a.unit;
-                params.head = a.head;
-                r.pull.cu_function()
+            let func: CUfunction = match route {
+                Route::P2pPacket => r.packet.cu_function(),
+                Route::P2pChain => {
+                    params.from = from[rank];
+                    let a = abi::co_alignment(params.from, params.dst, params.bytes);
+                    params.unit = a.unit;
+                    params.head = a.head;
+                    r.chain.cu_function()
+                }
+                _ => {
+                    let a = abi::co_alignment(params.src, params.dst, params.bytes);
+                    params.unit = a.unit;
+                    params.head = a.head;
+                    r.pull.cu_function()
+                }
             };
             jobs[rank] = launcher::Job {
                 func,
@@ -512,6 +532,30 @@ impl P2p {
             )))?;
         }
         Ok(())
+    }
+
+    /// What each local rank reads in a chain from `root` (a job rank): the root's input for
+    /// the root itself (its own copy) and for its successor, the predecessor's output for the
+    /// others. Every rank of the chain must be local.
+    fn chain_sources(&self, root: usize, src: u64, dsts: &[u64]) -> Result<[u64; MAX_GPUS]> {
+        let n = self.nranks as usize;
+        let local_of = |global: usize| self.global.iter().position(|&g| g as usize == global);
+        let mut from = [0u64; MAX_GPUS];
+        for (local, &global) in self.global.iter().enumerate() {
+            let global = global as usize;
+            let pred = (global + n - 1) % n;
+            from[local] = if global == root || pred == root {
+                src
+            } else {
+                let p = local_of(pred).ok_or_else(|| {
+                    Error::P2pUnavailable(format!(
+                        "rank {pred} is not in this process: the P2P chain needs every rank"
+                    ))
+                })?;
+                dsts[p]
+            };
+        }
+        Ok(from)
     }
 
     /// Turns the per-GPU launch threads on or off (no effect without them).
@@ -648,6 +692,8 @@ pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error
         2 => "waiting for the root's packets",
         3 => "waiting for the root to arrive",
         4 => "root waiting for peers to finish reading",
+        5 => "waiting for the predecessor's piece in the chain",
+        6 => "waiting for the successor in the chain to finish reading",
         _ => "unknown wait",
     };
     Error::Timeout {
