@@ -144,11 +144,11 @@ pub(crate) const WINDOW: usize = 64;
 /// A flag of one rank's copy-engine flag area (captured calls).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Flag {
-    /// Chunk `k` of the current window has arrived at this rank's predecessor (or, for `k = 0`
-    /// on the root's successor, the root's input is ready).
+    /// Chunk `k` of the current window has arrived in this rank's output.
     Arrive(usize),
-    /// This rank's successor has read all it needs from this rank's buffer.
-    Done,
+    /// This rank's successor's output is free for the current window: its stream reached the
+    /// call (first window) or has seen every chunk of the previous window.
+    Free,
 }
 
 /// One operation of a chained copy, queued on the stream of `rank`.
@@ -158,10 +158,11 @@ pub(crate) enum ChainOp {
     Record { rank: usize },
     /// Make `rank` wait for the latest record of `of`'s chain event.
     Wait { rank: usize, of: usize },
-    /// Copy chunk `chunk` into `rank`'s output from `from`'s buffer (the root's input when
-    /// `from` is the root).
+    /// On `rank`'s stream (its copy engine), copy chunk `chunk` from `from`'s buffer (the
+    /// root's input when `from` is the root) into `into`'s output.
     Copy {
         rank: usize,
+        into: usize,
         from: usize,
         chunk: usize,
     },
@@ -176,36 +177,50 @@ pub(crate) enum ChainOp {
     },
 }
 
-/// The operations of an eager chained copy of `chunks` chunks along `order` (see
-/// [`chain`]), ordered by one event per rank. They are queued chunk by chunk, so the latest
-/// record of a predecessor's event, when its successor queues a wait on it, is the one after
-/// the same chunk. At the end every rank waits for its successor's last copy, so that no
-/// rank's stream moves past the call while its buffer is still read.
+/// The operations of an eager chained copy of `chunks` chunks along `order` (see [`chain`]),
+/// ordered by one event per rank. Each rank pushes every chunk to its successor with its own
+/// copy engine, so a buffer is only ever read on its own stream:
+/// - every rank but the root first records its event, and its predecessor waits for that
+///   record before its first copy into it: earlier work on its output is done;
+/// - a rank forwards chunk k once its predecessor's event, recorded after copying chunk k into
+///   it, has passed (calls are queued chunk by chunk, so that is the latest record when the
+///   wait is queued);
+/// - at the end every rank but the root waits for its predecessor's last copy, so no stream
+///   moves past the call before its output holds the message.
 pub(crate) fn eager_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
     let n = order.len();
     let mut ops = Vec::new();
     if n < 2 || chunks == 0 {
         return ops;
     }
-    ops.push(ChainOp::Record { rank: order[0] });
+    for &rank in &order[1..] {
+        ops.push(ChainOp::Record { rank });
+    }
     for chunk in 0..chunks {
         for i in 1..n {
-            let (rank, from) = (order[i], order[i - 1]);
-            // The root's event is recorded once, before the first chunk.
-            if i > 1 || chunk == 0 {
-                ops.push(ChainOp::Wait { rank, of: from });
+            let (rank, into) = (order[i - 1], order[i]);
+            if chunk == 0 {
+                ops.push(ChainOp::Wait { rank, of: into });
             }
-            ops.push(ChainOp::Copy { rank, from, chunk });
-            if i + 1 < n {
-                ops.push(ChainOp::Record { rank });
+            if i > 1 {
+                ops.push(ChainOp::Wait {
+                    rank,
+                    of: order[i - 2],
+                });
             }
+            ops.push(ChainOp::Copy {
+                rank,
+                into,
+                from: rank,
+                chunk,
+            });
+            ops.push(ChainOp::Record { rank });
         }
     }
-    ops.push(ChainOp::Record { rank: order[n - 1] });
     for i in 1..n {
         ops.push(ChainOp::Wait {
-            rank: order[i - 1],
-            of: order[i],
+            rank: order[i],
+            of: order[i - 1],
         });
     }
     ops
@@ -213,8 +228,9 @@ pub(crate) fn eager_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
 
 /// The operations of a captured chained copy: the same hand-offs as [`eager_ops`], through
 /// flags set to 1 by the writer and reset to 0 by the reader, so that every replay of a graph
-/// starts from zeroed flags. Chunks go in windows of [`WINDOW`], each closed by a full
-/// hand-off (every rank resets its arrival flags, then tells its predecessor it is done).
+/// starts from zeroed flags. Chunks go in windows of [`WINDOW`]: a rank tells its predecessor
+/// its output is free ([`Flag::Free`]) at the start of each window, after it has reset the
+/// arrival flags of the previous one, so no arrival is written before its reset.
 pub(crate) fn captured_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
     let n = order.len();
     let mut ops = Vec::new();
@@ -224,62 +240,66 @@ pub(crate) fn captured_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
     let mut first = 0;
     while first < chunks {
         let len = WINDOW.min(chunks - first);
-        ops.push(ChainOp::WriteFlag {
-            rank: order[0],
-            owner: order[1],
-            flag: Flag::Arrive(0),
-            value: 1,
-        });
+        for i in 1..n {
+            ops.push(ChainOp::WriteFlag {
+                rank: order[i],
+                owner: order[i - 1],
+                flag: Flag::Free,
+                value: 1,
+            });
+        }
         for k in 0..len {
             for i in 1..n {
-                let (rank, from) = (order[i], order[i - 1]);
-                if i > 1 || k == 0 {
+                let (rank, into) = (order[i - 1], order[i]);
+                if k == 0 {
+                    ops.push(ChainOp::WaitFlag {
+                        rank,
+                        flag: Flag::Free,
+                    });
+                    ops.push(ChainOp::WriteFlag {
+                        rank,
+                        owner: rank,
+                        flag: Flag::Free,
+                        value: 0,
+                    });
+                }
+                if i > 1 {
                     ops.push(ChainOp::WaitFlag {
                         rank,
                         flag: Flag::Arrive(k),
                     });
+                    ops.push(ChainOp::WriteFlag {
+                        rank,
+                        owner: rank,
+                        flag: Flag::Arrive(k),
+                        value: 0,
+                    });
                 }
                 ops.push(ChainOp::Copy {
                     rank,
-                    from,
+                    into,
+                    from: rank,
                     chunk: first + k,
                 });
-                if i + 1 < n {
-                    ops.push(ChainOp::WriteFlag {
-                        rank,
-                        owner: order[i + 1],
-                        flag: Flag::Arrive(k),
-                        value: 1,
-                    });
-                }
-            }
-        }
-        for i in 1..n {
-            let rank = order[i];
-            for k in 0..len {
                 ops.push(ChainOp::WriteFlag {
                     rank,
-                    owner: rank,
+                    owner: into,
                     flag: Flag::Arrive(k),
-                    value: 0,
+                    value: 1,
                 });
             }
-            ops.push(ChainOp::WriteFlag {
-                rank,
-                owner: order[i - 1],
-                flag: Flag::Done,
-                value: 1,
-            });
         }
-        for &rank in &order[..n - 1] {
+        // The last rank forwards nothing: it takes in (and resets) every arrival.
+        let last = order[n - 1];
+        for k in 0..len {
             ops.push(ChainOp::WaitFlag {
-                rank,
-                flag: Flag::Done,
+                rank: last,
+                flag: Flag::Arrive(k),
             });
             ops.push(ChainOp::WriteFlag {
-                rank,
-                owner: rank,
-                flag: Flag::Done,
+                rank: last,
+                owner: last,
+                flag: Flag::Arrive(k),
                 value: 0,
             });
         }
@@ -647,9 +667,10 @@ mod tests {
     /// Runs `calls` (each a list of operations queued in that order) on a model of `n` streams:
     /// at every step one stream whose next operation can run, picked at random, runs it. Events
     /// are waited on as they were recorded when the wait was queued; flags as they are when the
-    /// wait runs. Checks that every copy reads a chunk its source holds, that every rank ends
-    /// with every chunk, that no stream finishes a call while its buffer is still to be read,
-    /// that nothing deadlocks and that the flags end at zero.
+    /// wait runs. Checks that every copy reads a chunk its source holds and writes into a rank
+    /// whose stream has reached the call, that no stream finishes a call before its output
+    /// holds every chunk or while its buffer is still to be read, that nothing deadlocks and
+    /// that the flags end at zero.
     fn simulate(n: usize, root: usize, chunks: usize, calls: &[Vec<ChainOp>], seed: u64) {
         use rand::{Rng, SeedableRng};
         use std::collections::HashMap;
@@ -703,12 +724,24 @@ mod tests {
                 let r = runnable[rng.random_range(0..runnable.len())];
                 match queues[r][heads[r]] {
                     (ChainOp::Record { rank }, Some(i)) => done_records[rank] = i,
-                    (ChainOp::Copy { rank, from, chunk }, _) => {
+                    (
+                        ChainOp::Copy {
+                            rank,
+                            into,
+                            from,
+                            chunk,
+                        },
+                        _,
+                    ) => {
                         assert!(
                             has[from][chunk],
                             "rank {rank} read chunk {chunk} from rank {from} before it arrived"
                         );
-                        has[rank][chunk] = true;
+                        assert!(
+                            heads[into] > 0,
+                            "rank {rank} wrote into rank {into} before its stream reached the call"
+                        );
+                        has[into][chunk] = true;
                         reads_left[from] -= 1;
                     }
                     (
@@ -726,6 +759,10 @@ mod tests {
                     assert_eq!(
                         reads_left[r], 0,
                         "rank {r}'s stream left the call while its buffer was still to be read"
+                    );
+                    assert!(
+                        has[r].iter().all(|&x| x),
+                        "rank {r}'s stream left the call before its output was complete"
                     );
                 }
             }
@@ -757,19 +794,50 @@ mod tests {
     #[test]
     fn the_model_catches_a_missing_wait() {
         let order = chain(0, 3);
-        let mut ops = eager_ops(&order, 4);
-        // Drop the wait of the last rank for its predecessor's second chunk.
-        let second = ops
+        let ops = eager_ops(&order, 4);
+        let without = |pick: &dyn Fn(&ChainOp) -> bool, nth: usize| {
+            let mut ops = ops.clone();
+            let at = ops
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| pick(o))
+                .map(|(i, _)| i)
+                .nth(nth)
+                .unwrap();
+            ops.remove(at);
+            ops
+        };
+        let caught = |ops: Vec<ChainOp>| {
+            (0..64).any(|seed| {
+                std::panic::catch_unwind(|| simulate(3, 0, 4, std::slice::from_ref(&ops), seed))
+                    .is_err()
+            })
+        };
+        // Rank 1 forwards its second chunk without waiting for it to arrive.
+        assert!(caught(without(
+            &|o| matches!(o, ChainOp::Wait { rank: 1, of: 0 }),
+            1
+        )));
+        // Rank 1 copies into rank 2 before rank 2's stream reached the call.
+        assert!(caught(without(
+            &|o| matches!(o, ChainOp::Wait { rank: 1, of: 2 }),
+            0
+        )));
+        // Rank 2 leaves the call without waiting for its last chunk.
+        assert!(caught(without(
+            &|o| matches!(o, ChainOp::Wait { rank: 2, of: 1 }),
+            0
+        )));
+        // And the captured form without the last rank's final wait.
+        let captured = captured_ops(&order, 4);
+        let mut cut = captured.clone();
+        let at = cut
             .iter()
-            .enumerate()
-            .filter(|(_, o)| matches!(o, ChainOp::Wait { rank: 2, of: 1 }))
-            .map(|(i, _)| i)
-            .nth(1)
+            .rposition(|o| matches!(o, ChainOp::WaitFlag { rank: 2, .. }))
             .unwrap();
-        ops.remove(second);
-        let caught = (0..64).any(|seed| {
-            std::panic::catch_unwind(|| simulate(3, 0, 4, &[ops.clone()], seed)).is_err()
-        });
-        assert!(caught);
+        cut.remove(at);
+        assert!((0..64).any(|seed| {
+            std::panic::catch_unwind(|| simulate(3, 0, 4, &[cut.clone()], seed)).is_err()
+        }));
     }
 }

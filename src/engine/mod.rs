@@ -37,6 +37,9 @@ pub(crate) struct Rank {
     /// A second stream, never used for work: capture reads buffer addresses through it, so
     /// that cudarc's guard waits land outside the capture.
     side: EngineStream,
+    /// The root's own copy of a copy-engine broadcast runs here, beside the chain on `stream`
+    /// (forked from it and joined back within the call).
+    aux: EngineStream,
 }
 
 impl Rank {
@@ -53,6 +56,7 @@ impl Rank {
         Ok(Rank {
             global,
             side: EngineStream::create(&ctx)?,
+            aux: EngineStream::create(&ctx)?,
             stream,
             ctx,
         })
@@ -91,6 +95,8 @@ struct State {
     events: Vec<CudaEvent>,
     /// One event per rank for the copy-engine chain of eager calls.
     ce_events: Vec<CudaEvent>,
+    /// Per rank: the fork and join events of the root's own copy on its `aux` stream.
+    ce_aux_events: Vec<(CudaEvent, CudaEvent)>,
     /// The copy-engine flags of captured calls, made at the first one.
     ce_flags: Option<copy::Flags>,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
@@ -138,6 +144,7 @@ impl Engine {
         };
         let events = new_events()?;
         let ce_events = new_events()?;
+        let ce_aux_events = new_events()?.into_iter().zip(new_events()?).collect();
         let live = matches!(nccl, Nccl::Live(_));
         let nccl = Arc::new(Mutex::new(nccl));
         let watchdog = if live {
@@ -156,6 +163,7 @@ impl Engine {
                 p2p,
                 events,
                 ce_events,
+                ce_aux_events,
                 ce_flags: None,
                 desynced: false,
             }),
