@@ -58,7 +58,7 @@ if want bench-quick; then
   cp "$out/bench-quick/broadcast.csv" "$res/bench-quick.csv" 2>/dev/null
 fi
 if want bench-large; then
-  run bench-large .gpu/bin/bench-broadcast --bench -b 256K -e 1G --paths nccl,p2p,copy-engine,copy-engine-raw,auto --repeats 9 --target-ms 10 --out "$out/bench-large" --torch no
+  run bench-large .gpu/bin/bench-broadcast --bench -b 256K -e 1G --paths nccl,p2p,p2p-chain,copy-engine,copy-engine-raw,auto --repeats 9 --target-ms 10 --out "$out/bench-large" --torch no
   for f in broadcast.csv broadcast.png table.txt; do cp "$out/bench-large/$f" "$res/bench-large-$f" 2>/dev/null; done
 fi
 if want bench; then

@@ -73,7 +73,7 @@ pub enum Route {
     /// once whatever the number of ranks. For large messages on more than two ranks of one
     /// process.
     P2pChain,
-    /// The copy engines: each rank copies the message from the rank before it in a chain that
+    /// The copy engines: each rank pushes the message into the rank after it in a chain that
     /// starts at the root, in chunks, so that every link carries it once. For large messages.
     CopyEngine,
 }
@@ -139,16 +139,18 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
 ];
 
 /// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs. Measured on 2 H200
-/// (results/h200x2/large): out of place, the chain ties the P2P kernel from 256 MiB up eager
-/// (742 against 821 us at 256 MiB, 3113 against 3090 us at 1 GiB: the root's own copy shares
-/// its copy engine) and wins in graphs (2927 against 3083 us at 1 GiB); below, it loses (eager
-/// 393 against 383 us at 128 MiB; graphs 402 against 377 us). In place, or beside compute
-/// (no SM taken: 0.0% compute slowdown against 24% for NCCL and P2P), it is the better path.
-pub const COPY_ENGINE_MIN_2_GPUS: usize = 256 << 20;
+/// (results/h200x2/large, three runs, out of place, eager): from 64 MiB the chain beat the P2P
+/// kernel in every run (196 against 214-216 us at 64 MiB; 731 against 812 us at 256 MiB and
+/// 2802 against 3049 us at 1 GiB with the root pushing) but once at 128 MiB (388 against
+/// 378 us; 380 against 420-424 us in the two others); at 32 MiB the P2P kernel won two runs of
+/// three (101 against 107-108 us). In place, or beside compute (no SM taken: 0.1% compute
+/// slowdown against 24% for NCCL and P2P), it is the better path anyway.
+pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 
 /// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
-/// memory operations: two runs on 2 H200 agreed only at 1 GiB (2927 and 2868 us against 3083
-/// and 3030 us for the P2P kernel); from 128 to 512 MiB they disagreed by up to 8%.
+/// memory operations: in three runs on 2 H200 the chain won at 1 GiB every time (2851-2865
+/// against 2980-3004 us for the P2P kernel) and lost at 512 MiB every time (1580-1622 against
+/// 1534-1539 us); from 128 to 256 MiB the runs disagreed.
 pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 1 << 30;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`

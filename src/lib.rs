@@ -14,10 +14,10 @@
 //!   peer's inbox; no barrier at all); medium ones a *pull* protocol (peers read the root's
 //!   buffer over NVLink after its arrival flag and report when done). Counters live on the
 //!   device, so the kernel can be captured in a CUDA graph; every wait is bounded by a timeout.
-//! - **Copy engine**: no kernel at all. Each rank copies the message from the rank before it in
-//!   a chain that starts at the root (`cuMemcpyAsync`, chunked beyond two ranks so that every
-//!   link carries it once), ordered by events, or by stream memory operations inside a graph.
-//!   It leaves every SM to the caller's compute.
+//! - **Copy engine**: no kernel at all. Each rank pushes the message into the rank after it in
+//!   a chain that starts at the root (`cuMemcpyAsync` on its own copy engine, chunked beyond
+//!   two ranks so that every link carries it once), ordered by events, or by stream memory
+//!   operations inside a graph. It leaves every SM to the caller's compute.
 //!
 //! A [`Communicator`] is one rank of a job that runs one process per GPU (torchrun, Slurm,
 //! MPI): the same broadcasts, each process passing its own buffer, after a rendezvous through
