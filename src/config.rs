@@ -148,10 +148,11 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
 pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 
 /// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
-/// memory operations: in three runs on 2 H200 the chain won at 1 GiB every time (2851-2865
-/// against 2980-3004 us for the P2P kernel) and lost at 512 MiB every time (1580-1622 against
-/// 1534-1539 us); from 128 to 256 MiB the runs disagreed.
-pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 1 << 30;
+/// memory operations. In both runs on 2 H200 with the root pushing, the chain won at 128 MiB
+/// (388-390 against 414-418 us for the P2P kernel), 256 MiB (739-745 against 794 us) and 1 GiB
+/// (2802-2857 against 2981-2986 us), and lost at 64 MiB (223-225 against 209-211 us) and, by 4%,
+/// at 512 MiB (1599-1604 against 1533-1534 us).
+pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
 /// GPUs. With 2 GPUs both carry the message over the one link once, and fan-out needs no
