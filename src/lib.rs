@@ -100,10 +100,11 @@ pub use clique::{
     OutputLists, RawBroadcast, UncheckedCapture, DEFAULT_INIT_TIMEOUT,
 };
 pub use config::{
-    env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route, Thresholds,
-    COPY_ENGINE_MIN_2_GPUS, COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS, DEFAULT_P2P_MAX_ACROSS_PROCESSES,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS,
-    MAX_GPUS, MODEL_FIXED_GAP_S, MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
+    chain_min_bytes, env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route,
+    Thresholds, COPY_ENGINE_MIN_2_GPUS, COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS,
+    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS,
+    DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, MODEL_FIXED_GAP_S,
+    MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
