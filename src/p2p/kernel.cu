@@ -234,10 +234,11 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
 // waits for all peers before it ends, so later work on the root's stream cannot overwrite the
 // source while a peer still reads it.
 
+// Copies n units of W, thread `first` taking units first, first + stride, ... with four loads
+// in flight per thread.
 template <typename W>
-__device__ __forceinline__ void copy_units(const W* s, W* d, u64 n) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
+__device__ __forceinline__ void copy_units(const W* s, W* d, u64 n, u64 first, u64 stride) {
+    u64 i = first;
     for (; i + 3 * stride < n; i += 4 * stride) {
         W a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
         d[i] = a;
@@ -246,6 +247,18 @@ __device__ __forceinline__ void copy_units(const W* s, W* d, u64 n) {
         d[i + 3 * stride] = e;
     }
     for (; i < n; i += stride) d[i] = s[i];
+}
+
+// copy_units at the access width `unit` (16, 8, 4, 2 or 1 bytes; both addresses aligned to it).
+__device__ __forceinline__ void copy_width(const unsigned char* s, unsigned char* d, u64 n, u32 unit,
+                                           u64 first, u64 stride) {
+    switch (unit) {
+        case 16: copy_units((const uint4*)s, (uint4*)d, n, first, stride); break;
+        case 8: copy_units((const u64*)s, (u64*)d, n, first, stride); break;
+        case 4: copy_units((const u32*)s, (u32*)d, n, first, stride); break;
+        case 2: copy_units((const unsigned short*)s, (unsigned short*)d, n, first, stride); break;
+        default: copy_units(s, d, n, first, stride); break;
+    }
 }
 
 // Copies `bytes` bytes with the whole grid: `head` bytes one at a time, then `unit`-wide
@@ -259,15 +272,8 @@ __device__ void copy_bytes(u64 src_addr, u64 dst_addr, u64 bytes, u32 unit, u32 
     if (blockIdx.x == 0 && threadIdx.x < head) d[threadIdx.x] = s[threadIdx.x];
     if (blockIdx.x == gridDim.x - 1 && threadIdx.x < tail)
         d[tail_start + threadIdx.x] = s[tail_start + threadIdx.x];
-    s += head;
-    d += head;
-    switch (unit) {
-        case 16: copy_units((const uint4*)s, (uint4*)d, n); break;
-        case 8: copy_units((const u64*)s, (u64*)d, n); break;
-        case 4: copy_units((const u32*)s, (u32*)d, n); break;
-        case 2: copy_units((const unsigned short*)s, (unsigned short*)d, n); break;
-        default: copy_units(s, d, n); break;
-    }
+    copy_width(s + head, d + head, n, unit, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+               (u64)gridDim.x * blockDim.x);
 }
 
 // The pull protocol around a copy: `copy` runs on the root (its own output, unless in place) and
@@ -341,21 +347,6 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull_list(
 // so ranks agree on them without a barrier. Before it ends, every rank but the last waits until
 // its successor has read all of its pieces: later work on its stream may then overwrite them.
 
-// Copies units of W over one block, four loads in flight per thread.
-template <typename W>
-__device__ __forceinline__ void block_units(const W* s, W* d, u64 n) {
-    u64 i = threadIdx.x;
-    const u64 stride = blockDim.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        W a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
-        d[i] = a;
-        d[i + stride] = b;
-        d[i + 2 * stride] = c;
-        d[i + 3 * stride] = e;
-    }
-    for (; i < n; i += stride) d[i] = s[i];
-}
-
 // Copies bytes [lo, hi) of src to dst with one block. Offsets congruent to `head` modulo `unit`
 // are `unit`-aligned in both buffers; lo is a multiple of 16, so the block copies at most
 // unit - 1 bytes one at a time on each side of the aligned body.
@@ -369,15 +360,7 @@ __device__ void block_copy(u64 src_addr, u64 dst_addr, u64 lo, u64 hi, u32 unit,
     const u32 t = threadIdx.x;
     if (t < a - lo) d[lo + t] = s[lo + t];
     if (t < hi - e) d[e + t] = s[e + t];
-    s += a;
-    d += a;
-    switch (unit) {
-        case 16: block_units((const uint4*)s, (uint4*)d, n); break;
-        case 8: block_units((const u64*)s, (u64*)d, n); break;
-        case 4: block_units((const u32*)s, (u32*)d, n); break;
-        case 2: block_units((const unsigned short*)s, (unsigned short*)d, n); break;
-        default: block_units(s, d, n); break;
-    }
+    copy_width(s + a, d + a, n, unit, t, blockDim.x);
 }
 
 // At least two blocks per SM: where one GPU holds several ranks (tests), every rank's blocks

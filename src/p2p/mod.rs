@@ -480,21 +480,20 @@ impl P2p {
             params.rank = self.global[rank];
             params.dst = dsts[rank];
             params.error_slot = r.error_dev;
+            params.from = from[rank];
+            // The buffer this rank copies from: its chain source, or the root's input.
+            let read = if route == Route::P2pChain {
+                params.from
+            } else {
+                params.src
+            };
+            let a = abi::co_alignment(read, params.dst, params.bytes);
+            params.unit = a.unit;
+            params.head = a.head;
             let func: CUfunction = match route {
                 Route::P2pPacket => r.packet.cu_function(),
-                Route::P2pChain => {
-                    params.from = from[rank];
-                    let a = abi::co_alignment(params.from, params.dst, params.bytes);
-                    params.unit = a.unit;
-                    params.head = a.head;
-                    r.chain.cu_function()
-                }
-                _ => {
-                    let a = abi::co_alignment(params.src, params.dst, params.bytes);
-                    params.unit = a.unit;
-                    params.head = a.head;
-                    r.pull.cu_function()
-                }
+                Route::P2pChain => r.chain.cu_function(),
+                _ => r.pull.cu_function(),
             };
             jobs[rank] = launcher::Job {
                 func,
