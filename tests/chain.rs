@@ -35,15 +35,6 @@ fn check<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &m
     check_with::<T>(clique, root, n, &BroadcastOptions::path(path), rng);
 }
 
-/// The P2P kernel's chain at any size (on two ranks it is otherwise never taken).
-fn p2p_chain() -> BroadcastOptions {
-    BroadcastOptions {
-        packet_threshold: Some(0),
-        p2p_chain_threshold: Some(0),
-        ..BroadcastOptions::path(Path::P2p)
-    }
-}
-
 fn check_with<T: Element>(
     clique: &Clique,
     root: usize,
@@ -51,18 +42,17 @@ fn check_with<T: Element>(
     options: &BroadcastOptions,
     rng: &mut impl RngCore,
 ) {
-    let path = options;
     let data: Vec<T> = random_vec(n, rng);
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<T>(clique, n, rng);
     clique
         .broadcast_with(root, &input, &mut outputs, options)
-        .unwrap_or_else(|e| panic!("{} n={n} root={root} {path:?}: {e}", T::DTYPE));
+        .unwrap_or_else(|e| panic!("{} n={n} root={root} {options:?}: {e}", T::DTYPE));
     drop(input);
     clique.synchronize().unwrap();
     for (rank, out) in outputs.iter().enumerate() {
         let what = format!(
-            "{} ranks, {} n={n} root={root} {path:?} rank {rank}",
+            "{} ranks, {} n={n} root={root} {options:?} rank {rank}",
             clique.len(),
             T::DTYPE
         );
@@ -238,30 +228,7 @@ fn p2p_chain_between_two_gpus() {
         check_with::<half::bf16>(&clique, root, 5_000_003, &chain, &mut rng);
         check_with::<u64>(&clique, root, 2_000_003, &chain, &mut rng);
         // In place: the root's successor reads the root's buffer itself.
-        let n = (5 << 20) + 9;
-        let data: Vec<u8> = random_vec(n, &mut rng);
-        let mut bufs: Vec<CudaSlice<u8>> = (0..2)
-            .map(|r| {
-                let init = if r == root {
-                    data.clone()
-                } else {
-                    random_vec(n, &mut rng)
-                };
-                clique.stream(r).clone_htod(&init).unwrap()
-            })
-            .collect();
-        clique
-            .broadcast_in_place_with(root, &mut bufs, &chain)
-            .unwrap();
-        clique.synchronize().unwrap();
-        for (rank, b) in bufs.iter().enumerate() {
-            assert_bytes_eq(
-                clique.stream(rank),
-                b,
-                &data,
-                &format!("in place rank {rank}"),
-            );
-        }
+        check_in_place_with::<u8>(&clique, root, (5 << 20) + 9, &chain, &mut rng);
     }
 }
 

@@ -38,15 +38,6 @@ fn nccl_on(clique: &Clique) -> bool {
     clique.ordinals()[0] != clique.ordinals()[1]
 }
 
-/// The P2P kernel's chain protocol at any size (on two ranks it is otherwise never taken).
-fn chain() -> BroadcastOptions {
-    BroadcastOptions {
-        packet_threshold: Some(0),
-        p2p_chain_threshold: Some(0),
-        ..BroadcastOptions::path(Path::P2p)
-    }
-}
-
 /// One broadcast of `n` random bytes on `path`, checked bit for bit.
 fn check(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
     check_with(clique, root, n, &BroadcastOptions::path(path), rng);
@@ -82,7 +73,7 @@ fn all_paths_work(clique: &Clique, rng: &mut impl RngCore) {
     for n in [100usize, 300_000, 9 << 20] {
         check(clique, 0, n, Path::P2p, rng);
         check(clique, 1, n, Path::CopyEngine, rng);
-        check_with(clique, 1, n, &chain(), rng);
+        check_with(clique, 1, n, &p2p_chain(), rng);
         if nccl_on(clique) {
             check(clique, 1, n, Path::Nccl, rng);
         }
@@ -175,7 +166,7 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         // The chain: the root's successor waits for a root held back, and the root waits for
         // its successor held back to finish reading.
         for held in [0usize, 1] {
-            let (r, took) = held_back_with(&clique, &chain(), 3 << 20, held, hold);
+            let (r, took) = held_back_with(&clique, &p2p_chain(), 3 << 20, held, hold);
             counts.timed_out(&format!("P2P chain, rank {held} held back"), r, took);
             clique.recover().unwrap();
             all_paths_work(&clique, &mut rng);

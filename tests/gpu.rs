@@ -125,11 +125,7 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
     let mut rng = rng();
     let offsets = [0usize, 1, 2, 3, 5, 8, 13, 16];
     // The P2P kernel's chain, which two ranks take only when told (pieces of 32 KiB and up).
-    let chain = BroadcastOptions {
-        packet_threshold: Some(0),
-        p2p_chain_threshold: Some(0),
-        ..BroadcastOptions::path(Path::P2p)
-    };
+    let chain = p2p_chain();
     for len in [1usize, 17, 1000, 70_000, 300_000, (3 << 20) + 5] {
         for (i, &src_off) in offsets.iter().enumerate() {
             let dst_off = offsets[(i * 3 + len) % offsets.len()];

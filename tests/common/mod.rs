@@ -151,6 +151,16 @@ pub fn as_tensors<'a, T: Element>(
     (ins, outs)
 }
 
+/// Options that make the P2P kernel use its chain protocol at any size (on two ranks the
+/// default thresholds never take it).
+pub fn p2p_chain() -> gpucast::BroadcastOptions {
+    gpucast::BroadcastOptions {
+        packet_threshold: Some(0),
+        p2p_chain_threshold: Some(0),
+        ..gpucast::BroadcastOptions::path(gpucast::Path::P2p)
+    }
+}
+
 /// An in-place broadcast of `n` random elements from `root` on `path` (every other rank's
 /// buffer holds other random data first), checked bit for bit on every rank.
 pub fn check_in_place<T: Element>(
@@ -158,6 +168,17 @@ pub fn check_in_place<T: Element>(
     root: usize,
     n: usize,
     path: gpucast::Path,
+    rng: &mut impl RngCore,
+) {
+    check_in_place_with::<T>(clique, root, n, &gpucast::BroadcastOptions::path(path), rng);
+}
+
+/// [`check_in_place`] with any options.
+pub fn check_in_place_with<T: Element>(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    options: &gpucast::BroadcastOptions,
     rng: &mut impl RngCore,
 ) {
     let data: Vec<T> = random_vec(n, rng);
@@ -172,12 +193,12 @@ pub fn check_in_place<T: Element>(
         })
         .collect();
     clique
-        .broadcast_in_place_with(root, &mut bufs, &gpucast::BroadcastOptions::path(path))
-        .unwrap_or_else(|e| panic!("in place n={n} root={root} {path:?}: {e}"));
+        .broadcast_in_place_with(root, &mut bufs, options)
+        .unwrap_or_else(|e| panic!("in place n={n} root={root} {options:?}: {e}"));
     clique.synchronize().unwrap();
     for (rank, b) in bufs.iter().enumerate() {
         let what = format!(
-            "in place, {} ranks, n={n} root={root} {path:?} rank {rank}",
+            "in place, {} ranks, n={n} root={root} {options:?} rank {rank}",
             clique.len()
         );
         assert_bytes_eq(clique.stream(rank), b, &data, &what);
