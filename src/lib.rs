@@ -21,7 +21,8 @@
 //!
 //! A [`Communicator`] is one rank of a job that runs one process per GPU (torchrun, Slurm,
 //! MPI): the same broadcasts, each process passing its own buffer, after a rendezvous through
-//! a TCP store that rank 0 hosts ([`rendezvous`]); ranks on one host share P2P memory.
+//! torchrun's own store or a TCP store that rank 0 hosts, which admit only processes that know
+//! the job's secret token ([`rendezvous`]); ranks on one host share P2P memory.
 //!
 //! [`Path::Auto`] (the default) takes the copy engines for large messages, P2P for smaller ones
 //! when every pair of GPUs has peer access, and NCCL otherwise, at thresholds measured on H200s.

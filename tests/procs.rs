@@ -26,6 +26,7 @@ fn run_ranks(case: &str, limit: Duration, extra: impl Fn(usize) -> Vec<(String, 
         .unwrap()
         .port();
     let seed: u64 = rand::rng().random();
+    let token = gpucast::rendezvous::random_token().unwrap();
     eprintln!("case {case}: seed {seed}, store port {port}");
     let mut children: Vec<(usize, Child)> = (0..WORLD)
         .map(|rank| {
@@ -39,6 +40,8 @@ fn run_ranks(case: &str, limit: Duration, extra: impl Fn(usize) -> Vec<(String, 
                 .env("LOCAL_WORLD_SIZE", WORLD.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env("GPUCAST_JOB_TOKEN", &token)
+                .env_remove("TORCHELASTIC_USE_AGENT_STORE")
                 .env("NCCL_NVLS_ENABLE", "0")
                 .env("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
                 .env("NVSHMEM_DISABLE_NVLS", "1")

@@ -10,7 +10,8 @@
 //! [`launch`] re-executes the current binary `n` times with the arguments it was given minus
 //! `--procs N`, and with the variables torchrun sets (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR=127.0.0.1`, `MASTER_PORT` = a free port), a
-//! job token of its own, [`CHILD_ENV`] (which marks a rank), and NVLink multicast switched off
+//! random job token of its own ([`gpucast::rendezvous::random_token`]), [`CHILD_ENV`] (which
+//! marks a rank), and NVLink multicast switched off
 //! (`NCCL_NVLS_ENABLE=0`, `TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, `NVSHMEM_DISABLE_NVLS=1`). The
 //! ranks share the launcher's stdout and stderr. Once any rank fails, the others get
 //! [`GRACE`] to finish, then they are killed; the launcher returns an error naming every rank
@@ -21,8 +22,8 @@
 //!
 //! # The store and the clock
 //!
-//! [`Job::join`] connects to the job's TCP store (`gpucast::rendezvous::Rendezvous`, hosted by
-//! rank 0 on `MASTER_ADDR:MASTER_PORT`, or `MASTER_PORT + 1` under torchrun's agent store) and
+//! [`Job::join`] connects to the job's store (`gpucast::rendezvous::Rendezvous`: gpucast's own,
+//! hosted by rank 0 on `MASTER_ADDR:MASTER_PORT`, or torchrun's agent store under torchrun) and
 //! builds the [`Communicator`] through it, so the store stays up for the whole run: barriers
 //! ([`Job::barrier`]), agreement on errors ([`Job::agree`]) and the gathering of timestamps
 //! ([`Job::spans`]) go through it, never through the GPUs being measured.
@@ -152,7 +153,8 @@ pub fn launch(n: usize) -> Result<()> {
     let exe = std::env::current_exe().context("finding this executable")?;
     let args = args_without_procs(std::env::args_os().skip(1));
     let port = free_port()?;
-    let token = format!("gpucast-procs-{}-{port}", std::process::id());
+    // A secret per job: a process that reaches the port without it joins nothing.
+    let token = gpucast::rendezvous::random_token().context("making a job token")?;
     println!(
         "# procs: starting {n} ranks of {} (store 127.0.0.1:{port})",
         exe.display()

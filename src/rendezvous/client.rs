@@ -5,9 +5,10 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::auth::{self, Purpose};
 use super::error::{RendezvousError, Result};
-use super::wire::{self, op, FrameError, Request, MAX_REPLY_PAYLOAD};
-use super::{DEFAULT_IO_TIMEOUT, MAX_KEY_LEN, MAX_TOKEN_LEN, MAX_VALUE_LEN, MAX_WORLD_SIZE};
+use super::wire::{self, op, FrameError, FrameTimes, Request, MAX_REPLY_PAYLOAD};
+use super::{DEFAULT_IO_TIMEOUT, MAX_TOKEN_LEN, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
 /// How much longer than the server's own deadline a client waits for the reply (the server
 /// answers a timed-out wait itself, with the missing ranks).
@@ -18,21 +19,21 @@ const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
 const BACKOFF_START: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_millis(250);
 
-/// One rank's connection to the [`super::StoreServer`].
+/// One rank's connection to the [`super::server::StoreServer`].
 ///
 /// Every method takes a timeout and returns by then (plus a second of slack for the reply).
 /// After an I/O or protocol error the connection is unusable and every later call fails with
 /// [`RendezvousError::Io`]; errors the server replies with (timeouts, a failed job) leave it
 /// usable.
 #[derive(Debug)]
-pub struct StoreClient {
+pub(crate) struct StoreClient {
     stream: TcpStream,
     server: SocketAddr,
     world_size: Option<usize>,
     broken: Option<String>,
 }
 
-fn host_port(host: &str, port: u16) -> String {
+pub(crate) fn host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {
@@ -40,43 +41,54 @@ fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// A TCP connection to `host:port`, resolving the name and retrying (refused, unreachable,
+/// unknown host) with backoff until `timeout` has passed.
+pub(crate) fn connect_tcp(
+    host: &str,
+    port: u16,
+    timeout: Duration,
+) -> Result<(TcpStream, SocketAddr)> {
+    let start = Instant::now();
+    let deadline = start + timeout;
+    let mut backoff = BACKOFF_START;
+    let mut last_error = None;
+    loop {
+        match (host, port).to_socket_addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    let attempt = left.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
+                    match TcpStream::connect_timeout(&addr, attempt) {
+                        Ok(stream) => return Ok((stream, addr)),
+                        Err(e) => last_error = Some(e),
+                    }
+                }
+            }
+            Err(e) => last_error = Some(e),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(RendezvousError::ConnectTimeout {
+                addr: host_port(host, port),
+                waited: start.elapsed(),
+                last_error,
+            });
+        }
+        thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
 impl StoreClient {
     /// Connects to the store at `host:port`, resolving the name and retrying (refused,
     /// unreachable, unknown host) with backoff until `timeout` has passed: rank 0 may start its
     /// server after the others start connecting.
-    pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
-        let start = Instant::now();
-        let deadline = start + timeout;
-        let mut backoff = BACKOFF_START;
-        let mut last_error = None;
-        loop {
-            match (host, port).to_socket_addrs() {
-                Ok(addrs) => {
-                    for addr in addrs {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break;
-                        }
-                        let attempt = left.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
-                        match TcpStream::connect_timeout(&addr, attempt) {
-                            Ok(stream) => return Self::from_stream(stream, addr),
-                            Err(e) => last_error = Some(e),
-                        }
-                    }
-                }
-                Err(e) => last_error = Some(e),
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(RendezvousError::ConnectTimeout {
-                    addr: host_port(host, port),
-                    waited: start.elapsed(),
-                    last_error,
-                });
-            }
-            thread::sleep(backoff.min(left));
-            backoff = (backoff * 2).min(BACKOFF_MAX);
-        }
+    pub(crate) fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
+        let (stream, addr) = connect_tcp(host, port, timeout)?;
+        Self::from_stream(stream, addr)
     }
 
     fn from_stream(stream: TcpStream, server: SocketAddr) -> Result<Self> {
@@ -97,24 +109,25 @@ impl StoreClient {
         })
     }
 
-    /// The server's address.
-    pub fn server_addr(&self) -> SocketAddr {
-        self.server
-    }
-
-    /// Sends one request frame and reads the reply frame. Error replies become their error.
-    fn call(&mut self, request: &Request, during: &str, wait: Duration) -> Result<wire::Frame> {
-        let peer = self.server.to_string();
-        if let Some(why) = &self.broken {
-            return Err(RendezvousError::Io {
-                peer,
+    /// The error of a connection made unusable by an earlier one.
+    fn check_usable(&self, during: &str) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(RendezvousError::Io {
+                peer: self.server.to_string(),
                 during: during.to_owned(),
                 source: io::Error::new(
                     io::ErrorKind::NotConnected,
                     format!("the connection is unusable after an earlier error: {why}"),
                 ),
-            });
+            }),
+            None => Ok(()),
         }
+    }
+
+    /// Sends one request frame and reads the reply frame. Error replies become their error.
+    fn call(&mut self, request: &Request, during: &str, wait: Duration) -> Result<wire::Frame> {
+        self.check_usable(during)?;
+        let peer = self.server.to_string();
         let frame = request.encode().map_err(|source| RendezvousError::Io {
             peer: peer.clone(),
             during: during.to_owned(),
@@ -123,48 +136,24 @@ impl StoreClient {
         let sent = (&self.stream)
             .write_all(&frame)
             .and_then(|()| (&self.stream).flush());
-        let reply = match sent {
-            Ok(()) => wire::read_frame(
-                &mut &self.stream,
-                MAX_REPLY_PAYLOAD,
-                Some(wait + REPLY_SLACK),
-                DEFAULT_IO_TIMEOUT,
-            ),
-            Err(e) => Err(FrameError::Io(e)),
+        match sent {
+            Ok(()) => self.receive(during, wait),
+            Err(e) => Err(self.broken_by(FrameError::Io(e), during)),
+        }
+    }
+
+    /// Reads the next frame, expected within `wait` (plus slack). Error replies become their
+    /// error.
+    fn receive(&mut self, during: &str, wait: Duration) -> Result<wire::Frame> {
+        let peer = self.server.to_string();
+        let times = FrameTimes {
+            start_by: Some(Instant::now() + wait + REPLY_SLACK),
+            within: DEFAULT_IO_TIMEOUT,
+            end_by: None,
         };
-        let frame = match reply {
+        let frame = match wire::read_frame(&mut &self.stream, MAX_REPLY_PAYLOAD, times) {
             Ok(f) => f,
-            Err(e) => {
-                let err = match e {
-                    FrameError::Closed => RendezvousError::Io {
-                        peer,
-                        during: during.to_owned(),
-                        source: io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "the store closed the connection (rank 0 may have exited)",
-                        ),
-                    },
-                    FrameError::Idle(t) => RendezvousError::Io {
-                        peer,
-                        during: during.to_owned(),
-                        source: io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("no reply from the store within {t:?}"),
-                        ),
-                    },
-                    FrameError::Io(source) => RendezvousError::Io {
-                        peer,
-                        during: during.to_owned(),
-                        source,
-                    },
-                    other => RendezvousError::Protocol {
-                        peer,
-                        reason: format!("bad reply during {during}: {other}"),
-                    },
-                };
-                self.broken = Some(err.to_string());
-                return Err(err);
-            }
+            Err(e) => return Err(self.broken_by(e, during)),
         };
         if frame.op == op::ERROR {
             return Err(
@@ -177,6 +166,40 @@ impl StoreClient {
             );
         }
         Ok(frame)
+    }
+
+    /// Marks the connection unusable after `e` and returns it as the rendezvous error.
+    fn broken_by(&mut self, e: FrameError, during: &str) -> RendezvousError {
+        let peer = self.server.to_string();
+        let err = match e {
+            FrameError::Closed => RendezvousError::Io {
+                peer,
+                during: during.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the store closed the connection (rank 0 may have exited)",
+                ),
+            },
+            FrameError::Idle(t) => RendezvousError::Io {
+                peer,
+                during: during.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no reply from the store within {t:?}"),
+                ),
+            },
+            FrameError::Io(source) => RendezvousError::Io {
+                peer,
+                during: during.to_owned(),
+                source,
+            },
+            other => RendezvousError::Protocol {
+                peer,
+                reason: format!("bad reply during {during}: {other}"),
+            },
+        };
+        self.broken = Some(err.to_string());
+        err
     }
 
     fn expect(&mut self, frame: &wire::Frame, want: u8, during: &str) -> Result<()> {
@@ -194,13 +217,16 @@ impl StoreClient {
         })
     }
 
-    /// Registers this connection as `rank` of a job of `world_size` ranks with `job_token`.
+    /// Registers this connection as `rank` of a job of `world_size` ranks, proving
+    /// `job_token` over the store's fresh nonce and checking the store's proof back.
     ///
     /// The server answers at once. A world size other than the server's
     /// ([`RendezvousError::WorldSizeMismatch`]), a rank out of range or a rank already
-    /// registered ([`RendezvousError::DuplicateRank`]) fail the whole job; a different token is
-    /// [`RendezvousError::JobTokenMismatch`] and leaves the job alone.
-    pub fn hello(
+    /// registered ([`RendezvousError::DuplicateRank`]) fail the whole job while it forms, and
+    /// are [`RendezvousError::Rejected`] once it has; a different token is
+    /// [`RendezvousError::JobTokenMismatch`] and leaves the job alone; a store that cannot prove
+    /// the token is [`RendezvousError::StoreNotAuthentic`].
+    pub(crate) fn hello(
         &mut self,
         rank: usize,
         world_size: usize,
@@ -220,36 +246,68 @@ impl StoreClient {
                 max: MAX_TOKEN_LEN,
             });
         }
-        let req = Request::Hello {
-            rank: u32::try_from(rank).map_err(|_| too_big("rank", rank))?,
-            world_size: u32::try_from(world_size).map_err(|_| too_big("world size", world_size))?,
-            token: job_token.to_owned(),
-        };
+        let rank32 = u32::try_from(rank).map_err(|_| too_big("rank", rank))?;
+        let world32 = u32::try_from(world_size).map_err(|_| too_big("world size", world_size))?;
         let during = format!("hello as rank {rank} of {world_size}");
-        let frame = self.call(&req, &during, timeout)?;
+        self.check_usable(&during)?;
+        let store = self.server.to_string();
+        let challenge = self.receive(&during, timeout)?;
+        self.expect(&challenge, op::CHALLENGE, &during)?;
+        let server_nonce = wire::decode_challenge(&challenge.payload).map_err(|reason| {
+            RendezvousError::Protocol {
+                peer: store.clone(),
+                reason: format!("malformed challenge: {reason}"),
+            }
+        })?;
+        let nonce = auth::random()?;
+        let proof = auth::prove(
+            job_token,
+            Purpose::Hello,
+            &server_nonce,
+            &nonce,
+            rank32,
+            world32,
+        );
+        let req = Request::Hello {
+            rank: rank32,
+            world_size: world32,
+            nonce,
+            proof,
+        };
+        let frame = self.call(&req, &during, timeout).map_err(|e| match e {
+            RendezvousError::JobTokenMismatch { .. } => RendezvousError::JobTokenMismatch {
+                store: store.clone(),
+            },
+            other => other,
+        })?;
         self.expect(&frame, op::OK, &during)?;
+        let welcome = wire::decode_welcome(&frame.payload);
+        let genuine = welcome.is_ok_and(|p| {
+            auth::verify(
+                job_token,
+                Purpose::Welcome,
+                &server_nonce,
+                &nonce,
+                rank32,
+                world32,
+                &p,
+            )
+        });
+        if !genuine {
+            self.broken = Some("the store could not prove the job token".into());
+            return Err(RendezvousError::StoreNotAuthentic { store });
+        }
         self.world_size = Some(world_size);
         Ok(())
     }
 
     /// Waits until every rank has said hello. On timeout the error names the missing ranks.
-    pub fn wait_all(&mut self, timeout: Duration) -> Result<()> {
+    pub(crate) fn wait_all(&mut self, timeout: Duration) -> Result<()> {
         let req = Request::WaitAll {
             timeout_ms: wire::millis(timeout),
         };
         let frame = self.call(&req, "waiting for all ranks", timeout)?;
         self.expect(&frame, op::OK, "waiting for all ranks")
-    }
-
-    fn check_key(key: &str) -> Result<()> {
-        if key.len() > MAX_KEY_LEN {
-            return Err(RendezvousError::TooLarge {
-                what: format!("key {:?}...", key.chars().take(32).collect::<String>()),
-                len: key.len(),
-                max: MAX_KEY_LEN,
-            });
-        }
-        Ok(())
     }
 
     fn check_value(what: &str, len: usize) -> Result<()> {
@@ -263,36 +321,10 @@ impl StoreClient {
         Ok(())
     }
 
-    /// Stores `value` under `key` (replacing any earlier value).
-    pub fn set(&mut self, key: &str, value: &[u8], timeout: Duration) -> Result<()> {
-        Self::check_key(key)?;
-        Self::check_value(&format!("value of key {key:?}"), value.len())?;
-        let req = Request::Set {
-            key: key.to_owned(),
-            value: value.to_vec(),
-        };
-        let during = format!("setting key {key:?}");
-        let frame = self.call(&req, &during, timeout)?;
-        self.expect(&frame, op::OK, &during)
-    }
-
-    /// The value of `key`, waiting up to `timeout` for some rank to set it.
-    pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        Self::check_key(key)?;
-        let req = Request::Get {
-            key: key.to_owned(),
-            timeout_ms: wire::millis(timeout),
-        };
-        let during = format!("getting key {key:?}");
-        let frame = self.call(&req, &during, timeout)?;
-        self.expect(&frame, op::VALUE, &during)?;
-        Ok(frame.payload)
-    }
-
     /// Contributes `value` to all-gather round `round` and returns every rank's contribution in
     /// rank order once all have contributed. Every rank must use the same round numbers in the
     /// same order; a timeout names the ranks that have not contributed.
-    pub fn all_gather(
+    pub(crate) fn all_gather(
         &mut self,
         round: u64,
         value: &[u8],
@@ -328,7 +360,12 @@ impl StoreClient {
 
     /// Fails the job for every rank with `reason` (clipped to 4 KiB) and `missing`, the ranks
     /// it blames, if any.
-    pub fn abort(&mut self, reason: &str, missing: &[usize], timeout: Duration) -> Result<()> {
+    pub(crate) fn abort(
+        &mut self,
+        reason: &str,
+        missing: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
         let mut end = reason.len().min(4096);
         while !reason.is_char_boundary(end) {
             end -= 1;

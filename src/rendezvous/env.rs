@@ -1,11 +1,26 @@
 //! What a launcher (torchrun, Slurm) tells each process about the job, and which host it is on.
 
+use std::fmt;
 use std::net::IpAddr;
 
 use super::error::{RendezvousError, Result};
 use super::MAX_TOKEN_LEN;
 
-pub use crate::config::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+/// Overrides `MASTER_ADDR` (and the Slurm node list) for gpucast's rendezvous only.
+pub const MASTER_ADDR_ENV: &str = "GPUCAST_MASTER_ADDR";
+/// Overrides `MASTER_PORT` for gpucast's rendezvous only; under torchrun it makes gpucast host
+/// a store of its own on this port instead of joining torchrun's.
+pub const MASTER_PORT_ENV: &str = "GPUCAST_MASTER_PORT";
+/// The job token: a secret every rank of one job shares (see [`JobEnv::job_token`]).
+pub const JOB_TOKEN_ENV: &str = "GPUCAST_JOB_TOKEN";
+/// Overrides the host id, e.g. so that tests can pretend two processes are on different nodes.
+pub const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
+
+/// The process environment as the rendezvous reads it: `name`'s value, `None` when unset or
+/// not UTF-8. Every environment read of this module goes through here.
+pub fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
 
 /// The store port of a single-process job when no variable names one (it is never opened).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -19,12 +34,42 @@ pub const SLURM_PORT_SPAN: u16 = 15000;
 /// Most hosts a Slurm host list may expand to.
 const MAX_HOSTS: usize = 1 << 16;
 
+/// Where the job token came from, which tells how secret it can be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TokenSource {
+    /// `GPUCAST_JOB_TOKEN`.
+    Explicit,
+    /// torchrun's run id (`TORCHELASTIC_RUN_ID`, `--rdzv-id`; `"none"` unless given).
+    TorchRunId,
+    /// Slurm's job (and step) id: listed to every user of the cluster, so never a secret.
+    SlurmJobId,
+    /// None of them: the token is empty unless set in code.
+    Unset,
+}
+
+/// Which store the ranks meet through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreKind {
+    /// gpucast's own store, which rank 0 hosts on `master_addr:master_port`.
+    Own,
+    /// torchrun's agent store (a c10d `TCPStore`) on `master_addr:master_port`, joined as a
+    /// client; gpucast's keys live under `prefix` (torchrun's `/worker/attempt_<restart>`).
+    Torch {
+        /// The key prefix of this launch attempt.
+        prefix: String,
+    },
+}
+
 /// Where this process sits in the job: its rank, the job's size, its node and the store's address.
 ///
 /// Build it with [`JobEnv::from_env`] (what torchrun or Slurm set), or in code with
-/// [`JobEnv::single_node`] / [`JobEnv::single_process`]. [`JobEnv::validate`] checks the
-/// invariants; [`crate::rendezvous::Rendezvous::connect`] calls it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// [`JobEnv::single_node`] / [`JobEnv::single_process`] and then set fields.
+/// [`JobEnv::validate`] checks the invariants; [`super::Rendezvous::connect`]
+/// calls it. Its `Debug` form leaves the token out.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct JobEnv {
     /// This process's rank in the job, `0..world_size`.
     pub rank: usize,
@@ -40,11 +85,36 @@ pub struct JobEnv {
     pub master_addr: String,
     /// The store's TCP port.
     pub master_port: u16,
-    /// Identifies one launch of the job; every rank must have the same. The store rejects a
-    /// process with a different token (a process of another job that reached this port). From
+    /// The job's secret; every rank must have the same. Each rank proves it knows the token
+    /// (never sending it) and the store proves it back, so a process without it joins nothing,
+    /// and gpucast's values in torchrun's store are sealed with a key derived from it. From
     /// `GPUCAST_JOB_TOKEN`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`,
-    /// else empty.
+    /// else empty; only the first can be a real secret (see [`TokenSource`]).
     pub job_token: String,
+    /// Where `job_token` came from.
+    pub token_source: TokenSource,
+    /// The store the ranks meet through.
+    pub store: StoreKind,
+}
+
+impl fmt::Debug for JobEnv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JobEnv")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("local_rank", &self.local_rank)
+            .field("local_world_size", &self.local_world_size)
+            .field("node", &self.node)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field(
+                "job_token",
+                &format_args!("<{} bytes, not shown>", self.job_token.len()),
+            )
+            .field("token_source", &self.token_source)
+            .field("store", &self.store)
+            .finish()
+    }
 }
 
 /// Reads variables through a lookup function, treating empty values as unset.
@@ -89,7 +159,7 @@ fn parse_port(var: &str, value: &str) -> Result<u16> {
 impl JobEnv {
     /// Reads the job from the process environment; see [`JobEnv::from_lookup`].
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(crate::config::env_var)
+        Self::from_lookup(env_var)
     }
 
     /// Reads the job from variables given by `lookup` (empty values count as unset).
@@ -104,11 +174,14 @@ impl JobEnv {
     /// | `node` | `GROUP_RANK`, `SLURM_NODEID` |
     /// | `local_world_size` | `LOCAL_WORLD_SIZE`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` (both in Slurm's `4(x2),3` form, entry `node`), `SLURM_NTASKS_PER_NODE` |
     /// | `master_addr` | `GPUCAST_MASTER_ADDR`, `MASTER_ADDR`, first host of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`, `SLURM_NODELIST` (host lists like `gpu[01-04,07],login1` are expanded) |
-    /// | `master_port` | `GPUCAST_MASTER_PORT`, `MASTER_PORT` (plus one when `TORCHELASTIC_USE_AGENT_STORE=True`, see below), else [`SLURM_PORT_BASE`]` + SLURM_JOB_ID % `[`SLURM_PORT_SPAN`] |
+    /// | `master_port` | `GPUCAST_MASTER_PORT`, `MASTER_PORT`, else [`SLURM_PORT_BASE`]` + SLURM_JOB_ID % `[`SLURM_PORT_SPAN`] |
+    /// | `job_token` | `GPUCAST_JOB_TOKEN`, `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID` (`.SLURM_STEP_ID`) |
     ///
-    /// Under torchrun the elastic agent hosts its own store on `MASTER_ADDR:MASTER_PORT` and
-    /// says so with `TORCHELASTIC_USE_AGENT_STORE=True`; gpucast then uses `MASTER_PORT + 1`
-    /// unless `GPUCAST_MASTER_PORT` is set.
+    /// Under torchrun the elastic agent hosts a c10d `TCPStore` on `MASTER_ADDR:MASTER_PORT`
+    /// and says so with `TORCHELASTIC_USE_AGENT_STORE=True`: gpucast then joins that store as a
+    /// client ([`StoreKind::Torch`], keys under `/worker/attempt_<TORCHELASTIC_RESTART_COUNT>`)
+    /// and opens no port of its own, unless `GPUCAST_MASTER_PORT` is set (then rank 0 hosts
+    /// gpucast's store there).
     ///
     /// Defaults: a job whose `world_size` is 1 needs nothing but the rank and size; when the
     /// job fits on one node (`local_world_size == world_size`) the node is 0 and the master
@@ -226,6 +299,7 @@ impl JobEnv {
             None => return Err(missing("master address", ADDR)),
         };
 
+        let mut store = StoreKind::Own;
         let master_port = match vars.first(PORT) {
             Some((var @ MASTER_PORT_ENV, value)) => parse_port(var, &value)?,
             Some((var @ "MASTER_PORT", value)) => {
@@ -234,19 +308,16 @@ impl JobEnv {
                     .get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store {
-                    port.checked_add(1).ok_or_else(|| {
-                        invalid(
-                            var,
-                            &value,
-                            format!(
-                                "torchrun's agent holds this port and gpucast would use the \
-                                 next one, which does not exist; set {MASTER_PORT_ENV}"
-                            ),
-                        )
-                    })?
-                } else {
-                    port
+                    const RESTART: &str = "TORCHELASTIC_RESTART_COUNT";
+                    let attempt = match vars.get(RESTART) {
+                        Some(v) => parse_count(RESTART, &v)?,
+                        None => 0,
+                    };
+                    store = StoreKind::Torch {
+                        prefix: format!("/worker/attempt_{attempt}"),
+                    };
                 }
+                port
             }
             Some((var, value)) => {
                 let job: u64 = value.parse().map_err(|_| {
@@ -260,22 +331,28 @@ impl JobEnv {
             None => return Err(missing("master port", PORT)),
         };
 
-        let job_token = if let Some(t) = vars.get(JOB_TOKEN_ENV) {
-            t
+        let (job_token, token_source) = if let Some(t) = vars.get(JOB_TOKEN_ENV) {
+            (t, TokenSource::Explicit)
         } else if let Some(t) = vars.get("TORCHELASTIC_RUN_ID") {
-            t
+            (t, TokenSource::TorchRunId)
         } else if let Some(job) = vars.get("SLURM_JOB_ID") {
-            match vars.get("SLURM_STEP_ID") {
+            let t = match vars.get("SLURM_STEP_ID") {
                 Some(step) => format!("{job}.{step}"),
                 None => job,
-            }
+            };
+            (t, TokenSource::SlurmJobId)
         } else {
-            String::new()
+            (String::new(), TokenSource::Unset)
         };
         if job_token.len() > MAX_TOKEN_LEN {
+            let var = match token_source {
+                TokenSource::TorchRunId => "TORCHELASTIC_RUN_ID",
+                TokenSource::SlurmJobId => "SLURM_JOB_ID",
+                _ => JOB_TOKEN_ENV,
+            };
             return Err(invalid(
-                JOB_TOKEN_ENV,
-                &job_token,
+                var,
+                &format!("<{} bytes, not shown>", job_token.len()),
                 format!("the job token is limited to {MAX_TOKEN_LEN} bytes"),
             ));
         }
@@ -289,6 +366,8 @@ impl JobEnv {
             master_addr,
             master_port,
             job_token,
+            token_source,
+            store,
         };
         Ok(env)
     }
@@ -304,6 +383,8 @@ impl JobEnv {
             master_addr: "127.0.0.1".to_owned(),
             master_port,
             job_token: String::new(),
+            token_source: TokenSource::Unset,
+            store: StoreKind::Own,
         };
         env.validate()?;
         Ok(env)
@@ -320,6 +401,8 @@ impl JobEnv {
             master_addr: "127.0.0.1".to_owned(),
             master_port: DEFAULT_MASTER_PORT,
             job_token: String::new(),
+            token_source: TokenSource::Unset,
+            store: StoreKind::Own,
         }
     }
 
@@ -616,27 +699,61 @@ mod tests {
                 master_addr: "node-a".into(),
                 master_port: 29400,
                 job_token: "run-42".into(),
+                token_source: TokenSource::TorchRunId,
+                store: StoreKind::Own,
             }
         );
         assert_eq!(e.master(), "node-a:29400");
     }
 
     #[test]
-    fn torchrun_agent_store_moves_the_port_unless_overridden() {
+    fn torchrun_agent_store_is_joined_unless_a_port_is_given() {
         let mut vars = TORCHRUN.to_vec();
         vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
-        assert_eq!(env(&vars).unwrap().master_port, 29401);
+        let e = env(&vars).unwrap();
+        assert_eq!(e.master_port, 29400, "torchrun's own port");
+        assert_eq!(
+            e.store,
+            StoreKind::Torch {
+                prefix: "/worker/attempt_0".into()
+            }
+        );
+        vars.push(("TORCHELASTIC_RESTART_COUNT", "3"));
+        assert_eq!(
+            env(&vars).unwrap().store,
+            StoreKind::Torch {
+                prefix: "/worker/attempt_3".into()
+            }
+        );
         vars.push((MASTER_PORT_ENV, "31000"));
-        assert_eq!(env(&vars).unwrap().master_port, 31000);
-        let mut vars = TORCHRUN.to_vec();
-        vars.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
-        vars.retain(|(k, _)| *k != "MASTER_PORT");
-        vars.push(("MASTER_PORT", "65535"));
-        let err = env(&vars).unwrap_err();
+        let e = env(&vars).unwrap();
+        assert_eq!((e.master_port, e.store), (31000, StoreKind::Own));
+        let mut bad = TORCHRUN.to_vec();
+        bad.push(("TORCHELASTIC_USE_AGENT_STORE", "True"));
+        bad.push(("TORCHELASTIC_RESTART_COUNT", "x"));
+        let err = env(&bad).unwrap_err();
         assert!(
-            matches!(&err, RendezvousError::InvalidEnv { var, .. } if var == "MASTER_PORT"),
+            matches!(&err, RendezvousError::InvalidEnv { var, .. } if var == "TORCHELASTIC_RESTART_COUNT"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_token_is_never_shown() {
+        let mut vars = TORCHRUN.to_vec();
+        vars.push((JOB_TOKEN_ENV, "a-very-secret-job-token"));
+        let e = env(&vars).unwrap();
+        assert_eq!(e.token_source, TokenSource::Explicit);
+        assert!(!format!("{e:?}").contains("secret"), "{e:?}");
+        let long = "secret".repeat(100);
+        vars.push((JOB_TOKEN_ENV, &long));
+        let mut map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        map.insert(JOB_TOKEN_ENV.into(), long.clone());
+        let err = JobEnv::from_lookup(move |k| map.get(k).cloned()).unwrap_err();
+        assert!(!format!("{err} {err:?}").contains("secret"), "{err:?}");
     }
 
     const SLURM: &[(&str, &str)] = &[
@@ -660,6 +777,7 @@ mod tests {
         assert_eq!(e.master_addr, "gpu01");
         assert_eq!(e.master_port, 15000 + 3456); // 123456 % 15000 = 3456
         assert_eq!(e.job_token, "123456");
+        assert_eq!(e.token_source, TokenSource::SlurmJobId);
     }
 
     #[test]

@@ -131,16 +131,41 @@ pub enum RendezvousError {
         /// Which connections claimed it.
         detail: String,
     },
-    /// A process of another job (or launch) reached this job's store.
+    /// The store refused this process's proof of the job token: the process belongs to another
+    /// job or launch than rank 0, or was given another token.
     #[error(
-        "job token {client:?} does not match the store's {server:?}: this process belongs to \
-         another job or launch than rank 0 (check MASTER_PORT and the job ids)"
+        "the rendezvous store at {store} refused this process's job token: it belongs to \
+         another job or launch than rank 0 (every rank needs the same GPUCAST_JOB_TOKEN, \
+         torchrun run id or Slurm job id; check MASTER_ADDR and MASTER_PORT)"
     )]
     JobTokenMismatch {
-        /// The token the connecting process gave.
-        client: String,
-        /// The store's token.
-        server: String,
+        /// The store's address.
+        store: String,
+    },
+    /// The process at the store's address could not prove it knows the job token: it is not
+    /// this job's store (another job's, or a process that took the port first).
+    #[error(
+        "the process listening at {store} is not this job's rendezvous store: it could not \
+         prove it knows the job token (another job or process may hold the port)"
+    )]
+    StoreNotAuthentic {
+        /// The address that was reached.
+        store: String,
+    },
+    /// A value in a shared store (torchrun's) failed authentication: a process outside the
+    /// job wrote it, or it belongs to another launch.
+    #[error("{what} in the store at {store} failed authentication: a process outside the job wrote it, or it is from another launch")]
+    Forged {
+        /// Which value.
+        what: String,
+        /// The store's address.
+        store: String,
+    },
+    /// The operating system gave no random bytes (for nonces and tokens).
+    #[error("no random bytes from the operating system: {reason}")]
+    NoRandomness {
+        /// The OS error.
+        reason: String,
     },
     /// The store refused a request for a reason of its own (too many connections, store full).
     #[error("the rendezvous store refused the request: {reason}")]
@@ -167,7 +192,7 @@ pub enum RendezvousError {
         /// Ranks named as missing by the failure, when it was a timeout somewhere.
         missing: Vec<usize>,
     },
-    /// The caller-supplied exchange (see [`crate::rendezvous::FnExchange`]) returned an error.
+    /// The caller-supplied exchange (see [`super::FnExchange`]) returned an error.
     #[error("the caller's exchange failed: {message}")]
     External {
         /// The caller's error message.

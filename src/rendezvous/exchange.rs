@@ -9,10 +9,12 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
+use super::auth;
 use super::client::StoreClient;
-use super::env::JobEnv;
+use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
 use super::server::{ServerOptions, StoreServer};
+use super::torch::TorchSession;
 
 /// How long a rank waits for the store to accept its abort after a local failure.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -141,23 +143,34 @@ where
     }
 }
 
+/// How this rank reaches the others.
+enum Backend {
+    /// A job of one process.
+    Alone,
+    /// gpucast's own store.
+    Own(StoreClient),
+    /// torchrun's store.
+    Torch(Box<TorchSession>),
+}
+
 struct Session {
-    /// `None` for a job of one process.
-    client: Option<StoreClient>,
+    backend: Backend,
     round: u64,
 }
 
-/// The processes of one job, connected through gpucast's TCP store.
+/// The processes of one job, connected through a store: gpucast's own, which rank 0 hosts
+/// ([`StoreKind::Own`]), or torchrun's ([`StoreKind::Torch`]).
 ///
-/// Rank 0 hosts a [`StoreServer`] on the master port; every rank (rank 0 too) connects to it.
-/// All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
+/// With its own store, rank 0 listens on the master port and every rank (rank 0 too) connects
+/// and proves the job token. Under torchrun every rank joins the agent's store as a client and
+/// no port is opened. All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
 /// [`Rendezvous::broadcast_from`]) are bounded by the timeout given to
 /// [`Rendezvous::connect`] (see [`Rendezvous::set_timeout`]). When a rank fails locally (a
 /// timeout, an oversize contribution), it aborts the job so that every other rank fails at
 /// once with the reason instead of waiting out its own timeout.
 ///
 /// Keep rank 0's `Rendezvous` alive until the other ranks are done with theirs (end with a
-/// [`Rendezvous::barrier`]): dropping it stops the store.
+/// [`Rendezvous::barrier`]): with gpucast's own store, dropping it stops the store.
 pub struct Rendezvous {
     env: JobEnv,
     timeout: Duration,
@@ -178,24 +191,63 @@ impl fmt::Debug for Rendezvous {
     }
 }
 
-/// The address rank 0 listens on: a loopback `MASTER_ADDR` of a one-node job is bound as is;
-/// otherwise the unspecified address of `MASTER_ADDR`'s family (all interfaces, like torch's
-/// TCPStore). Binding a host name's own address would break the common setup where the name
-/// resolves to 127.0.1.1 on its own node but to a routable address elsewhere.
-fn listen_addr(env: &JobEnv) -> SocketAddr {
+/// The addresses rank 0 tries to listen on, in order. A one-node job whose `MASTER_ADDR` is a
+/// loopback address listens there. Otherwise: each address `MASTER_ADDR` resolves to here that
+/// is not loopback (only one of this host's own addresses can be bound, so the others fail
+/// and are skipped), then the unspecified address of `MASTER_ADDR`'s family (all interfaces),
+/// for the common setup where the name resolves to 127.0.1.1 on its own node but to a
+/// routable address elsewhere.
+fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
     let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
         .to_socket_addrs()
         .map(Iterator::collect)
         .unwrap_or_default();
     let one_node = env.local_world_size == env.world_size;
     if one_node && !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
-        return resolved[0];
+        return vec![resolved[0]];
     }
+    let mut addrs: Vec<SocketAddr> = resolved
+        .iter()
+        .copied()
+        .filter(|a| !a.ip().is_loopback() && !a.ip().is_unspecified())
+        .collect();
     let ip = match resolved.first() {
         Some(a) if a.is_ipv6() => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
     };
-    SocketAddr::new(ip, env.master_port)
+    addrs.push(SocketAddr::new(ip, env.master_port));
+    addrs
+}
+
+/// Starts rank 0's store on the first of `listen_addrs(env)` that this host can bind.
+fn host_store(env: &JobEnv) -> Result<StoreServer> {
+    let candidates = listen_addrs(env);
+    let last = candidates.len() - 1;
+    for (i, addr) in candidates.into_iter().enumerate() {
+        let options = ServerOptions::new(env.world_size, env.job_token.clone());
+        match StoreServer::bind(addr, options) {
+            Ok(server) => {
+                if addr.ip().is_unspecified() {
+                    debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
+                }
+                if !addr.ip().is_loopback() {
+                    if let Some(reason) = auth::weakness(&env.job_token, env.token_source) {
+                        auth::warn_weak_token(
+                            reason,
+                            &format!(
+                                "gpucast's rendezvous store listens on {addr}, beyond this host"
+                            ),
+                        );
+                    }
+                }
+                return Ok(server);
+            }
+            Err(RendezvousError::Bind { source, .. })
+                if i < last && source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("the unspecified address is always a candidate")
 }
 
 /// Where rank 0 reaches its own server.
@@ -208,29 +260,36 @@ fn local_target(listening: SocketAddr) -> SocketAddr {
     SocketAddr::new(ip, listening.port())
 }
 
-/// Connects and says hello, reconnecting while the failure is on the connection (a server
-/// that refused because it was busy, a connection reset) and time is left.
+/// Connects and says hello, reconnecting while the failure is on the connection (the store
+/// closed it, e.g. to make room, or reset it) and time is left. When time runs out after such
+/// a failure, that failure is the error, not the last connect attempt.
 fn connect_and_hello(
     host: &str,
     port: u16,
     env: &JobEnv,
     deadline: Instant,
 ) -> Result<StoreClient> {
-    let mut backoff = Duration::from_millis(20);
+    let mut backoff = Duration::from_millis(5);
+    let mut last: Option<RendezvousError> = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut client = StoreClient::connect(host, port, left)?;
+        let mut client = match StoreClient::connect(host, port, left) {
+            Ok(c) => c,
+            Err(e @ RendezvousError::ConnectTimeout { .. }) => return Err(last.unwrap_or(e)),
+            Err(e) => return Err(e),
+        };
         let left = deadline.saturating_duration_since(Instant::now());
         match client.hello(env.rank, env.world_size, &env.job_token, left) {
             Ok(()) => return Ok(client),
-            Err(e @ (RendezvousError::Io { .. } | RendezvousError::Rejected { .. })) => {
+            Err(e @ RendezvousError::Io { .. }) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     return Err(e);
                 }
                 debug!(error = %e, "rendezvous: hello failed, reconnecting");
+                last = Some(e);
                 thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                backoff = (backoff * 2).min(Duration::from_millis(250));
             }
             Err(e) => return Err(e),
         }
@@ -238,36 +297,48 @@ fn connect_and_hello(
 }
 
 /// After a local failure, tells the store so that every rank fails now. Best effort.
-fn abort_after(client: &mut StoreClient, rank: usize, e: &RendezvousError) {
-    if matches!(
-        e,
-        RendezvousError::JobFailed { .. }
-            | RendezvousError::Io { .. }
-            | RendezvousError::Protocol { .. }
-    ) {
-        return;
-    }
-    let reason = e.to_string();
-    if let Err(abort_err) = client.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
-        debug!(rank, error = %abort_err, "rendezvous: abort not delivered");
+fn abort_after(backend: &mut Backend, rank: usize, e: &RendezvousError) {
+    match backend {
+        Backend::Alone => {}
+        Backend::Own(client) => {
+            if matches!(
+                e,
+                RendezvousError::JobFailed { .. }
+                    | RendezvousError::Io { .. }
+                    | RendezvousError::Protocol { .. }
+            ) {
+                return;
+            }
+            let reason = e.to_string();
+            if let Err(abort_err) = client.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
+                debug!(rank, error = %abort_err, "rendezvous: abort not delivered");
+            }
+        }
+        Backend::Torch(session) => session.abort_after(e),
     }
 }
 
 impl Rendezvous {
     /// Finds the other processes of the job described by `env`, within `timeout`.
     ///
-    /// Rank 0 starts the store (see [`StoreServer`]) on `MASTER_PORT`: on `MASTER_ADDR` itself
-    /// when that is a loopback address and the job has one node, else on the unspecified
-    /// address of `MASTER_ADDR`'s family (all interfaces). Every rank connects (retrying until
-    /// the deadline, since rank 0 may start last), says hello, and waits until all
-    /// `world_size` ranks have.
+    /// With gpucast's own store ([`StoreKind::Own`]) rank 0 starts it on `MASTER_PORT`: on
+    /// `MASTER_ADDR` itself when that is a loopback address and the job has one node, else on
+    /// the address `MASTER_ADDR` resolves to here, or on every interface when it resolves to
+    /// no address of this host. Every rank connects (retrying until the deadline, since rank 0
+    /// may start last), proves the job token, checks the store's proof, and waits until all
+    /// `world_size` ranks have joined. Under torchrun ([`StoreKind::Torch`]) every rank joins
+    /// the agent's store instead and runs the same steps there, with sealed values. A guessable
+    /// token (empty, `"none"`, Slurm's job id, under 16 characters) on a store that other hosts
+    /// can reach is said once, on standard error, with how to set a secret one.
     ///
     /// Errors: [`RendezvousError::PortInUse`] on rank 0 if the port is taken;
-    /// [`RendezvousError::ConnectTimeout`] if the store cannot be reached;
-    /// [`RendezvousError::Timeout`] naming the missing ranks if not all arrive in time;
+    /// [`RendezvousError::ConnectTimeout`] if the store cannot be reached; the store's last
+    /// refusal if it kept closing the connection; [`RendezvousError::JobTokenMismatch`] /
+    /// [`RendezvousError::StoreNotAuthentic`] when this process and the store do not share the
+    /// token; [`RendezvousError::Timeout`] naming the missing ranks if not all arrive in time;
     /// [`RendezvousError::WorldSizeMismatch`] / [`RendezvousError::DuplicateRank`] /
     /// [`RendezvousError::RankOutOfRange`] for the offending process and
-    /// [`RendezvousError::JobFailed`] for all others. After a failure, rank 0 keeps the store
+    /// [`RendezvousError::JobFailed`] for all others. After a failure, rank 0 keeps its store
     /// up until every rank has heard of it, the deadline passes or 30 s have passed, whichever
     /// comes first, so that ranks still starting learn the reason instead of retrying a closed
     /// port until their own timeout. A job of one process opens no socket.
@@ -275,20 +346,28 @@ impl Rendezvous {
         env.validate()?;
         let start = Instant::now();
         let deadline = start + timeout;
+        let rendezvous = |backend, server| Self {
+            env: env.clone(),
+            timeout,
+            session: Mutex::new(Session { backend, round: 0 }),
+            server,
+        };
         if env.world_size == 1 {
-            return Ok(Self {
-                env: env.clone(),
-                timeout,
-                session: Mutex::new(Session {
-                    client: None,
-                    round: 0,
-                }),
-                server: None,
-            });
+            return Ok(rendezvous(Backend::Alone, None));
+        }
+        if let StoreKind::Torch { .. } = env.store {
+            let session = TorchSession::join(env, deadline)?;
+            info!(
+                rank = env.rank,
+                world_size = env.world_size,
+                master = %env.master(),
+                elapsed = ?start.elapsed(),
+                "rendezvous complete (torchrun's store)"
+            );
+            return Ok(rendezvous(Backend::Torch(Box::new(session)), None));
         }
         let server = if env.rank == 0 {
-            let options = ServerOptions::new(env.world_size, env.job_token.clone());
-            Some(StoreServer::bind(listen_addr(env), options)?)
+            Some(host_store(env)?)
         } else {
             None
         };
@@ -304,7 +383,8 @@ impl Rendezvous {
             match client.wait_all(left) {
                 Ok(()) => Ok(client),
                 Err(e) => {
-                    abort_after(&mut client, env.rank, &e);
+                    let mut backend = Backend::Own(client);
+                    abort_after(&mut backend, env.rank, &e);
                     Err(e)
                 }
             }
@@ -318,15 +398,7 @@ impl Rendezvous {
                     elapsed = ?start.elapsed(),
                     "rendezvous complete"
                 );
-                Ok(Self {
-                    env: env.clone(),
-                    timeout,
-                    session: Mutex::new(Session {
-                        client: Some(client),
-                        round: 0,
-                    }),
-                    server,
-                })
+                Ok(rendezvous(Backend::Own(client), server))
             }
             Err(e) => {
                 if let Some(server) = &server {
@@ -382,12 +454,13 @@ impl Rendezvous {
         let mut session = self.session();
         let round = session.round;
         session.round += 1;
-        let Some(client) = session.client.as_mut() else {
-            return Ok(vec![mine.to_vec()]);
+        let result = match &mut session.backend {
+            Backend::Alone => return Ok(vec![mine.to_vec()]),
+            Backend::Own(client) => client.all_gather(round, mine, self.timeout),
+            Backend::Torch(torch) => torch.all_gather(round, mine, self.timeout),
         };
-        let result = client.all_gather(round, mine, self.timeout);
         if let Err(e) = &result {
-            abort_after(client, self.env.rank, e);
+            abort_after(&mut session.backend, self.env.rank, e);
         }
         result
     }
@@ -406,9 +479,10 @@ impl Rendezvous {
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
         let mut session = self.session();
-        match session.client.as_mut() {
-            Some(client) => client.abort(reason, &[], self.timeout),
-            None => Ok(()),
+        match &mut session.backend {
+            Backend::Alone => Ok(()),
+            Backend::Own(client) => client.abort(reason, &[], self.timeout),
+            Backend::Torch(torch) => torch.abort(reason, &[], self.timeout),
         }
     }
 }
@@ -510,17 +584,38 @@ mod tests {
 
     #[test]
     fn listen_address_policy() {
+        let addrs = |env: &JobEnv| -> Vec<SocketAddr> { listen_addrs(env) };
+        let one = |s: &str| -> Vec<SocketAddr> { vec![s.parse().unwrap()] };
         let local = JobEnv::single_node(0, 2, 4242).unwrap();
-        assert_eq!(listen_addr(&local), "127.0.0.1:4242".parse().unwrap());
+        assert_eq!(addrs(&local), one("127.0.0.1:4242"));
         let mut multi = local.clone();
         multi.local_world_size = 1;
-        assert_eq!(listen_addr(&multi), "0.0.0.0:4242".parse().unwrap());
+        assert_eq!(addrs(&multi), one("0.0.0.0:4242"));
         let mut v6 = multi.clone();
         v6.master_addr = "::1".into();
-        assert_eq!(listen_addr(&v6), "[::]:4242".parse().unwrap());
+        assert_eq!(addrs(&v6), one("[::]:4242"));
+        // A routable address is tried first, all interfaces only if it is not this host's.
         let mut routable = local;
         routable.master_addr = "192.0.2.7".into();
-        assert_eq!(listen_addr(&routable), "0.0.0.0:4242".parse().unwrap());
+        assert_eq!(
+            addrs(&routable),
+            [
+                "192.0.2.7:4242".parse().unwrap(),
+                "0.0.0.0:4242".parse().unwrap()
+            ]
+        );
+        routable.local_world_size = 1;
+        routable.job_token = "x".repeat(32);
+        let server = host_store(&{
+            let mut e = routable.clone();
+            e.master_port = 0;
+            e
+        })
+        .unwrap();
+        assert!(
+            server.local_addr().ip().is_unspecified(),
+            "192.0.2.7 is no address of this host"
+        );
         assert_eq!(
             local_target("0.0.0.0:5".parse().unwrap()),
             "127.0.0.1:5".parse().unwrap()

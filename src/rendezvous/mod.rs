@@ -1,16 +1,20 @@
 //! Rendezvous: the processes of one job (one per GPU, on one or many nodes) find each other
-//! and exchange small byte strings at initialisation, within time limits.
+//! and exchange small byte strings at initialisation, within time limits, admitting nobody
+//! outside the job.
 //!
 //! - [`JobEnv`] reads who this process is from what torchrun or Slurm set ([`JobEnv::from_env`]).
-//! - [`Rendezvous::connect`] joins the job: rank 0 hosts a small TCP store ([`StoreServer`]),
-//!   every rank connects to it ([`StoreClient`]), and the call returns once all `world_size`
-//!   ranks have arrived. Then [`Rendezvous::all_gather`], [`Rendezvous::barrier`] and
-//!   [`Rendezvous::broadcast_from`].
+//! - [`Rendezvous::connect`] joins the job and returns once all `world_size` ranks have
+//!   arrived; then [`Rendezvous::all_gather`], [`Rendezvous::barrier`] and
+//!   [`Rendezvous::broadcast_from`]. The ranks meet through gpucast's own TCP store, which
+//!   rank 0 hosts, or, under torchrun, through the agent's own store as clients (no port of
+//!   gpucast's is opened; see [`StoreKind`]).
 //! - [`Exchange`] is what the rest of gpucast needs; [`FnExchange`] lets MPI or a framework's
 //!   process group provide it instead.
-//! - [`host_id`] tells which ranks share a node.
+//! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
 //!
-//! Pure Rust and `std`: blocking sockets with timeouts and a few threads on rank 0.
+//! Pure Rust and `std` (plus RustCrypto's HMAC, SHA-2 and XChaCha20-Poly1305, and the OS's
+//! random source): blocking sockets with timeouts and a few threads on rank 0. This module
+//! uses nothing else of gpucast.
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -25,95 +29,125 @@
 //! # Ok::<(), gpucast::rendezvous::RendezvousError>(())
 //! ```
 //!
+//! # Who gets in
+//!
+//! The job token ([`JobEnv::job_token`], from `GPUCAST_JOB_TOKEN`) is the job's secret. It
+//! never leaves the process: not in a frame, a log line, an error or a `Debug` form.
+//!
+//! - gpucast's store sends every new connection a fresh random nonce; the HELLO must carry
+//!   HMAC-SHA256(token, both nonces, rank, world size), checked in constant time, and the store
+//!   answers with its own proof over the same nonces. A process without the token learns
+//!   nothing and registers nothing; a recorded HELLO is useless on any other connection; a
+//!   process that took the port first cannot pass as the store.
+//! - Until a HELLO is proven, a connection may send one frame of at most a HELLO's size,
+//!   within one deadline for the whole handshake (10 s), and at most 64 such connections are
+//!   kept: a new one evicts the oldest. Strangers that connect, idle, dribble or reconnect cost
+//!   the job at most a retried connection.
+//! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
+//!   there is sealed with XChaCha20-Poly1305 under a key derived from the token, bound to its
+//!   rank, round and instance and to a session id made of every rank's fresh nonce: a value
+//!   written by a process without the token, or recorded in an earlier launch, is refused
+//!   ([`RendezvousError::Forged`]).
+//! - A token that anyone can guess (empty, torchrun's default run id `"none"`, Slurm's job id,
+//!   fewer than 16 characters) protects nothing. gpucast accepts it, so that jobs that never
+//!   set one keep working, and says so once on standard error when the store is reachable from
+//!   other hosts (rank 0 listens beyond loopback, or torchrun's store is used), with how to set
+//!   a secret one: `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)`. Launchers that start
+//!   the ranks themselves make one with [`random_token`].
+//!
+//! Beyond admission, a connection is not encrypted: a process that can read or inject the
+//! traffic between two nodes (on the path) is outside what this defends against, as it is for
+//! NCCL's own bootstrap.
+//!
 //! # Failure behaviour
 //!
-//! Every wait is bounded. The store checks every HELLO against rank 0's world size, the rank
-//! range, the job token and the ranks already registered. A mismatch, a duplicate rank, a rank
-//! that aborts (any local failure, including its own timeout), or a rank that disconnects
-//! before contributing to an all-gather others wait on, *fails the job*: the store answers
-//! every pending and later request of every rank with [`RendezvousError::JobFailed`] and the
-//! reason, so no rank waits out its timeout. A timeout names the missing ranks.
+//! Every wait is bounded. While the job forms, a proven HELLO with a world size other than rank
+//! 0's, a rank out of range or a rank claimed twice *fails the job* (two processes of one
+//! launch disagree): the store answers every pending and later request of every rank with
+//! [`RendezvousError::JobFailed`] and the reason, so no rank waits out its timeout. Once every
+//! rank has joined, such a claim is refused and the job goes on. A rank that aborts (any local
+//! failure, including its own timeout), or disconnects before contributing to an all-gather
+//! that others wait on, fails the job too. A timeout names the missing ranks.
 //!
-//! # Wire format (version 1)
+//! # Wire format of gpucast's store (version 2)
 //!
 //! Every message is a frame: a 12-byte header, then the payload. Integers are little-endian.
 //!
 //! | bytes | field |
 //! |---|---|
-//! | 0..4 | magic `GCRV` ([`MAGIC`]) |
-//! | 4 | version, 1 ([`PROTOCOL_VERSION`]) |
+//! | 0..4 | magic `GCRV` |
+//! | 4 | version, 2 |
 //! | 5 | op |
 //! | 6..8 | reserved, zero |
 //! | 8..12 | payload length (u32) |
 //!
-//! Requests (client to server), one reply each; the first request of a connection is HELLO:
+//! The store speaks first: CHALLENGE (0x84, its 32-byte nonce). Then requests (client to
+//! server), one reply each; the first is HELLO:
 //!
 //! | op | name | payload |
 //! |---|---|---|
-//! | 0x01 | HELLO | rank u32, world size u32, token length u16, token |
+//! | 0x01 | HELLO | rank u32, world size u32, client nonce (32 bytes), proof (32 bytes) |
 //! | 0x02 | WAIT_ALL | timeout ms u32 |
-//! | 0x03 | SET | key length u16, key (UTF-8), value (rest of payload) |
-//! | 0x04 | GET | timeout ms u32, key length u16, key |
-//! | 0x05 | GATHER | round u64, timeout ms u32, value (rest) |
+//! | 0x05 | GATHER | round u64 (0, 1, 2, ... in order), timeout ms u32, value (rest) |
 //! | 0x06 | ABORT | missing-rank count u32, ranks u32 each, reason (rest, UTF-8) |
 //!
-//! Replies: 0x80 OK (empty), 0x81 VALUE (the value), 0x82 GATHERED (count u32, then per rank a
-//! length u32 and the bytes), 0x83 ERROR (code u8, count u32 and that many u64 numbers, count
-//! u16 and that many strings of u32 length + UTF-8). Error codes: 1 world-size mismatch
-//! `[rank, client, server]`, 2 rank out of range `[rank, world]`, 3 duplicate rank `[rank]` +
-//! detail, 4 token mismatch + `[client, server]` tokens, 5 timeout `[ms, missing...]` + what,
-//! 6 job failed `[missing...]` + reason, 7 rejected + reason, 8 too large `[len, max]` + what,
-//! 9 protocol + reason.
+//! Replies: 0x80 OK (after HELLO: the store's 32-byte proof; else empty), 0x82 GATHERED (count
+//! u32, then per rank a length u32 and the bytes), 0x83 ERROR (code u8, count u32 and that many
+//! u64 numbers, count u16 and that many strings of u32 length + UTF-8). Error codes: 1
+//! world-size mismatch `[rank, client, server]`, 2 rank out of range `[rank, world]`, 3
+//! duplicate rank `[rank]` + detail, 4 token refused (nothing else), 5 timeout `[ms,
+//! missing...]` + what, 6 job failed `[missing...]` + reason, 7 rejected + reason, 8 too large
+//! `[len, max]` + what, 9 protocol + reason. Proofs are HMAC-SHA256 keyed by the token over a
+//! label (`gpucast rendezvous v2: hello` or `...: welcome`) and the length-prefixed server
+//! nonce, client nonce, rank and world size.
 //!
 //! A bad magic closes the connection silently; a bad version, non-zero reserved bytes or an
-//! oversize length closes it after an ERROR reply; each with a `tracing` warning. The length
-//! is checked before any payload memory is taken, and payload buffers grow only as bytes
-//! arrive.
+//! oversize length closes it after an ERROR reply. The length is checked before any payload
+//! memory is taken, and payload buffers grow only as bytes arrive.
 //!
 //! # Limits
 //!
-//! Keys [`MAX_KEY_LEN`] bytes, values and all-gather contributions [`MAX_VALUE_LEN`], a whole
-//! all-gather round [`MAX_GATHER_BYTES`], everything the store holds [`MAX_STORE_BYTES`], job
-//! tokens [`MAX_TOKEN_LEN`], world size [`MAX_WORLD_SIZE`]. The server accepts `world_size + 64`
-//! connections at once, gives a new connection 10 s to say hello, and a started frame 30 s to
-//! arrive (see [`ServerOptions`]).
+//! All-gather contributions [`MAX_VALUE_LEN`] bytes, a whole round [`MAX_GATHER_BYTES`], all
+//! the store holds [`MAX_STORE_BYTES`] (each rank takes the rounds in order, so at most two are
+//! alive; a failed job frees them), job tokens [`MAX_TOKEN_LEN`], world size
+//! [`MAX_WORLD_SIZE`].
 
+mod auth;
 mod client;
 mod env;
 mod error;
 mod exchange;
 mod server;
+mod torch;
 mod wire;
 
 use std::time::Duration;
 
-pub use crate::config::env_var;
-pub use client::StoreClient;
+pub use auth::random_token;
 pub use env::{
-    expand_hostlist, host_id, JobEnv, DEFAULT_MASTER_PORT, HOST_ID_ENV, JOB_TOKEN_ENV,
-    MASTER_ADDR_ENV, MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
+    env_var, expand_hostlist, host_id, JobEnv, StoreKind, TokenSource, DEFAULT_MASTER_PORT,
+    HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
 };
 pub use error::{RendezvousError, Result};
 pub use exchange::{Exchange, FnExchange, Rendezvous};
-pub use server::{ServerOptions, StoreServer};
-pub use wire::{FRAME_HEADER_LEN, MAGIC, PROTOCOL_VERSION};
 
-/// Longest key, in bytes.
-pub const MAX_KEY_LEN: usize = 1024;
-/// Longest value or all-gather contribution, in bytes (16 MiB).
-pub const MAX_VALUE_LEN: usize = 16 << 20;
+/// Longest all-gather contribution, in bytes (4 MiB: it fits in torchrun's store as well).
+pub const MAX_VALUE_LEN: usize = 4 << 20;
 /// Most bytes of one all-gather round, all ranks together (256 MiB).
 pub const MAX_GATHER_BYTES: usize = 256 << 20;
-/// Most bytes the store holds at once, keys' values and unfinished rounds together (1 GiB).
+/// Most bytes gpucast's store holds at once (1 GiB).
 pub const MAX_STORE_BYTES: usize = 1 << 30;
 /// Longest job token, in bytes.
 pub const MAX_TOKEN_LEN: usize = 256;
 /// Largest world size.
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
-/// Connections the server accepts beyond one per rank.
-const EXTRA_CONNECTIONS: usize = 64;
-/// Default time a new connection has to say hello.
+/// Connections not yet proven that the store keeps at once.
+const DEFAULT_MAX_PENDING: usize = 64;
+/// Default time a new connection has to complete its HELLO.
 const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time to finish reading a started frame or writing a reply.
 const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// For the descriptor exchange between the processes of a host (the P2P path).
+pub(crate) use auth::{random as random_bytes, same_secret};

@@ -1,8 +1,16 @@
-//! The store that rank 0 hosts: registration, a key-value map and all-gather rounds.
+//! The store that rank 0 hosts: admission (a challenge, then a proof of the job token), then
+//! all-gather rounds and aborts among the job's ranks.
+//!
+//! Admission is built so that nobody outside the job costs the job anything: a connection that
+//! has not proven the token may send one small frame (a HELLO) within one deadline for the
+//! whole handshake, and at most [`ServerOptions::max_pending`] such connections are kept, the
+//! oldest evicted when a new one arrives. Only proven ranks can make the store hold data, in
+//! rounds that each rank takes in order, so at most two rounds are ever alive.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufWriter};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -10,45 +18,64 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
+use super::auth::{self, Purpose};
 use super::error::{rank_list, RendezvousError, Result};
-use super::wire::{self, op, Frame, FrameError, Request, MAX_REQUEST_PAYLOAD};
+use super::wire::{self, op, Frame, FrameError, FrameTimes, Request};
+use super::wire::{HELLO_LEN, MAX_REQUEST_PAYLOAD};
 use super::{
-    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, EXTRA_CONNECTIONS, MAX_GATHER_BYTES,
+    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_PENDING, MAX_GATHER_BYTES,
     MAX_STORE_BYTES, MAX_TOKEN_LEN, MAX_WORLD_SIZE,
 };
 
-/// How often the accept loop looks at the shutdown flag when no connection arrives.
-const ACCEPT_POLL: Duration = Duration::from_millis(10);
+/// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag.
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// How long a dropped server lets replies already decided (a completed round) go out before it
 /// closes every connection.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Stack of a connection thread (they hold little: frames live on the heap).
 const CONN_STACK: usize = 256 * 1024;
+/// Bytes a round costs beyond its contributions: its bookkeeping, per rank.
+const ROUND_BYTES_PER_RANK: usize = 32;
 
-/// Settings of a [`StoreServer`].
-#[derive(Debug, Clone)]
-pub struct ServerOptions {
-    /// Number of ranks in the job; a HELLO with another world size fails the job.
+/// Settings of a [`StoreServer`]. Its `Debug` form leaves the token out.
+#[derive(Clone)]
+pub(crate) struct ServerOptions {
+    /// Number of ranks in the job.
     pub world_size: usize,
-    /// The job token every HELLO must carry (see [`super::JobEnv::job_token`]).
+    /// The job token every HELLO must prove.
     pub job_token: String,
-    /// Most connections open at once; more are refused with an error frame. Default:
-    /// `world_size + 64`.
-    pub max_connections: usize,
-    /// How long a new connection has to send its HELLO. Default 10 s.
+    /// Most connections kept at once that have not proven the token; a new one evicts the
+    /// oldest. Default 64.
+    pub max_pending: usize,
+    /// How long a new connection has to complete its HELLO, all of it. Default 10 s.
     pub handshake_timeout: Duration,
-    /// Limit for reading the rest of a frame once it has started, and for writing a reply.
-    /// Default 30 s.
+    /// Limit for reading the rest of a rank's frame once it has started, and for writing a
+    /// reply. Default 30 s.
     pub io_timeout: Duration,
+}
+
+impl std::fmt::Debug for ServerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerOptions")
+            .field("world_size", &self.world_size)
+            .field(
+                "job_token",
+                &format_args!("<{} bytes, not shown>", self.job_token.len()),
+            )
+            .field("max_pending", &self.max_pending)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .finish()
+    }
 }
 
 impl ServerOptions {
     /// Defaults for a job of `world_size` ranks with token `job_token`.
-    pub fn new(world_size: usize, job_token: impl Into<String>) -> Self {
+    pub(crate) fn new(world_size: usize, job_token: impl Into<String>) -> Self {
         Self {
             world_size,
             job_token: job_token.into(),
-            max_connections: world_size.saturating_add(EXTRA_CONNECTIONS),
+            max_pending: DEFAULT_MAX_PENDING,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             io_timeout: DEFAULT_IO_TIMEOUT,
         }
@@ -57,21 +84,19 @@ impl ServerOptions {
 
 /// The rendezvous store: a TCP server that rank 0 runs on background threads.
 ///
-/// It registers ranks (HELLO), answers when all have arrived, keeps a key-value map and runs
-/// all-gather rounds. It checks every HELLO: a wrong job token is refused (that connection
-/// only); a wrong world size, a rank out of range or a rank claimed twice *fails the job*: the
-/// offender gets the specific error and every pending and later request of every rank gets
-/// [`RendezvousError::JobFailed`] with the reason, so no rank waits out its timeout. Any rank
-/// can fail the job the same way (ABORT). A rank that disconnects before contributing to an
-/// all-gather that others wait on fails the job too.
-///
-/// Malformed input (bad magic or version, oversize lengths, garbage) closes that connection
-/// with a logged reason; limits on keys, values, stored bytes and connections bound memory.
+/// Every connection first gets a fresh nonce; its HELLO must carry a proof of the job token
+/// over that nonce (so a recorded HELLO is worth nothing) and gets the store's proof back. A
+/// wrong proof closes that connection only. Until every rank has joined, a proven HELLO with a
+/// wrong world size, a rank out of range or a rank claimed twice *fails the job* (two processes
+/// of one launch disagree); once the job has formed, such a claim is refused and the job goes
+/// on. Any rank can fail the job (ABORT); a rank that gives up waiting, or disconnects before
+/// contributing to a round that others wait on, fails it too. A failed job answers every
+/// pending and later request with [`RendezvousError::JobFailed`] and frees what it held.
 ///
 /// Dropping the server stops it: no new connections, waiting requests are answered (with
 /// their result if it is ready, else with an error), then every connection is closed and every
 /// thread joined.
-pub struct StoreServer {
+pub(crate) struct StoreServer {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
     local_addr: SocketAddr,
@@ -108,6 +133,7 @@ struct Member {
 struct Round {
     values: Vec<Option<Vec<u8>>>,
     count: usize,
+    /// Bytes this round holds, bookkeeping included (counted in `State::stored`).
     bytes: usize,
     done: Option<Arc<Vec<Vec<u8>>>>,
     fetched: usize,
@@ -115,19 +141,26 @@ struct Round {
 
 struct State {
     registered: Vec<Option<Member>>,
+    /// Every rank has said hello once.
+    complete: bool,
     /// Ranks that have learned of the failure (or can no longer be told: disconnected).
     told: Vec<bool>,
     /// Ranks whose connection closed after HELLO.
     departed: Vec<bool>,
     failure: Option<Failure>,
-    kv: HashMap<String, Arc<Vec<u8>>>,
+    /// The round each rank contributes to next: rounds go in order, so at most two are alive.
+    next_round: Vec<u64>,
     rounds: HashMap<u64, Round>,
-    /// Bytes held in `kv` and `rounds`.
+    /// Bytes held in `rounds`.
     stored: usize,
-    open: usize,
+    /// Connections that have not proven the token yet, oldest first.
+    pending: VecDeque<(u64, TcpStream)>,
+    /// Connections of proven ranks.
+    members: HashMap<u64, TcpStream>,
+    /// Pending connections closed to make room for newer ones.
+    evicted: u64,
     /// Connections between reading a request and finishing its reply.
     busy: usize,
-    streams: HashMap<u64, TcpStream>,
 }
 
 impl Shared {
@@ -148,12 +181,15 @@ impl Shared {
 }
 
 impl State {
-    /// Marks the job failed (the first reason wins) and wakes every waiter.
+    /// Marks the job failed (the first reason wins), frees every round (no request can use
+    /// them any more) and wakes every waiter.
     fn fail(&mut self, cond: &Condvar, reason: String, missing: Vec<usize>) {
         if self.failure.is_none() {
             warn!(%reason, "rendezvous job failed");
             self.failure = Some(Failure { reason, missing });
         }
+        self.rounds.clear();
+        self.stored = 0;
         cond.notify_all();
     }
 
@@ -170,9 +206,9 @@ impl StoreServer {
     ///
     /// Errors: [`RendezvousError::PortInUse`] naming the address when another socket holds the
     /// port, [`RendezvousError::Bind`] for other OS errors, and
-    /// [`RendezvousError::InvalidArgument`] for a world size outside 1..=[`MAX_WORLD_SIZE`] or
-    /// a token over [`MAX_TOKEN_LEN`] bytes.
-    pub fn bind(addr: SocketAddr, options: ServerOptions) -> Result<Self> {
+    /// [`RendezvousError::InvalidArgument`] for a world size outside 1..=[`MAX_WORLD_SIZE`],
+    /// a token over [`MAX_TOKEN_LEN`] bytes or no room for a pending connection.
+    pub(crate) fn bind(addr: SocketAddr, options: ServerOptions) -> Result<Self> {
         if options.world_size == 0 || options.world_size > MAX_WORLD_SIZE {
             return Err(RendezvousError::InvalidArgument {
                 reason: format!(
@@ -186,6 +222,11 @@ impl StoreServer {
                 reason: format!("job token over {MAX_TOKEN_LEN} bytes"),
             });
         }
+        if options.max_pending == 0 {
+            return Err(RendezvousError::InvalidArgument {
+                reason: "max_pending must be at least 1".into(),
+            });
+        }
         let bind_err = |source: io::Error| {
             if source.kind() == io::ErrorKind::AddrInUse {
                 RendezvousError::PortInUse { addr }
@@ -194,6 +235,11 @@ impl StoreServer {
             }
         };
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
+        // The longest accept queue the system allows (std asks for 128): a burst of strangers
+        // must not fill the queue that a rank's connection waits in.
+        if let Err(e) = nix::sys::socket::listen(&listener, nix::sys::socket::Backlog::MAXCONN) {
+            debug!(error = %e, "rendezvous store: keeping the default accept queue");
+        }
         let local_addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
         let n = options.world_size;
@@ -201,15 +247,17 @@ impl StoreServer {
             opts: options,
             state: Mutex::new(State {
                 registered: (0..n).map(|_| None).collect(),
+                complete: false,
                 told: vec![false; n],
                 departed: vec![false; n],
                 failure: None,
-                kv: HashMap::new(),
+                next_round: vec![0; n],
                 rounds: HashMap::new(),
                 stored: 0,
-                open: 0,
+                pending: VecDeque::new(),
+                members: HashMap::new(),
+                evicted: 0,
                 busy: 0,
-                streams: HashMap::new(),
             }),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -231,22 +279,19 @@ impl StoreServer {
     }
 
     /// The address the server listens on.
-    pub fn local_addr(&self) -> SocketAddr {
+    pub(crate) fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
 
-    /// Marks the job failed with `reason`: every pending and later request of every rank gets
+    /// Marks the job failed: every pending and later request of every rank gets
     /// [`RendezvousError::JobFailed`]. The first failure's reason is kept.
-    pub fn fail(&self, reason: &str) {
-        self.fail_with(reason.to_owned(), Vec::new());
-    }
-
     pub(crate) fn fail_with(&self, reason: String, missing: Vec<usize>) {
         self.shared.lock().fail(&self.shared.cond, reason, missing);
     }
 
     /// The reason the job failed, if it has.
-    pub fn failure(&self) -> Option<String> {
+    #[cfg(test)]
+    pub(crate) fn failure(&self) -> Option<String> {
         self.shared
             .lock()
             .failure
@@ -255,7 +300,8 @@ impl StoreServer {
     }
 
     /// The ranks that have said HELLO so far.
-    pub fn registered_ranks(&self) -> Vec<usize> {
+    #[cfg(test)]
+    pub(crate) fn registered_ranks(&self) -> Vec<usize> {
         let st = self.shared.lock();
         (0..st.registered.len())
             .filter(|&r| st.registered[r].is_some())
@@ -311,7 +357,10 @@ impl Drop for StoreServer {
             }
             st = self.shared.wait_on(st, left);
         }
-        for stream in st.streams.values() {
+        for (_, stream) in &st.pending {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        for stream in st.members.values() {
             let _ = stream.shutdown(Shutdown::Both);
         }
         drop(st);
@@ -322,6 +371,16 @@ impl Drop for StoreServer {
     }
 }
 
+/// Waits up to [`ACCEPT_POLL`] for a connection to arrive on `listener`.
+fn wait_readable(listener: &TcpListener) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    let ms = u16::try_from(ACCEPT_POLL.as_millis()).unwrap_or(u16::MAX);
+    if poll(&mut fds, PollTimeout::from(ms)).is_err() {
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
@@ -329,53 +388,41 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(ACCEPT_POLL);
+                wait_readable(listener);
                 continue;
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 // Out of file descriptors and the like: wait, do not spin.
                 warn!(error = %e, "rendezvous store: accept failed");
-                thread::sleep(ACCEPT_POLL * 10);
+                thread::sleep(ACCEPT_POLL * 5);
                 continue;
             }
         };
+        let accepted = Instant::now();
         handles.retain(|h| !h.is_finished());
         if let Err(e) = stream.set_nonblocking(false) {
-            warn!(%peer, error = %e, "rendezvous store: dropping connection");
+            debug!(%peer, error = %e, "rendezvous store: dropping connection");
             continue;
         }
+        let Ok(clone) = stream.try_clone() else {
+            debug!(%peer, "rendezvous store: dropping connection (no descriptor for it)");
+            continue;
+        };
         let id = next_id;
         next_id += 1;
         {
             let mut st = shared.lock();
-            if st.open >= shared.opts.max_connections {
-                let open = st.open;
-                drop(st);
-                warn!(%peer, open, limit = shared.opts.max_connections, "rendezvous store: too many connections, refusing one");
-                let reason = format!(
-                    "too many connections ({open} open, limit {})",
-                    shared.opts.max_connections
-                );
-                let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-                let mut w = &stream;
-                let _ = wire::write_frame(
-                    &mut w,
-                    op::ERROR,
-                    &[&wire::encode_error(&RendezvousError::Rejected { reason })],
-                );
-                continue;
-            }
-            match stream.try_clone() {
-                Ok(clone) => {
-                    st.streams.insert(id, clone);
-                    st.open += 1;
-                }
-                Err(e) => {
-                    warn!(%peer, error = %e, "rendezvous store: dropping connection");
-                    continue;
+            // Room for the newcomer: the oldest unproven connection goes. A real rank proves
+            // the token within a round trip of connecting, so only an idle or slow stranger is
+            // ever old enough to be evicted.
+            while st.pending.len() >= shared.opts.max_pending {
+                if let Some((_, oldest)) = st.pending.pop_front() {
+                    let _ = oldest.shutdown(Shutdown::Both);
+                    st.evicted += 1;
                 }
             }
+            st.pending.push_back((id, clone));
         }
         let for_thread = Arc::clone(shared);
         let spawned = thread::Builder::new()
@@ -387,6 +434,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
                     stream,
                     peer,
                     id,
+                    accepted,
                     rank: None,
                 };
                 conn.serve();
@@ -395,9 +443,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             Ok(h) => handles.push(h),
             Err(e) => {
                 warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
-                let mut st = shared.lock();
-                st.open -= 1;
-                st.streams.remove(&id);
+                shared.lock().pending.retain(|(i, _)| *i != id);
             }
         }
     }
@@ -418,14 +464,15 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     id: u64,
+    accepted: Instant,
     rank: Option<usize>,
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        st.open -= 1;
-        st.streams.remove(&self.id);
+        st.pending.retain(|(i, _)| *i != self.id);
+        st.members.remove(&self.id);
         if let Some(r) = self.rank {
             if st.registered[r].as_ref().is_some_and(|m| m.conn == self.id) {
                 st.departed[r] = true;
@@ -455,44 +502,28 @@ impl Drop for Busy {
 
 impl Conn {
     fn serve(&mut self) {
-        let opts = &self.shared.opts;
         let _ = self.stream.set_nodelay(true);
-        let _ = self.stream.set_write_timeout(Some(opts.io_timeout));
-        let hello_deadline = Instant::now() + opts.handshake_timeout;
+        if !self.handshake() {
+            return;
+        }
+        let io_timeout = self.shared.opts.io_timeout;
+        let _ = self.stream.set_write_timeout(Some(io_timeout));
         loop {
-            let idle = match self.rank {
-                Some(_) => None,
-                None => Some(hello_deadline.saturating_duration_since(Instant::now())),
+            let times = FrameTimes {
+                start_by: None,
+                within: io_timeout,
+                end_by: None,
             };
-            let frame = wire::read_frame(
-                &mut &self.stream,
-                MAX_REQUEST_PAYLOAD,
-                idle,
-                self.shared.opts.io_timeout,
-            );
-            let frame = match frame {
+            let frame = match wire::read_frame(&mut &self.stream, MAX_REQUEST_PAYLOAD, times) {
                 Ok(f) => f,
                 Err(FrameError::Closed) => {
                     debug!(peer = %self.peer, rank = ?self.rank, "rendezvous connection closed");
                     return;
                 }
                 Err(e) => {
-                    if self.shared.shutting_down() {
-                        return;
-                    }
-                    warn!(peer = %self.peer, rank = ?self.rank, reason = %e, "rendezvous store: closing connection");
-                    // A peer that speaks the protocol learns why; garbage gets no answer.
-                    if matches!(
-                        e,
-                        FrameError::BadVersion(_)
-                            | FrameError::BadReserved(_)
-                            | FrameError::TooLarge { .. }
-                            | FrameError::Idle(_)
-                    ) {
-                        let _ = self.send_error(&RendezvousError::Protocol {
-                            peer: self.peer.to_string(),
-                            reason: format!("the store closed the connection: {e}"),
-                        });
+                    if !self.shared.shutting_down() {
+                        warn!(peer = %self.peer, rank = ?self.rank, reason = %e, "rendezvous store: closing a rank's connection");
+                        self.refuse_frame(&e);
                     }
                     return;
                 }
@@ -504,6 +535,98 @@ impl Conn {
                 return;
             }
         }
+    }
+
+    /// Tells a peer that speaks the protocol why its frame was refused; garbage gets nothing.
+    fn refuse_frame(&self, e: &FrameError) {
+        if matches!(
+            e,
+            FrameError::BadVersion(_)
+                | FrameError::BadReserved(_)
+                | FrameError::TooLarge { .. }
+                | FrameError::Idle(_)
+        ) {
+            let _ = self.send_error(&RendezvousError::Protocol {
+                peer: self.peer.to_string(),
+                reason: format!("the store closed the connection: {e}"),
+            });
+        }
+    }
+
+    /// The challenge, the HELLO and its proof, admission and the store's proof back, all
+    /// within the handshake timeout from accept. True once this connection is a rank's.
+    fn handshake(&mut self) -> bool {
+        let shared = Arc::clone(&self.shared);
+        let opts = &shared.opts;
+        let hello_by = self.accepted + opts.handshake_timeout;
+        let left = hello_by.saturating_duration_since(Instant::now());
+        let _ = self
+            .stream
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        let server_nonce = match auth::random() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(error = %e, "rendezvous store: no nonce for a connection");
+                return false;
+            }
+        };
+        if !self.send(op::CHALLENGE, &[&server_nonce]) {
+            return false;
+        }
+        let times = FrameTimes {
+            start_by: Some(hello_by),
+            within: opts.handshake_timeout,
+            end_by: Some(hello_by),
+        };
+        // Nothing longer than a HELLO is read from a connection that has not proven the token.
+        let frame = match wire::read_frame(&mut &self.stream, HELLO_LEN, times) {
+            Ok(f) => f,
+            Err(FrameError::Closed) => return false,
+            Err(e) => {
+                debug!(peer = %self.peer, reason = %e, "rendezvous store: no HELLO, closing");
+                if !self.shared.shutting_down() {
+                    self.refuse_frame(&e);
+                }
+                return false;
+            }
+        };
+        let (rank, world_size, nonce, proof) = match Request::decode(frame.op, frame.payload) {
+            Ok(Request::Hello {
+                rank,
+                world_size,
+                nonce,
+                proof,
+            }) => (rank, world_size, nonce, proof),
+            Ok(_) => return self.protocol_error("the first request must be HELLO".into()),
+            Err(reason) => return self.protocol_error(reason),
+        };
+        if !auth::verify(
+            &opts.job_token,
+            Purpose::Hello,
+            &server_nonce,
+            &nonce,
+            rank,
+            world_size,
+            &proof,
+        ) {
+            warn!(peer = %self.peer, rank, "rendezvous store: refused a connection that did not prove the job token");
+            let _ = self.send_error(&RendezvousError::JobTokenMismatch {
+                store: String::new(),
+            });
+            return false;
+        }
+        if !self.admit(rank, world_size) {
+            return false;
+        }
+        let welcome = auth::prove(
+            &opts.job_token,
+            Purpose::Welcome,
+            &server_nonce,
+            &nonce,
+            rank,
+            world_size,
+        );
+        self.send(op::OK, &[&welcome])
     }
 
     fn send(&self, op: u8, parts: &[&[u8]]) -> bool {
@@ -537,7 +660,7 @@ impl Conn {
     }
 
     fn protocol_error(&self, reason: String) -> bool {
-        warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: bad request, closing connection");
+        debug!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: bad request, closing connection");
         let _ = self.send_error(&RendezvousError::Protocol {
             peer: self.peer.to_string(),
             reason: format!("the store rejected a request: {reason}"),
@@ -545,29 +668,20 @@ impl Conn {
         false
     }
 
-    /// Answers one request; false closes the connection.
+    /// Answers one request of a proven rank; false closes the connection.
     fn handle(&mut self, frame: Frame) -> bool {
+        let Some(rank) = self.rank else {
+            return false;
+        };
         let req = match Request::decode(frame.op, frame.payload) {
             Ok(r) => r,
             Err(reason) => return self.protocol_error(reason),
-        };
-        let Some(rank) = self.rank else {
-            return match req {
-                Request::Hello {
-                    rank,
-                    world_size,
-                    token,
-                } => self.hello(rank, world_size, &token),
-                _ => self.protocol_error("the first request must be HELLO".into()),
-            };
         };
         match req {
             Request::Hello { .. } => {
                 self.protocol_error("HELLO sent twice on one connection".into())
             }
-            Request::WaitAll { timeout_ms } => self.wait_all(timeout_ms),
-            Request::Set { key, value } => self.set(key, value),
-            Request::Get { key, timeout_ms } => self.get(&key, timeout_ms),
+            Request::WaitAll { timeout_ms } => self.wait_all(rank, timeout_ms),
             Request::Gather {
                 round,
                 timeout_ms,
@@ -591,19 +705,12 @@ impl Conn {
         }
     }
 
-    fn hello(&mut self, rank: u32, world_size: u32, token: &str) -> bool {
-        let opts = &self.shared.opts;
-        let n = opts.world_size;
+    /// Registers a proven HELLO's rank, or refuses it (failing the job when two processes of
+    /// one launch disagree before the job has formed).
+    fn admit(&mut self, rank: u32, world_size: u32) -> bool {
+        let n = self.shared.opts.world_size;
         let rank = usize::try_from(rank).unwrap_or(usize::MAX);
         let world_size = usize::try_from(world_size).unwrap_or(usize::MAX);
-        if token != opts.job_token {
-            warn!(peer = %self.peer, rank, client = token, server = %opts.job_token, "rendezvous store: job token mismatch, refusing connection");
-            let _ = self.send_error(&RendezvousError::JobTokenMismatch {
-                client: token.to_owned(),
-                server: opts.job_token.clone(),
-            });
-            return false;
-        }
         let mut st = self.shared.lock();
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
@@ -642,6 +749,15 @@ impl Conn {
             None
         };
         if let Some(e) = refusal {
+            if st.complete {
+                // The job has formed: a late or stray claim costs it nothing.
+                drop(st);
+                warn!(peer = %self.peer, reason = %e, "rendezvous store: refused a claim after the job formed");
+                let _ = self.send_error(&RendezvousError::Rejected {
+                    reason: format!("every rank of the job has joined already: {e}"),
+                });
+                return false;
+            }
             if claims_free_rank {
                 st.told[rank] = true;
             }
@@ -654,11 +770,16 @@ impl Conn {
             conn: self.id,
             peer: self.peer,
         });
+        st.complete = st.registered.iter().all(Option::is_some);
+        st.pending.retain(|(i, _)| *i != self.id);
+        if let Ok(clone) = self.stream.try_clone() {
+            st.members.insert(self.id, clone);
+        }
         self.rank = Some(rank);
         self.shared.cond.notify_all();
         drop(st);
         debug!(peer = %self.peer, rank, "rendezvous: rank said hello");
-        self.ok()
+        true
     }
 
     /// Waits on the shared state until `ready` yields a value, the job fails, the server shuts
@@ -688,8 +809,15 @@ impl Conn {
         }
     }
 
-    /// Sends the error for a wait that did not produce a value.
-    fn wait_failed<T>(&self, outcome: Outcome<T>, what: &str, timeout_ms: u32) -> bool {
+    /// Sends the error for a wait that did not produce a value. A rank that gave up waiting
+    /// fails the job (it will not come back for the result), which frees what it held.
+    fn wait_failed<T>(
+        &self,
+        rank: usize,
+        outcome: Outcome<T>,
+        what: &str,
+        timeout_ms: u32,
+    ) -> bool {
         match outcome {
             Outcome::Ready(_) => true,
             Outcome::Failed(f) => self.send_failure(&f),
@@ -697,15 +825,26 @@ impl Conn {
                 reason: format!("the store on rank 0 shut down while this rank waited for {what}"),
                 missing,
             }),
-            Outcome::TimedOut(missing) => self.send_error(&RendezvousError::Timeout {
-                what: what.to_owned(),
-                timeout: Duration::from_millis(u64::from(timeout_ms)),
-                missing,
-            }),
+            Outcome::TimedOut(missing) => {
+                let e = RendezvousError::Timeout {
+                    what: what.to_owned(),
+                    timeout: Duration::from_millis(u64::from(timeout_ms)),
+                    missing: missing.clone(),
+                };
+                let mut st = self.shared.lock();
+                st.told[rank] = true;
+                st.fail(
+                    &self.shared.cond,
+                    format!("rank {rank} gave up: {e}"),
+                    missing,
+                );
+                drop(st);
+                self.send_error(&e)
+            }
         }
     }
 
-    fn wait_all(&self, timeout_ms: u32) -> bool {
+    fn wait_all(&self, rank: usize, timeout_ms: u32) -> bool {
         let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
         let outcome = self.wait(
             deadline,
@@ -716,41 +855,8 @@ impl Conn {
             Outcome::Ready(()) => self.ok(),
             other => {
                 let what = format!("hello from all {} ranks", self.shared.opts.world_size);
-                self.wait_failed(other, &what, timeout_ms)
+                self.wait_failed(rank, other, &what, timeout_ms)
             }
-        }
-    }
-
-    fn set(&self, key: String, value: Vec<u8>) -> bool {
-        let mut st = self.shared.lock();
-        if let Some(f) = st.failure.clone() {
-            drop(st);
-            return self.send_failure(&f);
-        }
-        let old = st.kv.get(&key).map_or(0, |v| v.len());
-        let total = st.stored - old + value.len();
-        if total > MAX_STORE_BYTES {
-            drop(st);
-            return self.send_error(&RendezvousError::Rejected {
-                reason: format!(
-                    "the store is full: setting {key:?} ({} bytes) would hold {total} bytes, more than {MAX_STORE_BYTES}",
-                    value.len()
-                ),
-            });
-        }
-        st.stored = total;
-        st.kv.insert(key, Arc::new(value));
-        self.shared.cond.notify_all();
-        drop(st);
-        self.ok()
-    }
-
-    fn get(&self, key: &str, timeout_ms: u32) -> bool {
-        let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-        let outcome = self.wait(deadline, |st, _| st.kv.get(key).cloned(), |_| Vec::new());
-        match outcome {
-            Outcome::Ready(v) => self.send(op::VALUE, &[&v]),
-            other => self.wait_failed(other, &format!("key {key:?}"), timeout_ms),
         }
     }
 
@@ -762,20 +868,23 @@ impl Conn {
             return self.send_failure(&f);
         }
         let len = value.len();
-        let stored = st.stored;
-        let r = st.rounds.entry(round).or_insert_with(|| Round {
-            values: vec![None; n],
-            ..Round::default()
-        });
-        let problem = if r.done.is_some() || r.values[rank].is_some() {
+        let expected = st.next_round[rank];
+        let fresh = !st.rounds.contains_key(&round);
+        let bookkeeping = if fresh {
+            n.saturating_mul(ROUND_BYTES_PER_RANK)
+        } else {
+            0
+        };
+        let held = st.rounds.get(&round).map_or(0, |r| r.bytes);
+        let problem = if round != expected {
             Some(format!(
-                "rank {rank} contributed twice to all-gather round {round}"
+                "rank {rank} contributed to all-gather round {round}, but its next round is {expected}"
             ))
-        } else if r.bytes + len > MAX_GATHER_BYTES {
+        } else if held + bookkeeping + len > MAX_GATHER_BYTES {
             Some(format!(
                 "all-gather round {round} would hold more than {MAX_GATHER_BYTES} bytes (rank {rank} adds {len})"
             ))
-        } else if stored + len > MAX_STORE_BYTES {
+        } else if st.stored + bookkeeping + len > MAX_STORE_BYTES {
             Some(format!(
                 "the store is full: all-gather round {round} would make it hold more than {MAX_STORE_BYTES} bytes"
             ))
@@ -788,6 +897,13 @@ impl Conn {
             drop(st);
             return f.is_some_and(|f| self.send_failure(&f));
         }
+        st.next_round[rank] += 1;
+        st.stored += bookkeeping + len;
+        let r = st.rounds.entry(round).or_insert_with(|| Round {
+            values: vec![None; n],
+            bytes: bookkeeping,
+            ..Round::default()
+        });
         r.values[rank] = Some(value);
         r.count += 1;
         r.bytes += len;
@@ -799,7 +915,6 @@ impl Conn {
                 .collect();
             r.done = Some(Arc::new(values));
         }
-        st.stored += len;
         self.shared.cond.notify_all();
         drop(st);
 
@@ -841,45 +956,47 @@ impl Conn {
                     }
                 }
             }
-            other => self.wait_failed(other, &format!("all-gather round {round}"), timeout_ms),
+            other => self.wait_failed(
+                rank,
+                other,
+                &format!("all-gather round {round}"),
+                timeout_ms,
+            ),
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::client::StoreClient;
     use super::*;
-    use crate::rendezvous::StoreClient;
-    use std::io::Read;
+    use std::io::{Read, Write};
 
     const T: Duration = Duration::from_secs(3);
+    const TOKEN: &str = "a token for the unit tests of the store";
 
     fn server(world_size: usize) -> StoreServer {
         StoreServer::bind(
             "127.0.0.1:0".parse().unwrap(),
-            ServerOptions::new(world_size, "tok"),
+            ServerOptions::new(world_size, TOKEN),
         )
         .unwrap()
     }
 
     fn client(s: &StoreServer, rank: usize, world_size: usize) -> StoreClient {
         let mut c = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        c.hello(rank, world_size, "tok", T).unwrap();
+        c.hello(rank, world_size, TOKEN, T).unwrap();
         c
     }
 
     #[test]
-    fn set_get_and_gather_between_threads() {
+    fn gather_between_threads_frees_every_finished_round() {
         let s = server(2);
         let port = s.local_addr().port();
         let other = thread::spawn(move || {
             let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
-            c.hello(1, 2, "tok", T).unwrap();
+            c.hello(1, 2, TOKEN, T).unwrap();
             c.wait_all(T).unwrap();
-            // Waits for rank 0 to set it.
-            let v = c.get("from-0", T).unwrap();
-            c.set("from-1", &v.iter().rev().copied().collect::<Vec<_>>(), T)
-                .unwrap();
             (0..3u8)
                 .map(|round| c.all_gather(u64::from(round), &[1, round], T).unwrap())
                 .collect::<Vec<_>>()
@@ -887,21 +1004,15 @@ mod tests {
         let mut c = client(&s, 0, 2);
         c.wait_all(T).unwrap();
         assert_eq!(s.registered_ranks(), [0, 1]);
-        c.set("from-0", b"abc", T).unwrap();
-        assert_eq!(c.get("from-1", T).unwrap(), b"cba");
         for round in 0..3u8 {
             let all = c.all_gather(u64::from(round), &[0, round], T).unwrap();
             assert_eq!(all, [vec![0, round], vec![1, round]]);
         }
         let theirs = other.join().unwrap();
         assert_eq!(theirs[2], [vec![0, 2], vec![1, 2]]);
-        // Finished rounds are freed; only the two keys remain.
-        assert_eq!(s.shared.lock().rounds.len(), 0);
-        assert_eq!(s.shared.lock().stored, 6);
-        match c.get("never-set", Duration::from_millis(100)) {
-            Err(RendezvousError::Timeout { what, .. }) => assert!(what.contains("never-set")),
-            other => panic!("{other:?}"),
-        }
+        // Finished rounds are freed, bookkeeping included.
+        let st = s.shared.lock();
+        assert_eq!((st.rounds.len(), st.stored), (0, 0));
     }
 
     #[test]
@@ -923,7 +1034,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Every later request of every rank gets the same reason.
-        let e2 = c2.set("k", b"v", T).unwrap_err();
+        let e2 = c2.all_gather(0, b"v", T).unwrap_err();
         assert_eq!(e2.to_string(), e.to_string());
         assert!(s.failure().unwrap().contains("rank 1"));
     }
@@ -933,20 +1044,46 @@ mod tests {
         let s = server(1);
         let mut stray = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
         match stray.hello(0, 1, "other-job", T) {
-            Err(RendezvousError::JobTokenMismatch { client, server }) => {
-                assert_eq!((client.as_str(), server.as_str()), ("other-job", "tok"));
+            Err(e @ RendezvousError::JobTokenMismatch { .. }) => {
+                assert!(!e.to_string().contains(TOKEN), "{e}");
+                assert!(!format!("{e:?}").contains(TOKEN), "{e:?}");
             }
             other => panic!("{other:?}"),
         }
         assert!(s.failure().is_none());
+        assert!(s.registered_ranks().is_empty());
         let mut c = client(&s, 0, 1);
         c.wait_all(T).unwrap();
         assert_eq!(c.all_gather(0, b"ok", T).unwrap(), [b"ok".to_vec()]);
+        assert!(!format!("{:?}", s.shared.opts).contains(TOKEN));
+    }
+
+    /// A store that answers a HELLO without knowing the token is found out by the client.
+    #[test]
+    fn a_store_that_cannot_prove_the_token_is_found_out() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            wire::write_frame(&mut s, op::CHALLENGE, &[&[3u8; auth::NONCE_LEN]]).unwrap();
+            let mut hello = [0u8; wire::FRAME_HEADER_LEN + HELLO_LEN];
+            s.read_exact(&mut hello).unwrap();
+            // "Welcome", with a proof it cannot have.
+            wire::write_frame(&mut s, op::OK, &[&[0u8; auth::PROOF_LEN]]).unwrap();
+            thread::sleep(Duration::from_millis(200));
+        });
+        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
+        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        assert!(
+            matches!(e, RendezvousError::StoreNotAuthentic { .. }),
+            "{e:?}"
+        );
+        fake.join().unwrap();
     }
 
     #[test]
     fn silent_connections_are_closed_after_the_handshake_limit() {
-        let mut opts = ServerOptions::new(2, "tok");
+        let mut opts = ServerOptions::new(2, TOKEN);
         opts.handshake_timeout = Duration::from_millis(200);
         let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
         let mut raw = TcpStream::connect(s.local_addr()).unwrap();
@@ -955,48 +1092,117 @@ mod tests {
         let mut reply = Vec::new();
         raw.read_to_end(&mut reply).unwrap();
         assert!(started.elapsed() < Duration::from_secs(2));
-        let f = wire::read_frame(&mut reply.as_slice(), 1 << 20, None, T).unwrap();
+        let times = FrameTimes {
+            start_by: None,
+            within: T,
+            end_by: None,
+        };
+        let mut r = reply.as_slice();
+        let challenge = wire::read_frame(&mut r, 1 << 20, times).unwrap();
+        assert_eq!(challenge.op, op::CHALLENGE);
+        let f = wire::read_frame(&mut r, 1 << 20, times).unwrap();
         assert_eq!(f.op, op::ERROR);
         let e = wire::decode_error(&f.payload, "server").unwrap();
         assert!(e.to_string().contains("no request within"), "{e}");
         assert!(s.failure().is_none());
     }
 
+    /// A HELLO that dribbles in a byte at a time is cut off at the handshake deadline, not
+    /// given a fresh limit for each byte or for the rest of the frame.
     #[test]
-    fn connections_beyond_the_limit_are_refused() {
-        let mut opts = ServerOptions::new(2, "tok");
-        opts.max_connections = 1;
+    fn the_whole_hello_has_one_deadline() {
+        let mut opts = ServerOptions::new(2, TOKEN);
+        opts.handshake_timeout = Duration::from_millis(300);
         let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
-        let _first = client(&s, 0, 2);
-        let mut second = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        match second.hello(1, 2, "tok", T) {
-            Err(RendezvousError::Rejected { reason }) => {
-                assert!(reason.contains("too many connections"), "{reason}");
+        let mut raw = TcpStream::connect(s.local_addr()).unwrap();
+        let started = Instant::now();
+        let frame = wire::header(op::HELLO, HELLO_LEN).unwrap();
+        let mut closed = None;
+        for b in frame.iter().chain([0u8; HELLO_LEN].iter()) {
+            if raw.write_all(&[*b]).is_err() {
+                closed = Some(started.elapsed());
+                break;
             }
-            other => panic!("{other:?}"),
+            thread::sleep(Duration::from_millis(40));
+            let mut probe = [0u8; 1];
+            raw.set_nonblocking(true).unwrap();
+            if let Ok(0) = raw.read(&mut probe) {
+                closed = Some(started.elapsed());
+                break;
+            }
+            raw.set_nonblocking(false).unwrap();
         }
+        let closed = closed.expect("the dribbled HELLO was never cut off");
+        assert!(
+            closed < Duration::from_millis(900),
+            "cut off after {closed:?}"
+        );
+    }
+
+    #[test]
+    fn pending_connections_beyond_the_quota_evict_the_oldest() {
+        let mut opts = ServerOptions::new(1, TOKEN);
+        opts.max_pending = 4;
+        let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let idle: Vec<TcpStream> = (0..10)
+            .map(|_| TcpStream::connect(s.local_addr()).unwrap())
+            .collect();
+        let deadline = Instant::now() + T;
+        while s.shared.lock().evicted < 6 {
+            assert!(Instant::now() < deadline, "no eviction");
+            thread::sleep(Duration::from_millis(5));
+        }
+        assert!(s.shared.lock().pending.len() <= 4);
+        // The rank still gets in.
+        let mut c = client(&s, 0, 1);
+        c.wait_all(T).unwrap();
+        drop(idle);
+    }
+
+    #[test]
+    fn rounds_go_in_order_and_a_rank_that_gives_up_frees_them() {
+        let s = server(2);
+        let mut c0 = client(&s, 0, 2);
+        let _c1 = client(&s, 1, 2);
+        c0.wait_all(T).unwrap();
+        // A round far ahead is refused (and, as misbehaviour of a rank, fails the job).
+        let e = c0.all_gather(1 << 40, b"x", T).unwrap_err();
+        assert!(
+            matches!(&e, RendezvousError::JobFailed { reason, .. } if reason.contains("next round is 0")),
+            "{e:?}"
+        );
+        let st = s.shared.lock();
+        assert_eq!((st.rounds.len(), st.stored), (0, 0));
+        drop(st);
+
+        let s = server(2);
+        let mut c0 = client(&s, 0, 2);
+        let _c1 = client(&s, 1, 2);
+        c0.wait_all(T).unwrap();
+        let e = c0
+            .all_gather(0, &[7u8; 1 << 20], Duration::from_millis(100))
+            .unwrap_err();
+        assert!(matches!(e, RendezvousError::Timeout { .. }), "{e:?}");
+        let st = s.shared.lock();
+        assert_eq!(
+            (st.rounds.len(), st.stored),
+            (0, 0),
+            "a timed-out round still holds memory"
+        );
+        assert!(st.failure.as_ref().unwrap().reason.contains("gave up"));
     }
 
     #[test]
     fn oversize_requests_are_refused_by_the_client() {
         let s = server(1);
         let mut c = client(&s, 0, 1);
-        let big = vec![0u8; crate::rendezvous::MAX_VALUE_LEN + 1];
-        assert!(matches!(
-            c.set("k", &big, T),
-            Err(RendezvousError::TooLarge { .. })
-        ));
+        let big = vec![0u8; super::super::MAX_VALUE_LEN + 1];
         assert!(matches!(
             c.all_gather(0, &big, T),
             Err(RendezvousError::TooLarge { .. })
         ));
-        let key = "k".repeat(crate::rendezvous::MAX_KEY_LEN + 1);
-        assert!(matches!(
-            c.get(&key, T),
-            Err(RendezvousError::TooLarge { .. })
-        ));
         // The connection is still fine.
-        c.set("k", b"v", T).unwrap();
+        assert_eq!(c.all_gather(0, b"v", T).unwrap(), [b"v".to_vec()]);
     }
 
     #[test]
@@ -1004,7 +1210,7 @@ mod tests {
         let s = server(2);
         let mut c0 = client(&s, 0, 2);
         let _idle = client(&s, 1, 2);
-        let waiter = thread::spawn(move || c0.get("never", Duration::from_secs(30)));
+        let waiter = thread::spawn(move || c0.all_gather(0, b"x", Duration::from_secs(30)));
         thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         drop(s);

@@ -4,19 +4,23 @@ use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use super::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 use super::error::RendezvousError;
-use super::{MAX_KEY_LEN, MAX_TOKEN_LEN, MAX_VALUE_LEN};
+use super::MAX_VALUE_LEN;
 
 /// The first four bytes of every frame.
-pub const MAGIC: [u8; 4] = *b"GCRV";
+pub(crate) const MAGIC: [u8; 4] = *b"GCRV";
 /// The protocol version this build speaks; a frame of another version closes the connection.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub(crate) const PROTOCOL_VERSION: u8 = 2;
 /// Bytes in a frame header: magic (4), version (1), op (1), reserved zero (2), payload length
 /// (4, little-endian).
-pub const FRAME_HEADER_LEN: usize = 12;
+pub(crate) const FRAME_HEADER_LEN: usize = 12;
 
-/// Largest request payload the server reads: a value plus its key and fixed fields.
-pub(crate) const MAX_REQUEST_PAYLOAD: usize = MAX_VALUE_LEN + MAX_KEY_LEN + 64;
+/// Bytes of a HELLO payload: rank, world size, the client's nonce and its proof.
+pub(crate) const HELLO_LEN: usize = 4 + 4 + NONCE_LEN + PROOF_LEN;
+/// Largest request payload the server reads from an authenticated rank: a contribution plus
+/// the fixed fields.
+pub(crate) const MAX_REQUEST_PAYLOAD: usize = MAX_VALUE_LEN + 64;
 /// Largest reply payload a client reads: an all-gather of [`super::MAX_GATHER_BYTES`] plus
 /// 4 bytes per rank of up to [`super::MAX_WORLD_SIZE`] ranks.
 pub(crate) const MAX_REPLY_PAYLOAD: usize =
@@ -26,18 +30,16 @@ pub(crate) const MAX_REPLY_PAYLOAD: usize =
 /// costs memory only as the bytes actually arrive.
 const READ_CHUNK: usize = 64 * 1024;
 
-/// Operation codes.
+/// Operation codes (0x03 and 0x04, SET and GET of the first version, are retired).
 pub(crate) mod op {
     pub const HELLO: u8 = 0x01;
     pub const WAIT_ALL: u8 = 0x02;
-    pub const SET: u8 = 0x03;
-    pub const GET: u8 = 0x04;
     pub const GATHER: u8 = 0x05;
     pub const ABORT: u8 = 0x06;
     pub const OK: u8 = 0x80;
-    pub const VALUE: u8 = 0x81;
     pub const GATHERED: u8 = 0x82;
     pub const ERROR: u8 = 0x83;
+    pub const CHALLENGE: u8 = 0x84;
 }
 
 /// A frame read off a connection.
@@ -167,16 +169,31 @@ pub(crate) fn parse_header(
     Ok((h[5], len))
 }
 
-/// Reads one frame. Waits up to `idle` (forever if `None`) for its first byte; the rest must
-/// arrive within `frame_limit`. The header is checked before any payload memory is taken, and
-/// the payload buffer grows only as bytes arrive.
+/// When a frame must arrive.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FrameTimes {
+    /// Its first byte must come by then (no limit if `None`).
+    pub start_by: Option<Instant>,
+    /// The rest must follow within this time of the first byte...
+    pub within: Duration,
+    /// ...and by this instant, if given (one deadline for a whole handshake).
+    pub end_by: Option<Instant>,
+}
+
+/// Reads one frame within `times`. The header is checked before any payload memory is taken,
+/// and the payload buffer grows only as bytes arrive.
 pub(crate) fn read_frame<R: TimedRead>(
     r: &mut R,
     max_payload: usize,
-    idle: Option<Duration>,
-    frame_limit: Duration,
+    times: FrameTimes,
 ) -> Result<Frame, FrameError> {
     let mut h = [0u8; FRAME_HEADER_LEN];
+    let idle = times
+        .start_by
+        .map(|t| t.saturating_duration_since(Instant::now()));
+    if idle.is_some_and(|t| t.is_zero()) {
+        return Err(FrameError::Idle(Duration::ZERO));
+    }
     r.set_timeout(idle).map_err(FrameError::Io)?;
     let mut got = loop {
         match r.read(&mut h) {
@@ -187,7 +204,11 @@ pub(crate) fn read_frame<R: TimedRead>(
             Err(e) => return Err(FrameError::Io(e)),
         }
     };
-    let deadline = Instant::now() + frame_limit;
+    let frame_limit = times.within;
+    let mut deadline = Instant::now() + frame_limit;
+    if let Some(end) = times.end_by {
+        deadline = deadline.min(end);
+    }
     let read_some = |r: &mut R, buf: &mut [u8]| -> Result<usize, FrameError> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -268,7 +289,7 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
+    pub fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], String> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.bytes(N, what)?);
         Ok(a)
@@ -294,15 +315,6 @@ impl<'a> Cursor<'a> {
         usize::try_from(self.u32(what)?).map_err(|e| e.to_string())
     }
 
-    /// A string of `len` bytes, at most `max`.
-    pub fn str(&mut self, len: usize, max: usize, what: &str) -> Result<String, String> {
-        if len > max {
-            return Err(format!("{what} of {len} bytes exceeds {max}"));
-        }
-        let b = self.bytes(len, what)?;
-        String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
-    }
-
     pub fn position(&self) -> usize {
         self.pos
     }
@@ -317,12 +329,6 @@ impl<'a> Cursor<'a> {
             ))
         }
     }
-}
-
-fn u16_len(len: usize) -> io::Result<[u8; 2]> {
-    u16::try_from(len)
-        .map(u16::to_le_bytes)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "string over 64 KiB"))
 }
 
 fn u32_len(len: usize) -> io::Result<[u8; 4]> {
@@ -342,17 +348,10 @@ pub(crate) enum Request {
     Hello {
         rank: u32,
         world_size: u32,
-        token: String,
+        nonce: Nonce,
+        proof: Proof,
     },
     WaitAll {
-        timeout_ms: u32,
-    },
-    Set {
-        key: String,
-        value: Vec<u8>,
-    },
-    Get {
-        key: String,
         timeout_ms: u32,
     },
     Gather {
@@ -374,29 +373,18 @@ impl Request {
             Self::Hello {
                 rank,
                 world_size,
-                token,
+                nonce,
+                proof,
             } => {
                 p.extend_from_slice(&rank.to_le_bytes());
                 p.extend_from_slice(&world_size.to_le_bytes());
-                p.extend_from_slice(&u16_len(token.len())?);
-                p.extend_from_slice(token.as_bytes());
+                p.extend_from_slice(nonce);
+                p.extend_from_slice(proof);
                 op::HELLO
             }
             Self::WaitAll { timeout_ms } => {
                 p.extend_from_slice(&timeout_ms.to_le_bytes());
                 op::WAIT_ALL
-            }
-            Self::Set { key, value } => {
-                p.extend_from_slice(&u16_len(key.len())?);
-                p.extend_from_slice(key.as_bytes());
-                p.extend_from_slice(value);
-                op::SET
-            }
-            Self::Get { key, timeout_ms } => {
-                p.extend_from_slice(&timeout_ms.to_le_bytes());
-                p.extend_from_slice(&u16_len(key.len())?);
-                p.extend_from_slice(key.as_bytes());
-                op::GET
             }
             Self::Gather {
                 round,
@@ -430,42 +418,20 @@ impl Request {
             op::HELLO => {
                 let rank = c.u32("rank")?;
                 let world_size = c.u32("world size")?;
-                let n = usize::from(c.u16("token length")?);
-                let token = c.str(n, MAX_TOKEN_LEN, "job token")?;
+                let nonce = c.array::<NONCE_LEN>("nonce")?;
+                let proof = c.array::<PROOF_LEN>("proof")?;
                 c.finish("HELLO")?;
                 Self::Hello {
                     rank,
                     world_size,
-                    token,
+                    nonce,
+                    proof,
                 }
             }
             op::WAIT_ALL => {
                 let timeout_ms = c.u32("timeout")?;
                 c.finish("WAIT_ALL")?;
                 Self::WaitAll { timeout_ms }
-            }
-            op::SET => {
-                let n = usize::from(c.u16("key length")?);
-                let key = c.str(n, MAX_KEY_LEN, "key")?;
-                let start = c.position();
-                if payload.len() - start > MAX_VALUE_LEN {
-                    return Err(format!(
-                        "value of {} bytes exceeds {MAX_VALUE_LEN}",
-                        payload.len() - start
-                    ));
-                }
-                payload.drain(..start);
-                Self::Set {
-                    key,
-                    value: payload,
-                }
-            }
-            op::GET => {
-                let timeout_ms = c.u32("timeout")?;
-                let n = usize::from(c.u16("key length")?);
-                let key = c.str(n, MAX_KEY_LEN, "key")?;
-                c.finish("GET")?;
-                Self::Get { key, timeout_ms }
             }
             op::GATHER => {
                 let round = c.u64("round")?;
@@ -499,6 +465,22 @@ impl Request {
         };
         Ok(req)
     }
+}
+
+/// Parses the payload of a `CHALLENGE`: the store's nonce.
+pub(crate) fn decode_challenge(payload: &[u8]) -> Result<Nonce, String> {
+    let mut c = Cursor::new(payload);
+    let nonce = c.array::<NONCE_LEN>("the store's nonce")?;
+    c.finish("CHALLENGE")?;
+    Ok(nonce)
+}
+
+/// Parses the payload of the `OK` that answers a HELLO: the store's proof.
+pub(crate) fn decode_welcome(payload: &[u8]) -> Result<Proof, String> {
+    let mut c = Cursor::new(payload);
+    let proof = c.array::<PROOF_LEN>("the store's proof")?;
+    c.finish("welcome")?;
+    Ok(proof)
 }
 
 /// Encodes the payload of the `GATHERED` reply header part: the count and each length, as
@@ -578,11 +560,8 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
         RendezvousError::DuplicateRank { rank, detail } => {
             (code::DUPLICATE_RANK, vec![n(*rank)], vec![detail.clone()])
         }
-        RendezvousError::JobTokenMismatch { client, server } => (
-            code::TOKEN_MISMATCH,
-            vec![],
-            vec![client.clone(), server.clone()],
-        ),
+        // The token never travels: the refusal carries no strings at all.
+        RendezvousError::JobTokenMismatch { .. } => (code::TOKEN_MISMATCH, vec![], vec![]),
         RendezvousError::Timeout {
             what,
             timeout,
@@ -669,8 +648,7 @@ pub(crate) fn decode_error(payload: &[u8], peer: &str) -> Result<RendezvousError
             detail: text(0),
         },
         code::TOKEN_MISMATCH => RendezvousError::JobTokenMismatch {
-            client: text(0),
-            server: text(1),
+            store: peer.to_owned(),
         },
         code::TIMEOUT => RendezvousError::Timeout {
             what: text(0),
@@ -703,16 +681,21 @@ mod tests {
 
     fn read(bytes: &[u8], max: usize) -> Result<Frame, FrameError> {
         let mut r = bytes;
-        read_frame(&mut r, max, None, Duration::from_secs(1))
+        let times = FrameTimes {
+            start_by: None,
+            within: Duration::from_secs(1),
+            end_by: None,
+        };
+        read_frame(&mut r, max, times)
     }
 
     #[test]
     fn header_layout() {
-        let h = header(op::SET, 0x0102_0304).unwrap();
-        assert_eq!(h, [b'G', b'C', b'R', b'V', 1, 0x03, 0, 0, 4, 3, 2, 1]);
+        let h = header(op::GATHER, 0x0102_0304).unwrap();
+        assert_eq!(h, [b'G', b'C', b'R', b'V', 2, 0x05, 0, 0, 4, 3, 2, 1]);
         assert_eq!(
             parse_header(&h, usize::MAX).unwrap(),
-            (op::SET, 0x0102_0304)
+            (op::GATHER, 0x0102_0304)
         );
     }
 
@@ -722,20 +705,14 @@ mod tests {
             Request::Hello {
                 rank: 3,
                 world_size: 8,
-                token: "job-1.0".into(),
+                nonce: [7; NONCE_LEN],
+                proof: [9; PROOF_LEN],
             },
             Request::WaitAll { timeout_ms: 1500 },
-            Request::Set {
-                key: "k/ü".into(),
-                value: vec![0, 1, 2, 255],
-            },
-            Request::Set {
-                key: String::new(),
-                value: vec![],
-            },
-            Request::Get {
-                key: "addr/3".into(),
+            Request::Gather {
+                round: 0,
                 timeout_ms: 7,
+                value: vec![],
             },
             Request::Gather {
                 round: u64::MAX,
@@ -756,8 +733,9 @@ mod tests {
 
     #[test]
     fn truncated_frames_are_reported() {
-        let bytes = Request::Set {
-            key: "key".into(),
+        let bytes = Request::Gather {
+            round: 1,
+            timeout_ms: 5,
             value: vec![7; 100],
         }
         .encode()
@@ -787,20 +765,20 @@ mod tests {
 
     #[test]
     fn bad_headers_are_rejected_before_allocating() {
-        let mut h = header(op::SET, 10).unwrap();
+        let mut h = header(op::GATHER, 10).unwrap();
         h[0] = b'X';
         assert!(matches!(read(&h, 100), Err(FrameError::BadMagic(_))));
-        let mut h = header(op::SET, 10).unwrap();
-        h[4] = 2;
-        assert!(matches!(read(&h, 100), Err(FrameError::BadVersion(2))));
-        let mut h = header(op::SET, 10).unwrap();
+        let mut h = header(op::GATHER, 10).unwrap();
+        h[4] = 1;
+        assert!(matches!(read(&h, 100), Err(FrameError::BadVersion(1))));
+        let mut h = header(op::GATHER, 10).unwrap();
         h[7] = 1;
         assert!(matches!(
             read(&h, 100),
             Err(FrameError::BadReserved(0x0100))
         ));
         // A header that announces 4 GiB - 1 is refused from the header alone.
-        let h = header(op::SET, u32::MAX as usize).unwrap();
+        let h = header(op::GATHER, u32::MAX as usize).unwrap();
         match read(&h, MAX_REQUEST_PAYLOAD) {
             Err(FrameError::TooLarge { len, max }) => {
                 assert_eq!((len, max), (u32::MAX as usize, MAX_REQUEST_PAYLOAD));
@@ -808,7 +786,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Just at the limit the header passes, and the missing payload is a truncation.
-        let h = header(op::SET, 100).unwrap();
+        let h = header(op::GATHER, 100).unwrap();
         assert!(matches!(read(&h, 100), Err(FrameError::Truncated { .. })));
     }
 
@@ -816,11 +794,11 @@ mod tests {
     fn malformed_payloads_are_errors_not_panics() {
         let bad: &[(u8, &[u8])] = &[
             (op::HELLO, &[1, 0, 0]),
-            (op::HELLO, &[0, 0, 0, 0, 1, 0, 0, 0, 0xff, 0xff]),
-            (op::HELLO, &[0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0xff]),
+            (op::HELLO, &[0u8; HELLO_LEN - 1]),
+            (op::HELLO, &[0u8; HELLO_LEN + 1]),
             (op::WAIT_ALL, &[1, 2, 3, 4, 5]),
-            (op::SET, &[5, 0, b'a']),
-            (op::GET, &[0, 0, 0, 0, 0x10, 0]),
+            (0x03, &[5, 0, b'a']),
+            (0x04, &[0, 0, 0, 0, 0x10, 0]),
             (op::GATHER, &[1, 2, 3]),
             (op::ABORT, &[0xff, 0xff, 0xff, 0xff]),
             (0x7f, &[]),
@@ -832,13 +810,10 @@ mod tests {
                 "{op:#x} {payload:?}"
             );
         }
-        // An oversize key length is refused.
-        let mut p = u16::try_from(MAX_KEY_LEN + 1)
-            .unwrap()
-            .to_le_bytes()
-            .to_vec();
-        p.extend(vec![b'k'; MAX_KEY_LEN + 1]);
-        assert!(Request::decode(op::SET, p).unwrap_err().contains("exceeds"));
+        // A valid HELLO payload has exactly HELLO_LEN bytes.
+        assert!(Request::decode(op::HELLO, vec![0u8; HELLO_LEN]).is_ok());
+        assert!(decode_challenge(&[0u8; NONCE_LEN - 1]).is_err());
+        assert!(decode_welcome(&[0u8; PROOF_LEN + 1]).is_err());
         // Every truncation of every valid ERROR and GATHERED payload fails cleanly.
         let err = encode_error(&RendezvousError::Timeout {
             what: "x".into(),
@@ -877,8 +852,7 @@ mod tests {
                 detail: "a then b".into(),
             },
             RendezvousError::JobTokenMismatch {
-                client: "x".into(),
-                server: "y".into(),
+                store: "peer".into(),
             },
             RendezvousError::Timeout {
                 what: "all-gather round 3".into(),

@@ -1,0 +1,597 @@
+//! torchrun's own store: a client of PyTorch's c10d `TCPStore` protocol, and the all-gather
+//! that gpucast runs over it under torchrun, so that a job needs no port besides torchrun's.
+//!
+//! The protocol (PyTorch's `TCPStoreBackend.hpp`; its libuv and classic servers agree): the
+//! client first sends VALIDATE (query type 0, then the u32 magic `0x3C85F7CE`); every request
+//! is a one-byte query type and its arguments in the host's byte order (little-endian on every
+//! machine gpucast runs on), strings and byte strings as a u64 length and the bytes. gpucast
+//! uses SET (no reply), GET (reply: u64 length, value), ADD (reply: the sum, i64), CHECK (a u64
+//! count of keys, then the keys; reply: 0 when all exist, 1 when not) and DELETE_KEY (reply:
+//! i64). Keys are what Python's `PrefixStore(prefix, store)` would send: `/`, the prefix, `/`,
+//! the key (`TCPStore` adds the leading `/` itself).
+//!
+//! The store authenticates nobody: any process that reaches the port reads and writes every
+//! key. So every value gpucast puts there is sealed (XChaCha20-Poly1305, key derived from the
+//! job token and the prefix) and bound to its place (the instance, the round, the rank) and,
+//! after the first round, to a session id made of every rank's fresh nonce, so that a value
+//! recorded in an earlier launch is refused as well. A value that does not open is an error
+//! that names it, never data. Rank 0 deletes a round's keys once every rank is past it.
+
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use super::auth::{self, Sealer, SEAL_OVERHEAD};
+use super::client::{connect_tcp, host_port};
+use super::env::{JobEnv, StoreKind};
+use super::error::{RendezvousError, Result};
+use super::MAX_VALUE_LEN;
+
+// A sealed contribution always fits in a value of torch's store.
+const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
+
+/// Query types of the c10d store protocol.
+mod query {
+    pub const VALIDATE: u8 = 0;
+    pub const SET: u8 = 1;
+    pub const GET: u8 = 3;
+    pub const ADD: u8 = 4;
+    pub const CHECK: u8 = 5;
+    pub const DELETE_KEY: u8 = 8;
+}
+/// What VALIDATE carries.
+const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+/// CHECK's reply when every key exists.
+const READY: u8 = 0;
+/// CHECK's reply when some key is missing.
+const NOT_READY: u8 = 1;
+/// Longest value PyTorch's store servers accept (the libuv server's limit).
+pub(crate) const TORCH_MAX_VALUE: usize = 8 << 20;
+/// Each request may take this long even when the wait it serves has run out, so that a wait
+/// that times out can still name what it missed (the same slack as gpucast's own store).
+const REQUEST_SLACK: Duration = Duration::from_secs(1);
+/// First and longest pause between two looks at the keys of a round.
+const POLL_START: Duration = Duration::from_micros(200);
+const POLL_MAX: Duration = Duration::from_millis(10);
+
+/// A connection to a c10d `TCPStore`. Every call returns by its deadline; after an I/O error
+/// the connection is unusable.
+pub(crate) struct TorchStore {
+    stream: TcpStream,
+    peer: String,
+    broken: Option<String>,
+}
+
+fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+impl TorchStore {
+    /// Connects (retrying until `deadline`, as the agent may still be starting), validates
+    /// and checks that a c10d store answers.
+    pub(crate) fn connect(host: &str, port: u16, deadline: Instant) -> Result<TorchStore> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (stream, _) = connect_tcp(host, port, left)?;
+        let mut store = TorchStore {
+            stream,
+            peer: host_port(host, port),
+            broken: None,
+        };
+        let _ = store.stream.set_nodelay(true);
+        let mut hello = vec![query::VALIDATE];
+        hello.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        store.send(&hello, deadline, "validating the connection")?;
+        // A CHECK of a key nobody sets: any c10d store answers it, anything else does not.
+        store
+            .check(&["/gpucast/validate".to_owned()], deadline)
+            .map_err(|e| match e {
+                RendezvousError::Io { .. } | RendezvousError::Protocol { .. } => {
+                    RendezvousError::Protocol {
+                        peer: store.peer.clone(),
+                        reason: format!(
+                            "no c10d TCPStore answers there (torchrun's agent store is expected \
+                             under TORCHELASTIC_USE_AGENT_STORE): {e}"
+                        ),
+                    }
+                }
+                other => other,
+            })?;
+        Ok(store)
+    }
+
+    /// The store's `host:port`.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
+        self.broken = Some(format!("{during}: {source}"));
+        RendezvousError::Io {
+            peer: self.peer.clone(),
+            during: during.to_owned(),
+            source,
+        }
+    }
+
+    fn usable(&self, during: &str) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(RendezvousError::Io {
+                peer: self.peer.clone(),
+                during: during.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    format!("the connection is unusable after an earlier error: {why}"),
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// When one request must be answered, for a wait that ends at `deadline`.
+    fn by(deadline: Instant) -> Instant {
+        deadline.max(Instant::now() + REQUEST_SLACK)
+    }
+
+    fn left(deadline: Instant) -> Duration {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    }
+
+    fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
+        self.usable(during)?;
+        let sent = self
+            .stream
+            .set_write_timeout(Some(Self::left(deadline)))
+            .and_then(|()| self.stream.write_all(bytes))
+            .and_then(|()| self.stream.flush());
+        sent.map_err(|e| self.io_error(during, e))
+    }
+
+    fn receive(&mut self, buf: &mut [u8], deadline: Instant, during: &str) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let e = io::Error::new(io::ErrorKind::TimedOut, "no reply from the store in time");
+                return Err(self.io_error(during, e));
+            }
+            if let Err(e) = self.stream.set_read_timeout(Some(left)) {
+                return Err(self.io_error(during, e));
+            }
+            match self.stream.read(&mut buf[got..]) {
+                Ok(0) => {
+                    let e = io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the store closed the connection",
+                    );
+                    return Err(self.io_error(during, e));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(during, e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn receive_u8(&mut self, deadline: Instant, during: &str) -> Result<u8> {
+        let mut b = [0u8; 1];
+        self.receive(&mut b, deadline, during)?;
+        Ok(b[0])
+    }
+
+    fn receive_i64(&mut self, deadline: Instant, during: &str) -> Result<i64> {
+        let mut b = [0u8; 8];
+        self.receive(&mut b, deadline, during)?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Stores `value` under `key`.
+    pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
+        let deadline = Self::by(deadline);
+        if value.len() > TORCH_MAX_VALUE {
+            return Err(RendezvousError::TooLarge {
+                what: format!("the value of {key}"),
+                len: value.len(),
+                max: TORCH_MAX_VALUE,
+            });
+        }
+        let mut req = vec![query::SET];
+        push_bytes(&mut req, key.as_bytes());
+        push_bytes(&mut req, value);
+        self.send(&req, deadline, &format!("setting {key}"))
+    }
+
+    /// The value of `key` (which must exist: check first).
+    pub(crate) fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+        let deadline = Self::by(deadline);
+        let during = format!("getting {key}");
+        let mut req = vec![query::GET];
+        push_bytes(&mut req, key.as_bytes());
+        self.send(&req, deadline, &during)?;
+        let mut len = [0u8; 8];
+        self.receive(&mut len, deadline, &during)?;
+        let len = u64::from_le_bytes(len);
+        // Bounded before any memory is taken: a hostile store cannot make this rank allocate.
+        let limit = TORCH_MAX_VALUE as u64;
+        if len > limit {
+            self.broken = Some(format!("a {len}-byte reply"));
+            return Err(RendezvousError::TooLarge {
+                what: format!("the store's value of {key}"),
+                len: usize::try_from(len).unwrap_or(usize::MAX),
+                max: TORCH_MAX_VALUE,
+            });
+        }
+        let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
+        self.receive(&mut value, deadline, &during)?;
+        Ok(value)
+    }
+
+    /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
+    pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
+        let deadline = Self::by(deadline);
+        let during = format!("adding to {key}");
+        let mut req = vec![query::ADD];
+        push_bytes(&mut req, key.as_bytes());
+        req.extend_from_slice(&delta.to_le_bytes());
+        self.send(&req, deadline, &during)?;
+        self.receive_i64(deadline, &during)
+    }
+
+    /// Whether every key of `keys` exists.
+    pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
+        let deadline = Self::by(deadline);
+        let during = "checking for keys";
+        let mut req = vec![query::CHECK];
+        req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            push_bytes(&mut req, k.as_bytes());
+        }
+        self.send(&req, deadline, during)?;
+        match self.receive_u8(deadline, during)? {
+            READY => Ok(true),
+            NOT_READY => Ok(false),
+            other => {
+                self.broken = Some(format!("CHECK answered {other}"));
+                Err(RendezvousError::Protocol {
+                    peer: self.peer.clone(),
+                    reason: format!("CHECK answered {other}, expected 0 or 1"),
+                })
+            }
+        }
+    }
+
+    /// Deletes `key`.
+    pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        let deadline = Self::by(deadline);
+        let during = format!("deleting {key}");
+        let mut req = vec![query::DELETE_KEY];
+        push_bytes(&mut req, key.as_bytes());
+        self.send(&req, deadline, &during)?;
+        self.receive_i64(deadline, &during).map(drop)
+    }
+}
+
+/// The rounds of one [`super::Rendezvous`] over torchrun's store.
+pub(crate) struct TorchSession {
+    store: TorchStore,
+    sealer: Sealer,
+    /// The wire prefix of this instance's keys, ending in `/`.
+    base: String,
+    /// Which gpucast rendezvous of this launch this is (1, 2, ...), alike on every rank.
+    instance: u64,
+    rank: usize,
+    world: usize,
+    /// Digest of every rank's nonce of the first round: binds later values to this session.
+    session: [u8; 32],
+    /// Whether a forged abort key was seen (reported once).
+    forged_abort: bool,
+}
+
+fn u64s(parts: &[u64]) -> Vec<u8> {
+    parts.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+impl TorchSession {
+    /// Joins the job through torchrun's store: takes this rendezvous's instance number, then
+    /// runs the first round (every rank's nonce and world size), within `deadline`.
+    pub(crate) fn join(env: &JobEnv, deadline: Instant) -> Result<TorchSession> {
+        let StoreKind::Torch { prefix } = &env.store else {
+            return Err(RendezvousError::InvalidArgument {
+                reason: "the job does not use torchrun's store".into(),
+            });
+        };
+        // Said by rank 0 only, so once per job.
+        let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
+        if let Some(reason) = weak {
+            auth::warn_weak_token(
+                reason,
+                "gpucast's values in torchrun's store, which any process that reaches \
+                 MASTER_PORT can read, are sealed with a key derived from it",
+            );
+        }
+        let mut store = TorchStore::connect(&env.master_addr, env.master_port, deadline)?;
+        let key = |k: &str| format!("/{prefix}/gpucast/{k}");
+        let instance = store.add(&key(&format!("instance/{}", env.rank)), 1, deadline)?;
+        let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
+            peer: store.peer().to_owned(),
+            reason: format!("the instance counter is {instance}"),
+        })?;
+        let mut s = TorchSession {
+            store,
+            sealer: Sealer::new(&env.job_token, prefix.as_bytes()),
+            base: key(&format!("{instance}/")),
+            instance,
+            rank: env.rank,
+            world: env.world_size,
+            session: [0; 32],
+            forged_abort: false,
+        };
+        debug!(rank = env.rank, instance, base = %s.base, "rendezvous through torchrun's store");
+        let first = s.hello(deadline);
+        if let Err(e) = &first {
+            s.abort_after(e);
+        }
+        first.map(|()| s)
+    }
+
+    fn hello_aad(&self, rank: usize) -> Vec<u8> {
+        let mut aad = b"gpucast hello".to_vec();
+        aad.extend(u64s(&[self.instance, rank as u64]));
+        aad
+    }
+
+    fn round_aad(&self, round: u64, rank: usize) -> Vec<u8> {
+        let mut aad = b"gpucast round".to_vec();
+        aad.extend_from_slice(&self.session);
+        aad.extend(u64s(&[self.instance, round, rank as u64]));
+        aad
+    }
+
+    fn abort_aad(&self) -> Vec<u8> {
+        let mut aad = b"gpucast abort".to_vec();
+        aad.extend(u64s(&[self.instance]));
+        aad
+    }
+
+    fn hello_key(&self, rank: usize) -> String {
+        format!("{}hello/{rank}", self.base)
+    }
+
+    fn round_key(&self, round: u64, rank: usize) -> String {
+        format!("{}{round}/{rank}", self.base)
+    }
+
+    fn abort_key(&self) -> String {
+        format!("{}abort", self.base)
+    }
+
+    /// The first round: every rank's fresh nonce (the session id) and world size.
+    fn hello(&mut self, deadline: Instant) -> Result<()> {
+        let nonce: [u8; 32] = auth::random()?;
+        let mut plain = nonce.to_vec();
+        plain.extend_from_slice(&(self.world as u64).to_le_bytes());
+        let sealed = self.sealer.seal(&self.hello_aad(self.rank), &plain)?;
+        self.store
+            .set(&self.hello_key(self.rank), &sealed, deadline)?;
+        let keys: Vec<String> = (0..self.world).map(|r| self.hello_key(r)).collect();
+        let what = format!("hello from all {} ranks", self.world);
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let values = self.wait_keys(&keys, deadline, &what, timeout)?;
+        let mut nonces = Vec::with_capacity(self.world);
+        for (r, v) in values.iter().enumerate() {
+            let plain =
+                self.sealer
+                    .open(&self.hello_aad(r), v)
+                    .ok_or_else(|| RendezvousError::Forged {
+                        what: format!("rank {r}'s hello"),
+                        store: self.store.peer().to_owned(),
+                    })?;
+            if plain.len() != 40 {
+                return Err(RendezvousError::Forged {
+                    what: format!("rank {r}'s hello"),
+                    store: self.store.peer().to_owned(),
+                });
+            }
+            let world = u64::from_le_bytes(plain[32..40].try_into().unwrap_or([0; 8]));
+            if world != self.world as u64 {
+                return Err(RendezvousError::WorldSizeMismatch {
+                    rank: r,
+                    client: usize::try_from(world).unwrap_or(usize::MAX),
+                    server: self.world,
+                });
+            }
+            nonces.push(plain[..32].to_vec());
+        }
+        if nonces[self.rank] != nonce {
+            return Err(RendezvousError::DuplicateRank {
+                rank: self.rank,
+                detail: "another process of the job wrote this rank's hello in torchrun's store"
+                    .into(),
+            });
+        }
+        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
+        let instance = self.instance.to_le_bytes();
+        parts.push(&instance);
+        parts.extend(nonces.iter().map(Vec::as_slice));
+        self.session = auth::digest(&parts);
+        Ok(())
+    }
+
+    /// Every rank's contribution to round `round`, in rank order.
+    pub(crate) fn all_gather(
+        &mut self,
+        round: u64,
+        mine: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        if mine.len() > MAX_VALUE_LEN {
+            return Err(RendezvousError::TooLarge {
+                what: "all-gather contribution".into(),
+                len: mine.len(),
+                max: MAX_VALUE_LEN,
+            });
+        }
+        let deadline = Instant::now() + timeout;
+        let sealed = self.sealer.seal(&self.round_aad(round, self.rank), mine)?;
+        self.store
+            .set(&self.round_key(round, self.rank), &sealed, deadline)?;
+        let keys: Vec<String> = (0..self.world).map(|r| self.round_key(round, r)).collect();
+        let what = format!("all-gather round {round}");
+        let values = self.wait_keys(&keys, deadline, &what, timeout)?;
+        let mut out = Vec::with_capacity(self.world);
+        for (r, v) in values.iter().enumerate() {
+            let plain = self
+                .sealer
+                .open(&self.round_aad(round, r), v)
+                .ok_or_else(|| RendezvousError::Forged {
+                    what: format!("rank {r}'s contribution to all-gather round {round}"),
+                    store: self.store.peer().to_owned(),
+                })?;
+            out.push(plain);
+        }
+        if out[self.rank] != mine {
+            return Err(RendezvousError::DuplicateRank {
+                rank: self.rank,
+                detail: format!(
+                    "another process of the job wrote this rank's contribution to round {round}"
+                ),
+            });
+        }
+        if self.rank == 0 {
+            // Every rank wrote this round after reading the previous one: that one is done.
+            let old: Vec<String> = if round == 0 {
+                (0..self.world).map(|r| self.hello_key(r)).collect()
+            } else {
+                (0..self.world)
+                    .map(|r| self.round_key(round - 1, r))
+                    .collect()
+            };
+            for k in old {
+                if let Err(e) = self.store.delete(&k, deadline) {
+                    debug!(error = %e, "rendezvous: could not delete a finished key");
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Waits until every key of `keys` exists (or an abort appears, or `deadline` passes) and
+    /// returns their values.
+    fn wait_keys(
+        &mut self,
+        keys: &[String],
+        deadline: Instant,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let abort = vec![self.abort_key()];
+        let mut pause = POLL_START;
+        loop {
+            if self.store.check(keys, deadline)? {
+                break;
+            }
+            if self.store.check(&abort, deadline)? {
+                self.read_abort(deadline)?;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                // Name the missing ranks: a key each.
+                let mut missing = Vec::new();
+                for (r, k) in keys.iter().enumerate() {
+                    if !self.store.check(std::slice::from_ref(k), deadline)? {
+                        missing.push(r);
+                    }
+                }
+                return Err(RendezvousError::Timeout {
+                    what: what.to_owned(),
+                    timeout,
+                    missing,
+                });
+            }
+            thread::sleep(pause.min(left));
+            pause = (pause * 2).min(POLL_MAX);
+        }
+        keys.iter().map(|k| self.store.get(k, deadline)).collect()
+    }
+
+    /// Fails with the abort another rank left, if it is genuine.
+    fn read_abort(&mut self, deadline: Instant) -> Result<()> {
+        let sealed = self.store.get(&self.abort_key(), deadline)?;
+        let Some(plain) = self.sealer.open(&self.abort_aad(), &sealed) else {
+            if !self.forged_abort {
+                self.forged_abort = true;
+                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that failed authentication");
+            }
+            return Ok(());
+        };
+        let count = plain
+            .get(..4)
+            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+        let list_end = 4usize
+            .saturating_add(count.saturating_mul(4))
+            .min(plain.len());
+        let missing = plain
+            .get(4..list_end)
+            .unwrap_or_default()
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .collect();
+        let reason =
+            String::from_utf8_lossy(plain.get(list_end..).unwrap_or_default()).into_owned();
+        Err(RendezvousError::JobFailed { reason, missing })
+    }
+
+    /// Fails the job for every rank with `reason`.
+    pub(crate) fn abort(
+        &mut self,
+        reason: &str,
+        missing: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        let listed = &missing[..missing.len().min(1 << 16)];
+        let mut plain = u32::try_from(listed.len())
+            .unwrap_or(0)
+            .to_le_bytes()
+            .to_vec();
+        for &r in listed {
+            plain.extend_from_slice(&u32::try_from(r).unwrap_or(u32::MAX).to_le_bytes());
+        }
+        let mut end = reason.len().min(4096);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        plain.extend_from_slice(
+            format!("rank {} aborted: {}", self.rank, &reason[..end]).as_bytes(),
+        );
+        let sealed = self.sealer.seal(&self.abort_aad(), &plain)?;
+        let key = self.abort_key();
+        self.store.set(&key, &sealed, Instant::now() + timeout)
+    }
+
+    /// After a local failure, tells the others (best effort), unless the failure came from
+    /// them or from the store itself.
+    pub(crate) fn abort_after(&mut self, e: &RendezvousError) {
+        if matches!(
+            e,
+            RendezvousError::JobFailed { .. }
+                | RendezvousError::Io { .. }
+                | RendezvousError::Protocol { .. }
+        ) {
+            return;
+        }
+        if let Err(abort_err) = self.abort(
+            &e.to_string(),
+            e.missing_ranks(),
+            Duration::from_millis(500),
+        ) {
+            debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
+        }
+    }
+}

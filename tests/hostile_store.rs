@@ -1,0 +1,476 @@
+//! Hostile clients against a live rendezvous: each test runs the ranks of a job as threads of
+//! this process (rank 0 hosts the store on a free port of 127.0.0.1), attacks that port from raw
+//! sockets, and checks that the job still forms in time, that nothing secret comes back, and
+//! that the store's memory stays bounded. No GPU is needed.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use gpucast::rendezvous::{JobEnv, Rendezvous, RendezvousError};
+
+/// The job's secret: long and random-looking, so that finding it in a reply is no accident.
+const SECRET: &str = "s3cr3t-7f1c9a2e4b8d6053-only-the-job-knows";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn job(rank: usize, world: usize, port: u16, token: &str) -> JobEnv {
+    let mut env = JobEnv::single_node(rank, world, port).unwrap();
+    env.job_token = token.to_owned();
+    env
+}
+
+/// One rank on its own thread: joins, passes a barrier (so rank 0 keeps the store up until
+/// everyone is in), and returns how long joining took.
+fn spawn_rank(
+    rank: usize,
+    world: usize,
+    port: u16,
+    timeout: Duration,
+) -> JoinHandle<Result<Duration, RendezvousError>> {
+    thread::spawn(move || {
+        let started = Instant::now();
+        let rdv = Rendezvous::connect(&job(rank, world, port, SECRET), timeout)?;
+        let joined = started.elapsed();
+        let all = rdv.all_gather(&[u8::try_from(rank).unwrap(); 3])?;
+        assert_eq!(all.len(), world);
+        for (r, v) in all.iter().enumerate() {
+            assert_eq!(v, &[u8::try_from(r).unwrap(); 3]);
+        }
+        rdv.barrier()?;
+        Ok(joined)
+    })
+}
+
+/// Waits until something listens on `port` (rank 0's store is up).
+fn wait_listening(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the store never listened");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Reads whatever the peer sends until it closes the connection or `limit` passes.
+fn read_all(s: &mut TcpStream, limit: Duration) -> Vec<u8> {
+    let deadline = Instant::now() + limit;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return out;
+        }
+        s.set_read_timeout(Some(left)).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return out,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// A frame header of the store's framing: magic, version, op, reserved, payload length.
+fn header(version: u8, op: u8, len: u32) -> Vec<u8> {
+    let mut h = b"GCRV".to_vec();
+    h.extend_from_slice(&[version, op, 0, 0]);
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// The version the store speaks: from the first frame it sends unasked, else 1 (a store that
+/// waits for the client to speak first).
+fn store_version(addr: SocketAddr) -> u8 {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let got = read_all(&mut s, Duration::from_millis(300));
+    if got.len() >= 5 && got.starts_with(b"GCRV") {
+        got[4]
+    } else {
+        1
+    }
+}
+
+/// A HELLO in the first protocol's layout (rank, world size, token), with `token`.
+fn plain_hello(version: u8, rank: u32, world: u32, token: &str) -> Vec<u8> {
+    let mut p = rank.to_le_bytes().to_vec();
+    p.extend_from_slice(&world.to_le_bytes());
+    p.extend_from_slice(&u16::try_from(token.len()).unwrap().to_le_bytes());
+    p.extend_from_slice(token.as_bytes());
+    let mut f = header(version, 0x01, u32::try_from(p.len()).unwrap());
+    f.extend(p);
+    f
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Resident memory of this process, in bytes.
+fn rss() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+    pages * 4096
+}
+
+/// How long a job of `world` ranks takes to form and pass two rounds when nobody attacks it.
+fn normal_join(world: usize) -> Duration {
+    let port = free_port();
+    let started = Instant::now();
+    let ranks: Vec<_> = (0..world)
+        .map(|r| spawn_rank(r, world, port, Duration::from_secs(10)))
+        .collect();
+    for r in ranks {
+        r.join().unwrap().unwrap();
+    }
+    started.elapsed()
+}
+
+/// A wrong token gets no secret back: not the store's token, in no reply, and the job forms.
+#[test]
+fn a_wrong_token_learns_nothing_and_hurts_nobody() {
+    let port = free_port();
+    let rank0 = spawn_rank(0, 2, port, Duration::from_secs(10));
+    wait_listening(port);
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let version = store_version(addr);
+    for token in ["", "none", "wrong-token-of-another-job"] {
+        let mut s = TcpStream::connect(addr).unwrap();
+        // Whatever the store says first, then a HELLO with the wrong token.
+        let mut got = read_all(&mut s, Duration::from_millis(100));
+        let _ = s.write_all(&plain_hello(version, 1, 2, token));
+        got.extend(read_all(&mut s, Duration::from_secs(3)));
+        assert!(
+            !contains(&got, SECRET.as_bytes()),
+            "the store sent its token to a client with token {token:?}: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+    let rank1 = spawn_rank(1, 2, port, Duration::from_secs(10));
+    rank0.join().unwrap().unwrap();
+    rank1.join().unwrap().unwrap();
+}
+
+/// Nothing prints the token: not the job's debug form, not the errors about it.
+#[test]
+fn the_token_is_never_printed() {
+    let env = job(0, 2, 4000, SECRET);
+    assert!(!format!("{env:?}").contains(SECRET), "{env:?}");
+    let long = format!("{SECRET}{}", "x".repeat(300));
+    let e = JobEnv::from_lookup(|k| match k {
+        "RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some("1".into()),
+        "GPUCAST_JOB_TOKEN" => Some(long.clone()),
+        _ => None,
+    })
+    .unwrap_err();
+    assert!(!e.to_string().contains(SECRET), "{e}");
+    assert!(!format!("{e:?}").contains(SECRET), "{e:?}");
+    let builder = gpucast::Communicator::builder().job(env);
+    assert!(!format!("{builder:?}").contains(SECRET), "{builder:?}");
+}
+
+/// 500 idle connections that never say a word, opened before the ranks come: the job still
+/// forms within a second of its normal time.
+#[test]
+fn five_hundred_idle_connections_do_not_delay_the_job() {
+    let normal = normal_join(3);
+    let port = free_port();
+    let rank0 = spawn_rank(0, 3, port, Duration::from_secs(20));
+    wait_listening(port);
+    let idle: Vec<TcpStream> = (0..500)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(
+        idle.len() > 400,
+        "only {} connections were accepted",
+        idle.len()
+    );
+    let started = Instant::now();
+    let others: Vec<_> = (1..3)
+        .map(|r| spawn_rank(r, 3, port, Duration::from_secs(20)))
+        .collect();
+    for r in others {
+        r.join().unwrap().unwrap();
+    }
+    rank0.join().unwrap().unwrap();
+    let took = started.elapsed();
+    println!("500 idle connections: joined in {took:?}, {normal:?} alone");
+    assert!(
+        took < normal + Duration::from_secs(1),
+        "the job took {took:?} beside 500 idle connections, {normal:?} alone"
+    );
+    drop(idle);
+}
+
+/// Sockets that reconnect as soon as the store drops them, and sockets that dribble a frame
+/// one byte at a time, all the while the ranks join.
+#[test]
+fn reconnecting_and_dribbling_sockets_do_not_keep_the_ranks_out() {
+    let normal = normal_join(3);
+    let port = free_port();
+    let rank0 = spawn_rank(0, 3, port, Duration::from_secs(20));
+    wait_listening(port);
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for i in 0..80 {
+        let stop = Arc::clone(&stop);
+        attackers.push(thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+                    thread::sleep(Duration::from_millis(1));
+                    continue;
+                };
+                if i % 2 == 0 {
+                    // Idle until the store closes it.
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+                    let mut b = [0u8; 64];
+                    while !stop.load(Ordering::Relaxed) {
+                        match s.read(&mut b) {
+                            Ok(0) => break,
+                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                            Err(_) => break,
+                            Ok(_) => {}
+                        }
+                    }
+                } else {
+                    // A header, one byte every 50 ms.
+                    for b in header(2, 0x01, 64) {
+                        if stop.load(Ordering::Relaxed) || s.write_all(&[b]).is_err() {
+                            break;
+                        }
+                        thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            }
+        }));
+    }
+    thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let others: Vec<_> = (1..3)
+        .map(|r| spawn_rank(r, 3, port, Duration::from_secs(20)))
+        .collect();
+    let results: Vec<_> = others.into_iter().map(|r| r.join().unwrap()).collect();
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    for a in attackers {
+        a.join().unwrap();
+    }
+    for r in results {
+        r.unwrap();
+    }
+    rank0.join().unwrap().unwrap();
+    println!("80 reconnecting and dribbling sockets: joined in {took:?}, {normal:?} alone");
+    assert!(
+        took < normal + Duration::from_secs(1),
+        "the job took {took:?} beside 80 hostile sockets, {normal:?} alone"
+    );
+}
+
+/// Frames that announce a large payload before any HELLO, then stream it: the store must not
+/// buffer them (66 connections of 16 MiB each would be over 1 GiB).
+#[test]
+fn large_frames_before_hello_cost_no_memory() {
+    let port = free_port();
+    let rank0 = spawn_rank(0, 2, port, Duration::from_secs(30));
+    wait_listening(port);
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let version = store_version(addr);
+    let before = rss();
+    let streams: Vec<_> = (0..66)
+        .map(|_| {
+            thread::spawn(move || {
+                let Ok(mut s) = TcpStream::connect(addr) else {
+                    return;
+                };
+                let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+                if s.write_all(&header(version, 0x05, (16 << 20) - 64))
+                    .is_err()
+                {
+                    return;
+                }
+                let chunk = vec![0x5au8; 1 << 20];
+                for _ in 0..16 {
+                    if s.write_all(&chunk).is_err() {
+                        return;
+                    }
+                }
+                thread::sleep(Duration::from_millis(500));
+            })
+        })
+        .collect();
+    // Sample the peak while the streams are held.
+    let mut peak = 0;
+    let sample_until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < sample_until {
+        peak = peak.max(rss().saturating_sub(before));
+        thread::sleep(Duration::from_millis(20));
+    }
+    for s in streams {
+        s.join().unwrap();
+    }
+    println!(
+        "66 frames of 16 MiB before HELLO: resident memory grew by at most {} KiB",
+        peak >> 10
+    );
+    assert!(
+        peak < 128 << 20,
+        "resident memory grew by {} MiB while 66 clients streamed frames before HELLO",
+        peak >> 20
+    );
+    let rank1 = spawn_rank(1, 2, port, Duration::from_secs(10));
+    rank0.join().unwrap().unwrap();
+    rank1.join().unwrap().unwrap();
+}
+
+/// Forwards one connection to the store and keeps what the client sent.
+fn proxy(listener: TcpListener, store: SocketAddr, sent: Arc<Mutex<Vec<u8>>>) {
+    let (client, _) = listener.accept().unwrap();
+    let server = TcpStream::connect(store).unwrap();
+    let (mut c_read, mut s_write) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+    let up = thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = c_read.read(&mut buf) {
+            if n == 0 || s_write.write_all(&buf[..n]).is_err() {
+                break;
+            }
+            sent.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+        let _ = s_write.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut s_read, mut c_write) = (server, client);
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = s_read.read(&mut buf) {
+        if n == 0 || c_write.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = c_write.shutdown(std::net::Shutdown::Write);
+    up.join().unwrap();
+}
+
+/// What rank 1 sent to the store through a proxy, replayed on a fresh connection after the job
+/// formed, neither registers anyone nor fails the job.
+#[test]
+fn a_captured_hello_replays_nowhere() {
+    let port = free_port();
+    let store: SocketAddr = ([127, 0, 0, 1], port).into();
+    let rank0 = thread::spawn(move || {
+        let rdv = Rendezvous::connect(&job(0, 2, port, SECRET), Duration::from_secs(10))?;
+        rdv.barrier()?;
+        // The replay happens now; the job must still work afterwards.
+        thread::sleep(Duration::from_millis(800));
+        let all = rdv.all_gather(b"after")?;
+        rdv.barrier()?;
+        Ok::<_, RendezvousError>(all)
+    });
+    wait_listening(port);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_port = listener.local_addr().unwrap().port();
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let captured = Arc::clone(&sent);
+    let proxy = thread::spawn(move || proxy(listener, store, captured));
+    let rank1 = thread::spawn(move || {
+        let mut env = job(1, 2, proxy_port, SECRET);
+        env.master_port = proxy_port;
+        let rdv = Rendezvous::connect(&env, Duration::from_secs(10))?;
+        rdv.barrier()?;
+        thread::sleep(Duration::from_millis(800));
+        let all = rdv.all_gather(b"after")?;
+        rdv.barrier()?;
+        Ok::<_, RendezvousError>(all)
+    });
+    thread::sleep(Duration::from_millis(300));
+    // The first frame rank 1 sent is its HELLO (12-byte header, then the payload).
+    let hello = {
+        let bytes = sent.lock().unwrap().clone();
+        assert!(bytes.len() >= 12, "nothing captured");
+        let len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+        bytes[..12 + len].to_vec()
+    };
+    let mut replay = TcpStream::connect(store).unwrap();
+    let _ = read_all(&mut replay, Duration::from_millis(100));
+    let _ = replay.write_all(&hello);
+    let _ = read_all(&mut replay, Duration::from_secs(2));
+    let a = rank0.join().unwrap();
+    let b = rank1.join().unwrap();
+    assert_eq!(a.unwrap(), [b"after".to_vec(), b"after".to_vec()]);
+    assert_eq!(b.unwrap(), [b"after".to_vec(), b"after".to_vec()]);
+    drop(replay);
+    proxy.join().unwrap();
+}
+
+/// After the job formed, a process with the token that claims a rank again, or another world
+/// size, gets an error; the job goes on.
+#[test]
+fn late_claims_after_the_rendezvous_do_not_fail_the_job() {
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            thread::spawn(move || {
+                let rdv =
+                    Rendezvous::connect(&job(rank, 2, port, SECRET), Duration::from_secs(10))?;
+                rdv.barrier()?;
+                thread::sleep(Duration::from_millis(1000));
+                let all = rdv.all_gather(b"still")?;
+                rdv.barrier()?;
+                Ok::<_, RendezvousError>(all)
+            })
+        })
+        .collect();
+    wait_listening(port);
+    thread::sleep(Duration::from_millis(300));
+    let dup = Rendezvous::connect(&job(1, 2, port, SECRET), Duration::from_millis(500));
+    assert!(dup.is_err(), "a second rank 1 was admitted");
+    let mut three = job(2, 3, port, SECRET);
+    three.local_world_size = 3;
+    let wrong = Rendezvous::connect(&three, Duration::from_millis(500));
+    assert!(wrong.is_err(), "a rank of another world size was admitted");
+    for r in ranks {
+        assert_eq!(
+            r.join().unwrap().unwrap(),
+            [b"still".to_vec(), b"still".to_vec()]
+        );
+    }
+}
+
+/// A "store" that accepts and closes every connection at once: the error says so, rather than
+/// blaming a connect that succeeded every time.
+#[test]
+fn the_final_error_names_the_real_cause() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    listener.set_nonblocking(true).unwrap();
+    let closer = thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((s, _)) => drop(s),
+                Err(_) => thread::sleep(Duration::from_millis(1)),
+            }
+        }
+    });
+    let started = Instant::now();
+    let e = Rendezvous::connect(&job(1, 2, port, SECRET), Duration::from_millis(800)).unwrap_err();
+    stop.store(true, Ordering::Relaxed);
+    closer.join().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let msg = e.to_string();
+    assert!(
+        !matches!(e, RendezvousError::ConnectTimeout { .. }),
+        "every connect succeeded, yet the error blames connecting: {msg}"
+    );
+    assert!(msg.contains("closed"), "{msg}");
+}

@@ -1,0 +1,319 @@
+//! The rendezvous through a real PyTorch c10d `TCPStore`, the store torchrun's agent hosts:
+//! a Python process runs it (and reads, writes or forges keys on request), the ranks are
+//! threads of this process. No GPU is needed, but a Python with torch is: `GPUCAST_TEST_PYTHON`
+//! names it (default `python3`); without one each test prints why and passes.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use gpucast::rendezvous::{random_token, JobEnv, Rendezvous, RendezvousError, StoreKind};
+
+const PREFIX: &str = "/worker/attempt_0";
+
+/// A `TCPStore` server in Python, with a `PrefixStore` of torchrun's worker prefix, that
+/// answers one command per line.
+const STORE_PY: &str = r#"
+import sys, datetime
+import torch.distributed as d
+s = d.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+p = d.PrefixStore(sys.argv[1], s)
+print(s.port, flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    try:
+        if cmd == "get":
+            out = p.get(args[0]).hex()
+        elif cmd == "wait":
+            p.wait([args[0]])
+            out = p.get(args[0]).hex()
+        elif cmd == "set":
+            p.set(args[0], bytes.fromhex(args[1]) if len(args) > 1 else b"")
+            out = "ok"
+        elif cmd == "check":
+            out = str(p.check([args[0]]))
+        else:
+            out = "unknown " + cmd
+    except Exception as e:
+        out = "error " + str(e).replace("\n", " ")
+    print(out, flush=True)
+"#;
+
+fn python() -> Option<String> {
+    let py = std::env::var("GPUCAST_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        Some(py)
+    } else {
+        eprintln!("SKIPPED: {py} cannot import torch.distributed (set GPUCAST_TEST_PYTHON)");
+        None
+    }
+}
+
+struct TorchStore {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    port: u16,
+}
+
+impl TorchStore {
+    fn start(py: &str) -> TorchStore {
+        let mut child = Command::new(py)
+            .args(["-c", STORE_PY, PREFIX])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let port = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("python said {line:?}"));
+        TorchStore {
+            child,
+            stdin,
+            stdout,
+            port,
+        }
+    }
+
+    /// Runs one command of `STORE_PY` and returns its answer.
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim().to_owned()
+    }
+
+    fn get(&mut self, key: &str) -> Vec<u8> {
+        let hex = self.ask(&format!("get {key}"));
+        decode_hex(&hex).unwrap_or_else(|| panic!("get {key}: {hex}"))
+    }
+}
+
+impl Drop for TorchStore {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Rank `rank` of a torchrun-style job whose agent store listens on `port`.
+fn job(rank: usize, world: usize, port: u16, token: &str) -> JobEnv {
+    let vars = [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("GROUP_RANK", "0".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+        ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+        ("GPUCAST_JOB_TOKEN", token.into()),
+    ];
+    let env = JobEnv::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+        .unwrap();
+    assert_eq!(
+        env.store,
+        StoreKind::Torch {
+            prefix: PREFIX.into()
+        }
+    );
+    env
+}
+
+fn payload(rank: usize, round: usize) -> Vec<u8> {
+    let len = if rank == 1 && round == 2 {
+        1 << 20
+    } else {
+        rank * 5 + round
+    };
+    (0..len)
+        .map(|i| (rank * 31 + round * 7 + i).to_le_bytes()[0])
+        .collect()
+}
+
+#[test]
+fn ranks_meet_through_torchs_own_store() {
+    let Some(py) = python() else { return };
+    let mut store = TorchStore::start(&py);
+    let (port, token) = (store.port, random_token().unwrap());
+    let world = 3;
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || -> Result<(), RendezvousError> {
+                let rdv =
+                    Rendezvous::connect(&job(rank, world, port, &token), Duration::from_secs(20))?;
+                for round in 0..4 {
+                    let all = rdv.all_gather(&payload(rank, round))?;
+                    for (r, got) in all.iter().enumerate() {
+                        assert!(
+                            *got == payload(r, round),
+                            "round {round}: rank {r}'s bytes differ"
+                        );
+                    }
+                }
+                rdv.barrier()?;
+                drop(rdv);
+                // A second rendezvous in the same launch gets keys of its own.
+                let again =
+                    Rendezvous::connect(&job(rank, world, port, &token), Duration::from_secs(20))?;
+                assert_eq!(again.broadcast_from(2, &rank.to_le_bytes()[..1])?, [2u8]);
+                again.barrier()
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().unwrap().unwrap();
+    }
+    // What torch sees under its worker prefix: the instance counters, as torch's ADD keeps
+    // them, and sealed values only.
+    for rank in 0..world {
+        assert_eq!(store.get(&format!("gpucast/instance/{rank}")), b"2");
+    }
+    // The hello keys went once every rank was past them; the last round's keys remain, sealed.
+    assert_eq!(store.ask("check gpucast/1/hello/0"), "False");
+    assert_eq!(store.ask("check gpucast/1/0/0"), "False");
+    let last = store.get("gpucast/1/4/1");
+    assert!(last.len() >= 40, "{last:?}");
+    assert!(!last.windows(3).any(|w| w == b"\x01\x02\x03"));
+}
+
+/// A value that a process without the token wrote is refused, and so is a value recorded in an
+/// earlier launch with the same token.
+#[test]
+fn forged_and_replayed_values_are_refused() {
+    let Some(py) = python() else { return };
+    let token = random_token().unwrap();
+
+    // Garbage where rank 1's hello belongs, before rank 1 comes: rank 0 refuses it.
+    let mut store = TorchStore::start(&py);
+    assert_eq!(
+        store.ask(&format!("set gpucast/1/hello/1 {}", hex(&[0x42; 80]))),
+        "ok"
+    );
+    let e =
+        Rendezvous::connect(&job(0, 2, store.port, &token), Duration::from_secs(5)).unwrap_err();
+    assert!(matches!(e, RendezvousError::Forged { .. }), "{e:?}");
+    assert!(e.to_string().contains("rank 1's hello"), "{e}");
+    drop(store);
+
+    // A first launch; the store's owner records rank 1's hello and first contribution.
+    let mut first = TorchStore::start(&py);
+    let port = first.port;
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || -> Result<(), RendezvousError> {
+                let rdv =
+                    Rendezvous::connect(&job(rank, 2, port, &token), Duration::from_secs(20))?;
+                thread::sleep(Duration::from_millis(500));
+                rdv.all_gather(b"first launch")?;
+                rdv.barrier()
+            })
+        })
+        .collect();
+    let hello = decode_hex(&first.ask("wait gpucast/1/hello/1")).unwrap();
+    let round0 = decode_hex(&first.ask("wait gpucast/1/0/1")).unwrap();
+    for r in ranks {
+        r.join().unwrap().unwrap();
+    }
+    drop(first);
+
+    // A second launch on a fresh store with the same token: the recorded values are planted
+    // for rank 1, which never comes. Rank 0 must not take the old contribution as rank 1's.
+    let mut second = TorchStore::start(&py);
+    assert_eq!(
+        second.ask(&format!("set gpucast/1/hello/1 {}", hex(&hello))),
+        "ok"
+    );
+    assert_eq!(
+        second.ask(&format!("set gpucast/1/0/1 {}", hex(&round0))),
+        "ok"
+    );
+    let outcome = Rendezvous::connect(&job(0, 2, second.port, &token), Duration::from_secs(5))
+        .and_then(|rdv| rdv.all_gather(b"second launch"));
+    let e = outcome.unwrap_err();
+    assert!(matches!(e, RendezvousError::Forged { .. }), "{e:?}");
+}
+
+/// A rank that fails tells the others through the store; a rank that never comes is named.
+#[test]
+fn failures_reach_every_rank_fast() {
+    let Some(py) = python() else { return };
+    let store = TorchStore::start(&py);
+    let (port, token) = (store.port, random_token().unwrap());
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || {
+                let rdv = Rendezvous::connect(&job(rank, 2, port, &token), Duration::from_secs(20))
+                    .unwrap();
+                if rank == 1 {
+                    rdv.abort("rank 1 ran out of memory").unwrap();
+                    return None;
+                }
+                thread::sleep(Duration::from_millis(200));
+                let started = Instant::now();
+                let e = rdv.all_gather(b"x").unwrap_err();
+                Some((e, started.elapsed()))
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    let (e, took) = outcomes[0].as_ref().unwrap();
+    assert!(
+        matches!(e, RendezvousError::JobFailed { reason, .. } if reason.contains("out of memory")),
+        "{e:?}"
+    );
+    assert!(*took < Duration::from_secs(1), "{took:?}");
+
+    let token = random_token().unwrap();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || {
+                let started = Instant::now();
+                let e = Rendezvous::connect(&job(rank, 3, port, &token), Duration::from_secs(1))
+                    .unwrap_err();
+                (e, started.elapsed())
+            })
+        })
+        .collect();
+    for r in ranks {
+        let (e, took) = r.join().unwrap();
+        assert_eq!(e.missing_ranks(), [2], "{e:?}");
+        assert!(
+            matches!(
+                e,
+                RendezvousError::Timeout { .. } | RendezvousError::JobFailed { .. }
+            ),
+            "{e:?}"
+        );
+        assert!(took < Duration::from_secs(3), "{took:?}");
+    }
+    drop(store);
+}
