@@ -78,6 +78,26 @@ struct Staging {
 /// Bytes of each rank's staging buffer across processes; longer pull messages go in chunks.
 const STAGING_BYTES: usize = 32 << 20;
 
+/// What rank `peer` published in the first round across processes: the size of its shareable
+/// allocation (u64) and its socket card. The size must cover the `needed` bytes every kernel
+/// addresses, and be at most twice that (the allocation granularity rounds it up a little):
+/// a smaller mapping would let kernels run past its end, a larger one is no allocation of
+/// gpucast's.
+fn peer_card(bytes: &[u8], peer: usize, needed: usize) -> Result<(usize, ipc::Card)> {
+    let bad = |why: String| Error::P2pUnavailable(format!("rank {peer}'s P2P card: {why}"));
+    let (size, card) = bytes
+        .split_first_chunk::<8>()
+        .ok_or_else(|| bad(format!("{} bytes", bytes.len())))?;
+    let size = usize::try_from(u64::from_le_bytes(*size)).unwrap_or(usize::MAX);
+    if size < needed || size > needed.saturating_mul(2) {
+        return Err(bad(format!(
+            "a mapping of {size} bytes, where {needed} to {} are expected",
+            needed.saturating_mul(2)
+        )));
+    }
+    Ok((size, ipc::Card::decode(card)?))
+}
+
 /// The P2P path of one engine: kernels, signal areas and launch threads.
 pub(crate) struct P2p {
     ranks: Vec<RankKernels>,
@@ -185,12 +205,7 @@ impl P2p {
                     continue;
                 }
                 let got = (|| -> Result<_> {
-                    let size =
-                        usize::try_from(u64::from_le_bytes(c[..8].try_into().expect("8 bytes")))
-                            .map_err(|_| {
-                                Error::P2pUnavailable("a peer's size does not fit".into())
-                            })?;
-                    let card = ipc::Card::decode(&c[8..])?;
+                    let (size, card) = peer_card(c, peer, signal_bytes + STAGING_BYTES)?;
                     let (head, mut fds) = ipc::fetch(&card, 1, deadline)?;
                     if head != u32::try_from(peer).expect("world <= 8").to_le_bytes() {
                         return Err(Error::P2pUnavailable(format!(
@@ -745,5 +760,33 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// A peer's card is checked, never trusted: short cards, sizes that do not cover what the
+    /// kernels address and bad socket cards are errors, not panics.
+    #[test]
+    fn peer_cards_are_checked() {
+        let needed = 34 << 20;
+        let card = ipc::Server::bind().unwrap().card().encode();
+        let with = |size: u64| {
+            let mut c = size.to_le_bytes().to_vec();
+            c.extend_from_slice(&card);
+            c
+        };
+        let (size, _) = peer_card(&with(needed as u64), 1, needed).unwrap();
+        assert_eq!(size, needed);
+        assert!(peer_card(&with(2 * needed as u64), 1, needed).is_ok());
+        for short in 0..8 {
+            assert!(
+                peer_card(&vec![1u8; short], 1, needed).is_err(),
+                "{short} bytes"
+            );
+        }
+        assert!(peer_card(&with(needed as u64 - 1), 1, needed).is_err());
+        assert!(peer_card(&with(2 * needed as u64 + 1), 1, needed).is_err());
+        assert!(peer_card(&with(u64::MAX), 1, needed).is_err());
+        assert!(peer_card(&(needed as u64).to_le_bytes(), 1, needed).is_err());
+        let e = peer_card(&with(0), 3, needed).unwrap_err();
+        assert!(e.to_string().contains("rank 3"), "{e}");
     }
 }
