@@ -96,6 +96,48 @@ fn device_list_errors_come_before_any_gpu_work() {
     }
 }
 
+/// A rank whose machine cannot run it (no driver, or no such device) says so at once instead
+/// of first waiting for peers that may never come: here rank 1 of a job whose rank 0 never
+/// starts, with a 3 s bound on the rendezvous.
+#[test]
+fn a_communicator_checks_its_device_before_waiting_for_peers() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let job = gpucast::rendezvous::JobEnv::single_node(1, 2, port).unwrap();
+    let started = std::time::Instant::now();
+    let r = gpucast::Communicator::builder()
+        .job(job)
+        .device(if driver_present() { 4096 } else { 0 })
+        .init_timeout(Duration::from_secs(3))
+        .build();
+    let took = started.elapsed();
+    let e = r.err().expect("no rank 0 and no usable device");
+    if driver_present() {
+        assert!(
+            matches!(e, Error::DeviceOutOfRange { ordinal: 4096, .. }),
+            "{e}"
+        );
+    } else {
+        assert!(
+            matches!(
+                e,
+                Error::LibraryMissing {
+                    library: "libcuda",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    assert!(
+        took < Duration::from_secs(1),
+        "the error came after {took:?}"
+    );
+}
+
 /// A zero timeout is rejected like `GPUCAST_TIMEOUT_MS=0`, before any GPU work.
 #[test]
 fn a_zero_timeout_is_rejected() {

@@ -60,7 +60,7 @@ impl CommunicatorBuilder {
     }
 
     /// Exchange initialisation data through the caller's all-gather (MPI, a framework's process
-    /// group) instead of gpucast's TCP store. Its rank and size define the job.
+    /// group) instead of gpucast's store. Its rank and size define the job.
     pub fn exchange(mut self, exchange: impl Exchange + Send + Sync + 'static) -> Self {
         self.exchange = Some(Box::new(exchange));
         self
@@ -118,7 +118,9 @@ fn card(host: &str, settings: &Settings, ordinal: usize) -> Vec<u8> {
 impl Communicator {
     /// Joins the job described by the environment torchrun or Slurm set (`RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, ...), on GPU `LOCAL_RANK`,
-    /// through a TCP store that rank 0 hosts.
+    /// through torchrun's own store under torchrun, else a TCP store that rank 0 hosts (see
+    /// [`crate::rendezvous::Rendezvous::connect`]). Set `GPUCAST_JOB_TOKEN` to the same secret
+    /// on every rank: it is what keeps other processes out of the job.
     pub fn from_env() -> Result<Communicator> {
         Communicator::builder().build()
     }
@@ -145,6 +147,12 @@ impl Communicator {
         let env = Env::read()?;
         let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
         let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
+        // What this machine can tell alone comes before waiting for peers that may never come.
+        let ordinal = b.device.unwrap_or(job.local_rank);
+        let available = setup::device_count()?;
+        if ordinal >= available {
+            return Err(Error::DeviceOutOfRange { ordinal, available });
+        }
         let exchange: Box<dyn Exchange + Send + Sync> = match b.exchange {
             Some(x) => x,
             None => Box::new(Rendezvous::connect(&job, init_timeout)?),
@@ -156,17 +164,12 @@ impl Communicator {
                 job.rank, job.world_size
             )));
         }
-        let ordinal = b.device.unwrap_or(job.local_rank);
-        let available = setup::device_count()?;
-        if ordinal >= available {
-            return Err(Error::DeviceOutOfRange { ordinal, available });
-        }
         let ctx = CudaContext::new(ordinal).map_err(Error::cuda(format!(
             "creating a context on device {ordinal}"
         )))?;
 
         // Round 1: hosts, settings and devices.
-        let host = host_id(crate::config::env_var);
+        let host = host_id(crate::rendezvous::env_var);
         let cards = exchange.all_gather(&card(&host, &settings, ordinal))?;
         let mine = card(&host, &settings, ordinal);
         let line = |c: &[u8], i: usize| {
