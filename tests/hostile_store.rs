@@ -15,7 +15,25 @@ use gpucast::rendezvous::{JobEnv, Rendezvous, RendezvousError};
 /// The job's secret: long and random-looking, so that finding it in a reply is no accident.
 const SECRET: &str = "s3cr3t-7f1c9a2e4b8d6053-only-the-job-knows";
 
+/// These tests hold hundreds of sockets at once (several tests run in parallel): lift the soft
+/// limit on open files to the hard one, as a machine with a low default would otherwise fail
+/// them for want of descriptors.
+fn enough_descriptors() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the one struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max.min(65536);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn free_port() -> u16 {
+    enough_descriptors();
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
