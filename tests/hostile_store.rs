@@ -174,6 +174,17 @@ fn a_wrong_token_learns_nothing_and_hurts_nobody() {
             String::from_utf8_lossy(&got)
         );
     }
+    // A well-formed attempt with another token, claiming the free rank before the job forms:
+    // refused as such. Were it admitted, the real rank 1 would fail the job as a duplicate.
+    match Rendezvous::connect(
+        &job(1, 2, port, "the token of another job, long enough"),
+        Duration::from_secs(2),
+    ) {
+        Err(e @ RendezvousError::JobTokenMismatch { .. }) => {
+            assert!(!e.to_string().contains(SECRET), "{e}");
+        }
+        other => panic!("expected JobTokenMismatch, got {other:?}"),
+    }
     let rank1 = spawn_rank(1, 2, port, Duration::from_secs(10));
     rank0.join().unwrap().unwrap();
     rank1.join().unwrap().unwrap();
@@ -378,53 +389,79 @@ fn proxy(listener: TcpListener, store: SocketAddr, sent: Arc<Mutex<Vec<u8>>>) {
     up.join().unwrap();
 }
 
-/// What rank 1 sent to the store through a proxy, replayed on a fresh connection after the job
-/// formed, neither registers anyone nor fails the job.
+/// Frames in `bytes`: (op, payload) of each complete frame.
+fn frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    while rest.len() >= 12 {
+        let len = u32::from_le_bytes(rest[8..12].try_into().unwrap()) as usize;
+        if rest.len() < 12 + len {
+            break;
+        }
+        out.push((rest[5], rest[12..12 + len].to_vec()));
+        rest = &rest[12 + len..];
+    }
+    out
+}
+
+/// What rank 1 sent to the store through a proxy, replayed on a fresh connection while the
+/// job is still forming (rank 2 has not come yet): refused as not proving the token, without
+/// registering anyone or failing the job; rank 2 then joins and all three work.
 #[test]
 fn a_captured_hello_replays_nowhere() {
     let port = free_port();
     let store: SocketAddr = ([127, 0, 0, 1], port).into();
-    let rank0 = thread::spawn(move || {
-        let rdv = Rendezvous::connect(&job(0, 2, port, SECRET), Duration::from_secs(10))?;
-        rdv.barrier()?;
-        // The replay happens now; the job must still work afterwards.
-        thread::sleep(Duration::from_millis(800));
-        let all = rdv.all_gather(b"after")?;
-        rdv.barrier()?;
-        Ok::<_, RendezvousError>(all)
-    });
+    let world = 3;
+    let member = move |rank: usize, via: u16| {
+        thread::spawn(move || {
+            let mut env = job(rank, world, port, SECRET);
+            env.master_port = via;
+            let rdv = Rendezvous::connect(&env, Duration::from_secs(15))?;
+            let all = rdv.all_gather(b"after")?;
+            rdv.barrier()?;
+            Ok::<_, RendezvousError>(all)
+        })
+    };
+    let rank0 = member(0, port);
     wait_listening(port);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let proxy_port = listener.local_addr().unwrap().port();
     let sent = Arc::new(Mutex::new(Vec::new()));
     let captured = Arc::clone(&sent);
     let proxy = thread::spawn(move || proxy(listener, store, captured));
-    let rank1 = thread::spawn(move || {
-        let mut env = job(1, 2, proxy_port, SECRET);
-        env.master_port = proxy_port;
-        let rdv = Rendezvous::connect(&env, Duration::from_secs(10))?;
-        rdv.barrier()?;
-        thread::sleep(Duration::from_millis(800));
-        let all = rdv.all_gather(b"after")?;
-        rdv.barrier()?;
-        Ok::<_, RendezvousError>(all)
-    });
-    thread::sleep(Duration::from_millis(300));
-    // The first frame rank 1 sent is its HELLO (12-byte header, then the payload).
-    let hello = {
+    let rank1 = member(1, proxy_port);
+    // The first frame rank 1 sends is its HELLO (12-byte header, then the payload).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let hello = loop {
         let bytes = sent.lock().unwrap().clone();
-        assert!(bytes.len() >= 12, "nothing captured");
-        let len = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
-        bytes[..12 + len].to_vec()
+        if let Some((_, payload)) = frames(&bytes).first() {
+            let mut f = bytes[..12].to_vec();
+            f.extend_from_slice(payload);
+            break f;
+        }
+        assert!(Instant::now() < deadline, "nothing captured");
+        thread::sleep(Duration::from_millis(5));
     };
+    thread::sleep(Duration::from_millis(200));
     let mut replay = TcpStream::connect(store).unwrap();
-    let _ = read_all(&mut replay, Duration::from_millis(100));
     let _ = replay.write_all(&hello);
-    let _ = read_all(&mut replay, Duration::from_secs(2));
-    let a = rank0.join().unwrap();
-    let b = rank1.join().unwrap();
-    assert_eq!(a.unwrap(), [b"after".to_vec(), b"after".to_vec()]);
-    assert_eq!(b.unwrap(), [b"after".to_vec(), b"after".to_vec()]);
+    let reply = read_all(&mut replay, Duration::from_secs(2));
+    let answers = frames(&reply);
+    // The store's challenge, then an error with code 4: the proof does not hold.
+    let error = answers
+        .iter()
+        .find(|(op, _)| *op == 0x83)
+        .unwrap_or_else(|| panic!("no error reply to the replay: {answers:?}"));
+    assert_eq!(
+        error.1.first(),
+        Some(&4),
+        "not refused as unproven: {error:?}"
+    );
+    let rank2 = member(2, port);
+    let want = vec![b"after".to_vec(); world];
+    for r in [rank0, rank1, rank2] {
+        assert_eq!(r.join().unwrap().unwrap(), want);
+    }
     drop(replay);
     proxy.join().unwrap();
 }

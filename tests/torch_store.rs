@@ -317,3 +317,72 @@ fn failures_reach_every_rank_fast() {
     }
     drop(store);
 }
+
+/// An abort recorded in an earlier launch with the same token fails nobody in a later one,
+/// and a value larger than a contribution can be is refused before it is read.
+#[test]
+fn replayed_aborts_and_oversize_values_are_refused() {
+    let Some(py) = python() else { return };
+    let token = random_token().unwrap();
+
+    // Launch 1: rank 1 aborts; the store's owner records the abort.
+    let mut first = TorchStore::start(&py);
+    let port = first.port;
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || {
+                let rdv = Rendezvous::connect(&job(rank, 2, port, &token), Duration::from_secs(20))
+                    .unwrap();
+                if rank == 1 {
+                    rdv.abort("launch 1 gave up").unwrap();
+                } else {
+                    assert!(rdv.all_gather(b"x").is_err());
+                }
+            })
+        })
+        .collect();
+    let abort = decode_hex(&first.ask("wait gpucast/1/abort")).unwrap();
+    for r in ranks {
+        r.join().unwrap();
+    }
+    drop(first);
+
+    // Launch 2, same token, the recorded abort planted before anyone comes: it is ignored.
+    let mut second = TorchStore::start(&py);
+    assert_eq!(
+        second.ask(&format!("set gpucast/1/abort {}", hex(&abort))),
+        "ok"
+    );
+    let port = second.port;
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || -> Result<Vec<Vec<u8>>, RendezvousError> {
+                let rdv =
+                    Rendezvous::connect(&job(rank, 2, port, &token), Duration::from_secs(20))?;
+                let all = rdv.all_gather(b"launch 2")?;
+                rdv.barrier()?;
+                Ok(all)
+            })
+        })
+        .collect();
+    for r in ranks {
+        assert_eq!(
+            r.join().unwrap().unwrap(),
+            [b"launch 2".to_vec(), b"launch 2".to_vec()]
+        );
+    }
+    drop(second);
+
+    // 8 MiB of junk where a hello of 80 bytes belongs: refused from its length.
+    let mut third = TorchStore::start(&py);
+    let junk = "5a".repeat(8 << 20);
+    assert_eq!(third.ask(&format!("set gpucast/1/hello/1 {junk}")), "ok");
+    let e =
+        Rendezvous::connect(&job(0, 2, third.port, &token), Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(e, RendezvousError::TooLarge { max: 80, .. }),
+        "{e:?}"
+    );
+}

@@ -21,7 +21,6 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{getsockopt, sendmsg, sockopt, ControlMessage, MsgFlags};
@@ -147,13 +146,22 @@ impl Server {
         let raw: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
         let uid = nix::unistd::getuid().as_raw();
         let served = AtomicUsize::new(0);
-        let open: Mutex<Vec<UnixStream>> = Mutex::new(Vec::new());
-        let (raw, served_ref, open_ref, nonce) = (&raw, &served, &open, &self.card.nonce);
+        let (raw, served_ref, nonce) = (&raw, &served, &self.card.nonce);
         std::thread::scope(|scope| {
-            let mut handlers: Vec<std::thread::ScopedJoinHandle<'_, ()>> = Vec::new();
+            // Each handler with a handle on its connection, to cut it when serving ends; a
+            // finished handler's entry goes, and with it that descriptor.
+            let mut handlers: Vec<(std::thread::ScopedJoinHandle<'_, ()>, Option<UnixStream>)> =
+                Vec::new();
             let outcome = loop {
                 if served.load(Ordering::Acquire) >= peers {
                     break Ok(());
+                }
+                // Checked on every turn: a flood of connections must not outlast the deadline.
+                if Instant::now() > deadline {
+                    break Err(ipc_error(format!(
+                        "only {} of {peers} peer processes fetched this process's memory in time",
+                        served.load(Ordering::Acquire)
+                    )));
                 }
                 match self.listener.accept() {
                     Ok((conn, _)) => {
@@ -164,36 +172,24 @@ impl Server {
                                 continue;
                             }
                         }
-                        handlers.retain(|h| !h.is_finished());
+                        handlers.retain(|(h, _)| !h.is_finished());
                         if handlers.len() >= MAX_ACTIVE {
                             tracing::debug!("descriptor exchange busy: refusing a connection");
                             continue;
                         }
-                        if let Ok(c) = conn.try_clone() {
-                            open_ref
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner)
-                                .push(c);
-                        }
+                        let cut = conn.try_clone().ok();
                         let by = deadline.min(Instant::now() + PER_PEER);
-                        handlers.push(scope.spawn(move || {
-                            match serve_one(conn, nonce, header, raw, by) {
-                                Ok(()) => {
-                                    served_ref.fetch_add(1, Ordering::AcqRel);
-                                }
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "a peer was not served its descriptors")
-                                }
+                        let handler = scope.spawn(move || match serve_one(conn, nonce, header, raw, by) {
+                            Ok(()) => {
+                                served_ref.fetch_add(1, Ordering::AcqRel);
                             }
-                        }));
+                            Err(e) => {
+                                tracing::warn!(error = %e, "a peer was not served its descriptors")
+                            }
+                        });
+                        handlers.push((handler, cut));
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if Instant::now() > deadline {
-                            break Err(ipc_error(format!(
-                                "only {} of {peers} peer processes fetched this process's memory in time",
-                                served.load(Ordering::Acquire)
-                            )));
-                        }
                         std::thread::sleep(Duration::from_millis(1));
                     }
                     Err(e)
@@ -201,12 +197,19 @@ impl Server {
                             e.kind(),
                             std::io::ErrorKind::Interrupted | std::io::ErrorKind::ConnectionAborted
                         ) => {}
+                    // Out of descriptors (a flood): the peers still come, so wait and go on.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                        handlers.retain(|(h, _)| !h.is_finished());
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
                     Err(e) => break Err(io("accepting a peer")(e)),
                 }
             };
             // Done or out of time: cut what is still open, so that every handler returns now.
-            for c in open.lock().unwrap_or_else(PoisonError::into_inner).iter() {
-                let _ = c.shutdown(std::net::Shutdown::Both);
+            for (_, cut) in &handlers {
+                if let Some(c) = cut {
+                    let _ = c.shutdown(std::net::Shutdown::Both);
+                }
             }
             outcome
         })
@@ -331,23 +334,47 @@ fn check_memory_descriptor(fd: &OwnedFd) -> Result<()> {
     Ok(())
 }
 
+/// Connects to the abstract socket `name`, retrying until `deadline` while nobody listens or
+/// its queue is full. Non-blocking, so that a full queue (a flood) cannot hold the connect
+/// past the deadline.
+fn connect_by(name: &str, deadline: Instant) -> Result<UnixStream> {
+    use nix::errno::Errno;
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    let addr = UnixAddr::new_abstract(name.as_bytes())
+        .map_err(|e| ipc_error(format!("naming an abstract socket: {e}")))?;
+    loop {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .map_err(|e| ipc_error(format!("creating a socket: {e}")))?;
+        match connect(fd.as_raw_fd(), &addr) {
+            Ok(()) => {
+                let conn = UnixStream::from(fd);
+                conn.set_nonblocking(false)
+                    .map_err(io("configuring a socket"))?;
+                return Ok(conn);
+            }
+            Err(e @ (Errno::EAGAIN | Errno::ECONNREFUSED | Errno::ENOENT | Errno::EINPROGRESS)) => {
+                if Instant::now() > deadline {
+                    return Err(ipc_error(format!("connecting to a peer process: {e}")));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(ipc_error(format!("connecting to a peer process: {e}"))),
+        }
+    }
+}
+
 /// Fetches a peer's descriptors: its header bytes and exactly `expect` descriptors.
 pub(crate) fn fetch(
     card: &Card,
     expect: usize,
     deadline: Instant,
 ) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let addr = SocketAddr::from_abstract_name(card.socket.as_bytes())
-        .map_err(io("naming an abstract socket"))?;
-    let mut conn = loop {
-        match UnixStream::connect_addr(&addr) {
-            Ok(c) => break c,
-            Err(e) if Instant::now() > deadline => {
-                return Err(io("connecting to a peer process")(e))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(2)),
-        }
-    };
+    let mut conn = connect_by(&card.socket, deadline)?;
     // The nonce goes only to a process of this user.
     let uid = nix::unistd::getuid().as_raw();
     match peer_uid(&conn) {
@@ -560,6 +587,49 @@ mod tests {
         assert!(
             ms < 300 && text.contains("b''"),
             "another user's connection stayed open {ms} ms: {text}"
+        );
+    }
+
+    /// A flood of connections from another user, refused as fast as they come: serving still
+    /// ends at its deadline. Needs root and python3, as above; skips otherwise.
+    #[test]
+    fn a_flood_does_not_outlast_the_deadline() {
+        use std::os::unix::process::CommandExt;
+        if !nix::unistd::getuid().is_root() {
+            eprintln!("SKIPPED: needs root to run a process as another user");
+            return;
+        }
+        let server = Server::bind().unwrap();
+        let card = server.card().clone();
+        let w: OwnedFd = std::fs::File::open("/dev/zero").unwrap().into();
+        // Eight threads of uid 65534 that connect and close for 3 s.
+        let script = format!(
+            "import socket,threading,time\n\
+             end=time.time()+3\n\
+             def f():\n  while time.time()<end:\n    s=socket.socket(socket.AF_UNIX,socket.SOCK_STREAM)\n    s.settimeout(0.2)\n    try:\n      s.connect('\\0{}')\n    except Exception:\n      pass\n    s.close()\n\
+             ts=[threading.Thread(target=f) for _ in range(8)]\n\
+             [t.start() for t in ts]\n[t.join() for t in ts]\n",
+            card.socket
+        );
+        let child = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .spawn();
+        let Ok(mut child) = child else {
+            eprintln!("SKIPPED: python3 is not available");
+            return;
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let served = server.serve(b"h", &[w], 1, started + Duration::from_millis(300));
+        let took = started.elapsed();
+        drop(server);
+        child.wait().unwrap();
+        assert!(served.is_err(), "nobody with the nonce came");
+        assert!(
+            took < Duration::from_millis(800),
+            "serving ended after {took:?}"
         );
     }
 

@@ -202,6 +202,8 @@ pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str>
         Some("the job token is \"none\" (torchrun's run id when --rdzv-id is not given)")
     } else if source == TokenSource::SlurmJobId {
         Some("the job token is Slurm's job id, which every user of the cluster can list")
+    } else if source == TokenSource::TorchRunId {
+        Some("the job token is torchrun's run id, which every user of the host sees in the process list")
     } else if token.len() < MIN_SECRET_LEN {
         Some("the job token has fewer than 16 characters")
     } else {
@@ -218,10 +220,9 @@ pub(crate) fn warn_weak_token(reason: &str, exposure: &str) {
         return;
     }
     let text = format!(
-        "{reason}, and {exposure}: any process that can reach it and guesses the token can \
+        "{reason}, and {exposure}: any process that can reach it and finds out the token can \
          join the job. Give every rank the same secret, e.g. \
-         `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)` before launching (or torchrun's \
-         --rdzv-id with a random value)."
+         `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)` before launching."
     );
     tracing::warn!("{text}");
     eprintln!("gpucast: warning: {text}");
@@ -277,6 +278,7 @@ mod tests {
         assert!(weakness("0123456789abcdef0123", TokenSource::SlurmJobId).is_some());
         assert!(weakness("short", TokenSource::Explicit).is_some());
         assert!(weakness(&random_token().unwrap(), TokenSource::Explicit).is_none());
+        assert!(weakness(&random_token().unwrap(), TokenSource::TorchRunId).is_some());
         let t = random_token().unwrap();
         assert_eq!(t.len(), 64);
         assert!(t.bytes().all(|b| b.is_ascii_hexdigit()));

@@ -13,6 +13,9 @@ use super::{DEFAULT_IO_TIMEOUT, MAX_TOKEN_LEN, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 /// How much longer than the server's own deadline a client waits for the reply (the server
 /// answers a timed-out wait itself, with the missing ranks).
 const REPLY_SLACK: Duration = Duration::from_secs(1);
+/// Largest frame read from a store before it has proven the job token (a challenge, a welcome
+/// or an error message).
+const MAX_UNPROVEN_REPLY: usize = 64 * 1024;
 /// Longest single TCP connect attempt.
 const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
 /// First and longest pause between connect attempts.
@@ -143,15 +146,24 @@ impl StoreClient {
     }
 
     /// Reads the next frame, expected within `wait` (plus slack). Error replies become their
-    /// error.
+    /// error. Until the store has proven the token (`self.world_size` is set by a verified
+    /// welcome), frames are small and the whole of one must arrive by that time too: whatever
+    /// holds the port must not make this rank allocate or wait beyond its bound.
     fn receive(&mut self, during: &str, wait: Duration) -> Result<wire::Frame> {
         let peer = self.server.to_string();
+        let by = Instant::now() + wait + REPLY_SLACK;
+        let proven = self.world_size.is_some();
         let times = FrameTimes {
-            start_by: Some(Instant::now() + wait + REPLY_SLACK),
+            start_by: Some(by),
             within: DEFAULT_IO_TIMEOUT,
-            end_by: None,
+            end_by: (!proven).then_some(by),
         };
-        let frame = match wire::read_frame(&mut &self.stream, MAX_REPLY_PAYLOAD, times) {
+        let max = if proven {
+            MAX_REPLY_PAYLOAD
+        } else {
+            MAX_UNPROVEN_REPLY
+        };
+        let frame = match wire::read_frame(&mut &self.stream, max, times) {
             Ok(f) => f,
             Err(e) => return Err(self.broken_by(e, during)),
         };

@@ -327,9 +327,10 @@ impl Rendezvous {
     /// no address of this host. Every rank connects (retrying until the deadline, since rank 0
     /// may start last), proves the job token, checks the store's proof, and waits until all
     /// `world_size` ranks have joined. Under torchrun ([`StoreKind::Torch`]) every rank joins
-    /// the agent's store instead and runs the same steps there, with sealed values. A guessable
-    /// token (empty, `"none"`, Slurm's job id, under 16 characters) on a store that other hosts
-    /// can reach is said once, on standard error, with how to set a secret one.
+    /// the agent's store instead and runs the same steps there, with sealed values. A token
+    /// that others can find out (empty, torchrun's run id, Slurm's job id, under 16
+    /// characters) on a store that other hosts can reach is said once, by rank 0 on standard
+    /// error, with how to set a secret one.
     ///
     /// Errors: [`RendezvousError::PortInUse`] on rank 0 if the port is taken;
     /// [`RendezvousError::ConnectTimeout`] if the store cannot be reached; the store's last

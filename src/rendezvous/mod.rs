@@ -48,8 +48,8 @@
 //!   rank, round and instance and to a session id made of every rank's fresh nonce: a value
 //!   written by a process without the token, or recorded in an earlier launch, is refused
 //!   ([`RendezvousError::Forged`]).
-//! - A token that anyone can guess (empty, torchrun's default run id `"none"`, Slurm's job id,
-//!   fewer than 16 characters) protects nothing. gpucast accepts it, so that jobs that never
+//! - A token that anyone can find out (empty, torchrun's run id: `"none"` by default and in the
+//!   process list otherwise, Slurm's job id, fewer than 16 characters) protects nothing. gpucast accepts it, so that jobs that never
 //!   set one keep working, and says so once on standard error when the store is reachable from
 //!   other hosts (rank 0 listens beyond loopback, or torchrun's store is used), with how to set
 //!   a secret one: `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)`. Launchers that start

@@ -712,6 +712,19 @@ impl Conn {
         let rank = usize::try_from(rank).unwrap_or(usize::MAX);
         let world_size = usize::try_from(world_size).unwrap_or(usize::MAX);
         let mut st = self.shared.lock();
+        // Evicted while its HELLO was on the way: the connection is closed, so it must not
+        // take a rank (its welcome could not be delivered). The client reconnects.
+        if !st.pending.iter().any(|(i, _)| *i == self.id) {
+            debug!(peer = %self.peer, rank, "rendezvous store: a proven HELLO on an evicted connection");
+            return false;
+        }
+        // A rank whose connection closed before the job formed, and before it contributed to
+        // anything, may come again (its welcome may never have reached it).
+        if rank < n && !st.complete && st.departed[rank] && st.next_round[rank] == 0 {
+            st.registered[rank] = None;
+            st.departed[rank] = false;
+            st.told[rank] = false;
+        }
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
@@ -1081,6 +1094,41 @@ mod tests {
         fake.join().unwrap();
     }
 
+    /// Before the store has proven the token, what holds the port can make a rank neither
+    /// allocate a large frame nor wait past its hello's bound by dribbling one.
+    #[test]
+    fn an_unproven_store_costs_the_client_little() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            // First client: a header announcing 200 MiB. Second: a frame, a byte a second.
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(&wire::header(op::CHALLENGE, 200 << 20).unwrap())
+                .unwrap();
+            let (mut s2, _) = listener.accept().unwrap();
+            let frame = wire::header(op::CHALLENGE, auth::NONCE_LEN).unwrap();
+            for b in frame {
+                if s2.write_all(&[b]).is_err() {
+                    break;
+                }
+                thread::sleep(Duration::from_secs(1));
+            }
+            drop(s);
+        });
+        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
+        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        assert!(e.to_string().contains("limit"), "{e}");
+        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
+        let started = Instant::now();
+        let e = c
+            .hello(0, 2, TOKEN, Duration::from_millis(500))
+            .unwrap_err();
+        let took = started.elapsed();
+        drop(c);
+        assert!(took < Duration::from_secs(3), "hello took {took:?}: {e}");
+        fake.join().unwrap();
+    }
+
     #[test]
     fn silent_connections_are_closed_after_the_handshake_limit() {
         let mut opts = ServerOptions::new(2, TOKEN);
@@ -1107,15 +1155,16 @@ mod tests {
         assert!(s.failure().is_none());
     }
 
-    /// A HELLO that dribbles in a byte at a time is cut off at the handshake deadline, not
-    /// given a fresh limit for each byte or for the rest of the frame.
+    /// A HELLO that starts just before the handshake deadline and dribbles in a byte at a time
+    /// is cut off at that deadline, not given a fresh limit from its first byte or per byte.
     #[test]
     fn the_whole_hello_has_one_deadline() {
         let mut opts = ServerOptions::new(2, TOKEN);
-        opts.handshake_timeout = Duration::from_millis(300);
+        opts.handshake_timeout = Duration::from_millis(400);
         let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
         let mut raw = TcpStream::connect(s.local_addr()).unwrap();
         let started = Instant::now();
+        thread::sleep(Duration::from_millis(300));
         let frame = wire::header(op::HELLO, HELLO_LEN).unwrap();
         let mut closed = None;
         for b in frame.iter().chain([0u8; HELLO_LEN].iter()) {
@@ -1124,8 +1173,9 @@ mod tests {
                 break;
             }
             thread::sleep(Duration::from_millis(40));
-            let mut probe = [0u8; 1];
+            let mut probe = [0u8; 256];
             raw.set_nonblocking(true).unwrap();
+            // The challenge comes first; a zero-length read is the store hanging up.
             if let Ok(0) = raw.read(&mut probe) {
                 closed = Some(started.elapsed());
                 break;
@@ -1134,8 +1184,8 @@ mod tests {
         }
         let closed = closed.expect("the dribbled HELLO was never cut off");
         assert!(
-            closed < Duration::from_millis(900),
-            "cut off after {closed:?}"
+            closed < Duration::from_millis(600),
+            "cut off after {closed:?}, the deadline was 400 ms after connecting"
         );
     }
 
@@ -1157,6 +1207,55 @@ mod tests {
         let mut c = client(&s, 0, 1);
         c.wait_all(T).unwrap();
         drop(idle);
+    }
+
+    /// Connections evicted as fast as they come (a quota of one): a rank whose proven HELLO
+    /// lands on an evicted connection takes no rank, so its retry joins instead of failing the
+    /// job as a duplicate.
+    #[test]
+    fn a_rank_evicted_during_its_hello_joins_on_its_retry() {
+        for trial in 0..40 {
+            let mut opts = ServerOptions::new(2, TOKEN);
+            opts.max_pending = 1;
+            let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+            let addr = s.local_addr();
+            let stop = Arc::new(AtomicBool::new(false));
+            let flood = {
+                let stop = Arc::clone(&stop);
+                thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let _c = TcpStream::connect(addr);
+                        thread::sleep(Duration::from_micros(200));
+                    }
+                })
+            };
+            let ranks: Vec<_> = (0..2usize)
+                .map(|rank| {
+                    thread::spawn(move || -> Result<Vec<Vec<u8>>> {
+                        let deadline = Instant::now() + Duration::from_secs(10);
+                        let mut c = loop {
+                            let mut c = StoreClient::connect("127.0.0.1", addr.port(), T)?;
+                            match c.hello(rank, 2, TOKEN, T) {
+                                Ok(()) => break c,
+                                Err(RendezvousError::Io { .. }) if Instant::now() < deadline => {}
+                                Err(e) => return Err(e),
+                            }
+                        };
+                        c.wait_all(T)?;
+                        c.all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                    })
+                })
+                .collect();
+            let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+            stop.store(true, Ordering::Relaxed);
+            flood.join().unwrap();
+            for r in results {
+                assert_eq!(
+                    r.unwrap_or_else(|e| panic!("trial {trial}: {e}")),
+                    [vec![0], vec![1]]
+                );
+            }
+        }
     }
 
     #[test]

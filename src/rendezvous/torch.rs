@@ -28,7 +28,7 @@ use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::client::{connect_tcp, host_port};
 use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
-use super::MAX_VALUE_LEN;
+use super::{MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
 const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
@@ -207,8 +207,9 @@ impl TorchStore {
         self.send(&req, deadline, &format!("setting {key}"))
     }
 
-    /// The value of `key` (which must exist: check first).
-    pub(crate) fn get(&mut self, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+    /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
+    /// any memory is taken.
+    pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
         let deadline = Self::by(deadline);
         let during = format!("getting {key}");
         let mut req = vec![query::GET];
@@ -217,14 +218,15 @@ impl TorchStore {
         let mut len = [0u8; 8];
         self.receive(&mut len, deadline, &during)?;
         let len = u64::from_le_bytes(len);
-        // Bounded before any memory is taken: a hostile store cannot make this rank allocate.
-        let limit = TORCH_MAX_VALUE as u64;
-        if len > limit {
+        // Bounded before any memory is taken: neither the store nor a process that wrote the
+        // key can make this rank allocate more than the value may hold.
+        let max = max.min(TORCH_MAX_VALUE);
+        if len > max as u64 {
             self.broken = Some(format!("a {len}-byte reply"));
             return Err(RendezvousError::TooLarge {
                 what: format!("the store's value of {key}"),
                 len: usize::try_from(len).unwrap_or(usize::MAX),
-                max: TORCH_MAX_VALUE,
+                max,
             });
         }
         let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
@@ -287,15 +289,28 @@ pub(crate) struct TorchSession {
     instance: u64,
     rank: usize,
     world: usize,
-    /// Digest of every rank's nonce of the first round: binds later values to this session.
+    /// This rank's fresh nonce of the first round.
+    nonce: [u8; 32],
+    /// Every rank's nonce, once the first round is done.
+    nonces: Option<Vec<[u8; 32]>>,
+    /// Digest of every rank's nonce: binds later values to this session.
     session: [u8; 32],
-    /// Whether a forged abort key was seen (reported once).
+    /// Whether an abort that failed authentication was seen (reported once).
     forged_abort: bool,
 }
 
 fn u64s(parts: &[u64]) -> Vec<u8> {
     parts.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
+
+/// Bytes of a first-round value: the nonce and the world size.
+const HELLO_PLAIN: usize = 32 + 8;
+/// Ranks an abort lists at most.
+const ABORT_RANKS: usize = 1 << 12;
+/// Longest reason an abort carries.
+const ABORT_REASON: usize = 4096;
+/// Longest sealed abort.
+const ABORT_MAX: usize = 4 + 32 + 4 + 4 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
 
 impl TorchSession {
     /// Joins the job through torchrun's store: takes this rendezvous's instance number, then
@@ -329,6 +344,8 @@ impl TorchSession {
             instance,
             rank: env.rank,
             world: env.world_size,
+            nonce: auth::random()?,
+            nonces: None,
             session: [0; 32],
             forged_abort: false,
         };
@@ -371,10 +388,24 @@ impl TorchSession {
         format!("{}abort", self.base)
     }
 
+    fn forged(&self, what: String) -> RendezvousError {
+        RendezvousError::Forged {
+            what,
+            store: self.store.peer().to_owned(),
+        }
+    }
+
+    /// Rank `r`'s first-round value, opened: its nonce and world size.
+    fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
+        let plain = self.sealer.open(&self.hello_aad(r), sealed)?;
+        let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
+        let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
+        (plain.len() == HELLO_PLAIN).then_some((nonce, world))
+    }
+
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
-        let nonce: [u8; 32] = auth::random()?;
-        let mut plain = nonce.to_vec();
+        let mut plain = self.nonce.to_vec();
         plain.extend_from_slice(&(self.world as u64).to_le_bytes());
         let sealed = self.sealer.seal(&self.hello_aad(self.rank), &plain)?;
         self.store
@@ -382,23 +413,13 @@ impl TorchSession {
         let keys: Vec<String> = (0..self.world).map(|r| self.hello_key(r)).collect();
         let what = format!("hello from all {} ranks", self.world);
         let timeout = deadline.saturating_duration_since(Instant::now());
-        let values = self.wait_keys(&keys, deadline, &what, timeout)?;
+        self.wait_keys(&keys, deadline, &what, timeout)?;
         let mut nonces = Vec::with_capacity(self.world);
-        for (r, v) in values.iter().enumerate() {
-            let plain =
-                self.sealer
-                    .open(&self.hello_aad(r), v)
-                    .ok_or_else(|| RendezvousError::Forged {
-                        what: format!("rank {r}'s hello"),
-                        store: self.store.peer().to_owned(),
-                    })?;
-            if plain.len() != 40 {
-                return Err(RendezvousError::Forged {
-                    what: format!("rank {r}'s hello"),
-                    store: self.store.peer().to_owned(),
-                });
-            }
-            let world = u64::from_le_bytes(plain[32..40].try_into().unwrap_or([0; 8]));
+        for (r, k) in keys.iter().enumerate() {
+            let sealed = self.store.get(k, HELLO_PLAIN + SEAL_OVERHEAD, deadline)?;
+            let (nonce, world) = self
+                .open_hello(r, &sealed)
+                .ok_or_else(|| self.forged(format!("rank {r}'s hello")))?;
             if world != self.world as u64 {
                 return Err(RendezvousError::WorldSizeMismatch {
                     rank: r,
@@ -406,9 +427,9 @@ impl TorchSession {
                     server: self.world,
                 });
             }
-            nonces.push(plain[..32].to_vec());
+            nonces.push(nonce);
         }
-        if nonces[self.rank] != nonce {
+        if nonces[self.rank] != self.nonce {
             return Err(RendezvousError::DuplicateRank {
                 rank: self.rank,
                 detail: "another process of the job wrote this rank's hello in torchrun's store"
@@ -418,8 +439,9 @@ impl TorchSession {
         let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
         let instance = self.instance.to_le_bytes();
         parts.push(&instance);
-        parts.extend(nonces.iter().map(Vec::as_slice));
+        parts.extend(nonces.iter().map(|n| n.as_slice()));
         self.session = auth::digest(&parts);
+        self.nonces = Some(nonces);
         Ok(())
     }
 
@@ -443,16 +465,29 @@ impl TorchSession {
             .set(&self.round_key(round, self.rank), &sealed, deadline)?;
         let keys: Vec<String> = (0..self.world).map(|r| self.round_key(round, r)).collect();
         let what = format!("all-gather round {round}");
-        let values = self.wait_keys(&keys, deadline, &what, timeout)?;
+        self.wait_keys(&keys, deadline, &what, timeout)?;
+        // Each value is read at most as long as a contribution can be, and opened at once: a
+        // process that overwrites keys with junk costs no more memory than a real round.
         let mut out = Vec::with_capacity(self.world);
-        for (r, v) in values.iter().enumerate() {
+        let mut total = 0usize;
+        for (r, k) in keys.iter().enumerate() {
+            let sealed = self.store.get(k, MAX_VALUE_LEN + SEAL_OVERHEAD, deadline)?;
             let plain = self
                 .sealer
-                .open(&self.round_aad(round, r), v)
-                .ok_or_else(|| RendezvousError::Forged {
-                    what: format!("rank {r}'s contribution to all-gather round {round}"),
-                    store: self.store.peer().to_owned(),
+                .open(&self.round_aad(round, r), &sealed)
+                .ok_or_else(|| {
+                    self.forged(format!(
+                        "rank {r}'s contribution to all-gather round {round}"
+                    ))
                 })?;
+            total += plain.len();
+            if total > MAX_GATHER_BYTES {
+                return Err(RendezvousError::TooLarge {
+                    what: format!("all-gather round {round}"),
+                    len: total,
+                    max: MAX_GATHER_BYTES,
+                });
+            }
             out.push(plain);
         }
         if out[self.rank] != mine {
@@ -482,20 +517,20 @@ impl TorchSession {
         Ok(out)
     }
 
-    /// Waits until every key of `keys` exists (or an abort appears, or `deadline` passes) and
-    /// returns their values.
+    /// Waits until every key of `keys` exists, an abort of this session appears, or
+    /// `deadline` passes.
     fn wait_keys(
         &mut self,
         keys: &[String],
         deadline: Instant,
         what: &str,
         timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>> {
+    ) -> Result<()> {
         let abort = vec![self.abort_key()];
         let mut pause = POLL_START;
         loop {
             if self.store.check(keys, deadline)? {
-                break;
+                return Ok(());
             }
             if self.store.check(&abort, deadline)? {
                 self.read_abort(deadline)?;
@@ -518,34 +553,64 @@ impl TorchSession {
             thread::sleep(pause.min(left));
             pause = (pause * 2).min(POLL_MAX);
         }
-        keys.iter().map(|k| self.store.get(k, deadline)).collect()
     }
 
-    /// Fails with the abort another rank left, if it is genuine.
+    /// Rank `sender`'s nonce of this session as far as this rank can tell: its own record
+    /// after the first round, else what the store holds for the sender now.
+    fn nonce_of(&mut self, sender: usize, deadline: Instant) -> Result<Option<[u8; 32]>> {
+        if sender >= self.world {
+            return Ok(None);
+        }
+        if let Some(nonces) = &self.nonces {
+            return Ok(Some(nonces[sender]));
+        }
+        let key = vec![self.hello_key(sender)];
+        if !self.store.check(&key, deadline)? {
+            return Ok(None);
+        }
+        let sealed = self
+            .store
+            .get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, deadline)?;
+        Ok(self.open_hello(sender, &sealed).map(|(n, _)| n))
+    }
+
+    /// Fails with the abort another rank left, if it is genuine: sealed with the token, and
+    /// carrying its sender's nonce of this launch (so an abort recorded in an earlier launch
+    /// is ignored).
     fn read_abort(&mut self, deadline: Instant) -> Result<()> {
-        let sealed = self.store.get(&self.abort_key(), deadline)?;
-        let Some(plain) = self.sealer.open(&self.abort_aad(), &sealed) else {
-            if !self.forged_abort {
-                self.forged_abort = true;
-                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that failed authentication");
+        let sealed = self.store.get(&self.abort_key(), ABORT_MAX, deadline)?;
+        let parsed = self.sealer.open(&self.abort_aad(), &sealed).and_then(|p| {
+            let sender = u32::from_le_bytes(p.get(..4)?.try_into().ok()?) as usize;
+            let nonce: [u8; 32] = p.get(4..36)?.try_into().ok()?;
+            let count = u32::from_le_bytes(p.get(36..40)?.try_into().ok()?) as usize;
+            let end = 40usize.checked_add(count.checked_mul(4)?)?;
+            let missing: Vec<usize> = p
+                .get(40..end)?
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                .collect();
+            let reason = String::from_utf8_lossy(p.get(end..)?).into_owned();
+            Some((sender, nonce, missing, reason))
+        });
+        let genuine = match parsed {
+            Some((sender, nonce, missing, reason)) => {
+                let known = self.nonce_of(sender, deadline)?;
+                known
+                    .is_some_and(|n| auth::same_secret(&n, &nonce))
+                    .then_some((missing, reason))
             }
-            return Ok(());
+            None => None,
         };
-        let count = plain
-            .get(..4)
-            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
-        let list_end = 4usize
-            .saturating_add(count.saturating_mul(4))
-            .min(plain.len());
-        let missing = plain
-            .get(4..list_end)
-            .unwrap_or_default()
-            .chunks_exact(4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-            .collect();
-        let reason =
-            String::from_utf8_lossy(plain.get(list_end..).unwrap_or_default()).into_owned();
-        Err(RendezvousError::JobFailed { reason, missing })
+        match genuine {
+            Some((missing, reason)) => Err(RendezvousError::JobFailed { reason, missing }),
+            None => {
+                if !self.forged_abort {
+                    self.forged_abort = true;
+                    warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that is not from this launch");
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Fails the job for every rank with `reason`.
@@ -555,15 +620,17 @@ impl TorchSession {
         missing: &[usize],
         timeout: Duration,
     ) -> Result<()> {
-        let listed = &missing[..missing.len().min(1 << 16)];
-        let mut plain = u32::try_from(listed.len())
-            .unwrap_or(0)
+        let listed = &missing[..missing.len().min(ABORT_RANKS)];
+        let mut plain = u32::try_from(self.rank)
+            .unwrap_or(u32::MAX)
             .to_le_bytes()
             .to_vec();
+        plain.extend_from_slice(&self.nonce);
+        plain.extend_from_slice(&u32::try_from(listed.len()).unwrap_or(0).to_le_bytes());
         for &r in listed {
             plain.extend_from_slice(&u32::try_from(r).unwrap_or(u32::MAX).to_le_bytes());
         }
-        let mut end = reason.len().min(4096);
+        let mut end = reason.len().min(ABORT_REASON);
         while !reason.is_char_boundary(end) {
             end -= 1;
         }
@@ -586,11 +653,8 @@ impl TorchSession {
         ) {
             return;
         }
-        if let Err(abort_err) = self.abort(
-            &e.to_string(),
-            e.missing_ranks(),
-            Duration::from_millis(500),
-        ) {
+        let reason = e.to_string();
+        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), Duration::from_millis(500)) {
             debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
         }
     }
