@@ -529,3 +529,26 @@ fn the_final_error_names_the_real_cause() {
     );
     assert!(msg.contains("closed"), "{msg}");
 }
+
+/// A timeout too long for the clock ("no limit") is a far deadline, not a panic.
+#[test]
+fn huge_timeouts_are_far_deadlines() {
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            thread::spawn(move || {
+                let mut rdv = Rendezvous::connect(&job(rank, 2, port, SECRET), Duration::MAX)?;
+                rdv.set_timeout(Duration::MAX);
+                let all = rdv.all_gather(b"far")?;
+                rdv.barrier()?;
+                Ok::<_, RendezvousError>(all)
+            })
+        })
+        .collect();
+    for r in ranks {
+        assert_eq!(
+            r.join().unwrap().unwrap(),
+            [b"far".to_vec(), b"far".to_vec()]
+        );
+    }
+}

@@ -119,6 +119,15 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Writes `value` under `key` of the store, as a stranger who reaches its port can.
+fn plant(store: &mut TorchStore, key: &str, value: &[u8]) {
+    assert_eq!(
+        store.ask(&format!("set {key} {}", hex(value))),
+        "ok",
+        "{key}"
+    );
+}
+
 /// Rank `rank` of a torchrun-style job whose agent store listens on `port`.
 fn job(rank: usize, world: usize, port: u16, token: &str) -> JobEnv {
     let vars = [
@@ -211,10 +220,8 @@ fn forged_and_replayed_values_are_refused() {
 
     // Garbage where rank 1's hello belongs, before rank 1 comes: rank 0 refuses it.
     let mut store = TorchStore::start(&py);
-    assert_eq!(
-        store.ask(&format!("set gpucast/1/hello/1 {}", hex(&[0x42; 80]))),
-        "ok"
-    );
+    plant(&mut store, "gpucast/1/hello/1", &[0x42; 80]);
+    plant(&mut store, "gpucast/1/hello/count", b"1");
     let e =
         Rendezvous::connect(&job(0, 2, store.port, &token), Duration::from_secs(5)).unwrap_err();
     assert!(matches!(e, RendezvousError::Forged { .. }), "{e:?}");
@@ -246,18 +253,20 @@ fn forged_and_replayed_values_are_refused() {
     // A second launch on a fresh store with the same token: the recorded values are planted
     // for rank 1, which never comes. Rank 0 must not take the old contribution as rank 1's.
     let mut second = TorchStore::start(&py);
-    assert_eq!(
-        second.ask(&format!("set gpucast/1/hello/1 {}", hex(&hello))),
-        "ok"
-    );
-    assert_eq!(
-        second.ask(&format!("set gpucast/1/0/1 {}", hex(&round0))),
-        "ok"
-    );
-    let outcome = Rendezvous::connect(&job(0, 2, second.port, &token), Duration::from_secs(5))
+    plant(&mut second, "gpucast/1/hello/1", &hello);
+    plant(&mut second, "gpucast/1/0/1", &round0);
+    for count in ["hello", "confirm", "0"] {
+        plant(&mut second, &format!("gpucast/1/{count}/count"), b"1");
+    }
+    let outcome = Rendezvous::connect(&job(0, 2, second.port, &token), Duration::from_secs(2))
         .and_then(|rdv| rdv.all_gather(b"second launch"));
+    // The recorded hello cannot confirm this launch's session: rank 1 is missing, and its old
+    // contribution is never taken.
     let e = outcome.unwrap_err();
-    assert!(matches!(e, RendezvousError::Forged { .. }), "{e:?}");
+    assert!(
+        matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[1]),
+        "{e:?}"
+    );
 }
 
 /// A rank that fails tells the others through the store; a rank that never comes is named.
@@ -379,10 +388,71 @@ fn replayed_aborts_and_oversize_values_are_refused() {
     let mut third = TorchStore::start(&py);
     let junk = "5a".repeat(8 << 20);
     assert_eq!(third.ask(&format!("set gpucast/1/hello/1 {junk}")), "ok");
+    plant(&mut third, "gpucast/1/hello/count", b"1");
     let e =
         Rendezvous::connect(&job(0, 2, third.port, &token), Duration::from_secs(5)).unwrap_err();
     assert!(
         matches!(e, RendezvousError::TooLarge { max: 80, .. }),
         "{e:?}"
     );
+}
+
+/// A hello recorded in an earlier launch, planted for a rank that never comes (with that
+/// rank's recorded abort), neither completes the rendezvous nor fails it with the planted
+/// reason: the ranks time out naming the missing rank.
+#[test]
+fn a_replayed_hello_does_not_pass_for_a_rank() {
+    let Some(py) = python() else { return };
+    let token = random_token().unwrap();
+    for world in [2usize, 3] {
+        // Launch 1: every rank joins, rank 1 aborts; its hello and abort are recorded.
+        let mut first = TorchStore::start(&py);
+        let port = first.port;
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let token = token.clone();
+                thread::spawn(move || {
+                    let env = job(rank, world, port, &token);
+                    let rdv = Rendezvous::connect(&env, Duration::from_secs(20)).unwrap();
+                    if rank == 1 {
+                        rdv.abort("launch 1 gave up").unwrap();
+                    } else {
+                        assert!(rdv.all_gather(b"x").is_err());
+                    }
+                })
+            })
+            .collect();
+        let hello = decode_hex(&first.ask("wait gpucast/1/hello/1")).unwrap();
+        let abort = decode_hex(&first.ask("wait gpucast/1/abort")).unwrap();
+        for r in ranks {
+            r.join().unwrap();
+        }
+        drop(first);
+
+        // Launch 2, same token: rank 1 never comes, its recorded values are planted.
+        let mut second = TorchStore::start(&py);
+        plant(&mut second, "gpucast/1/hello/1", &hello);
+        plant(&mut second, "gpucast/1/hello/count", b"1");
+        plant(&mut second, "gpucast/1/confirm/count", b"1");
+        plant(&mut second, "gpucast/1/abort", &abort);
+        plant(&mut second, "gpucast/1/abort-hello", &abort);
+        let port = second.port;
+        let ranks: Vec<_> = (0..world)
+            .filter(|&r| r != 1)
+            .map(|rank| {
+                let token = token.clone();
+                thread::spawn(move || {
+                    let env = job(rank, world, port, &token);
+                    Rendezvous::connect(&env, Duration::from_secs(2)).map(drop)
+                })
+            })
+            .collect();
+        for r in ranks {
+            let e = r.join().unwrap().unwrap_err();
+            assert!(
+                matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[1]),
+                "world {world}: {e:?}"
+            );
+        }
+    }
 }

@@ -26,7 +26,10 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{getsockopt, sendmsg, sockopt, ControlMessage, MsgFlags};
 
 use crate::error::{Error, Result};
-use crate::rendezvous::{random_bytes, same_secret};
+use crate::rendezvous::{random_bytes, same_secret, Throttle};
+
+/// Logging of refused and failed connections (strangers may make many).
+static REFUSED: Throttle = Throttle::new();
 
 /// Bytes of the nonce a peer presents.
 const NONCE_LEN: usize = 32;
@@ -168,7 +171,9 @@ impl Server {
                         match peer_uid(&conn) {
                             Some(u) if u == uid => {}
                             other => {
-                                tracing::warn!(uid = ?other, "a connection from another user was refused");
+                                if let Some(before) = REFUSED.allow() {
+                                    tracing::warn!(uid = ?other, before, "a connection from another user was refused");
+                                }
                                 continue;
                             }
                         }
@@ -184,7 +189,9 @@ impl Server {
                                 served_ref.fetch_add(1, Ordering::AcqRel);
                             }
                             Err(e) => {
-                                tracing::warn!(error = %e, "a peer was not served its descriptors")
+                                if let Some(before) = REFUSED.allow() {
+                                    tracing::warn!(error = %e, before, "a peer was not served its descriptors");
+                                }
                             }
                         });
                         handlers.push((handler, cut));

@@ -129,6 +129,59 @@ pub(crate) fn verify(
     .is_ok()
 }
 
+/// The store's proof that it, knowing `token`, refused the HELLO of this handshake with
+/// `refusal` (an encoded error): so that whatever holds the port cannot end a rank with an
+/// error of its choosing.
+pub(crate) fn prove_refusal(
+    token: &str,
+    server_nonce: &Nonce,
+    client_nonce: &Nonce,
+    rank: u32,
+    world_size: u32,
+    refusal: &[u8],
+) -> Proof {
+    refusal_mac(token, server_nonce, client_nonce, rank, world_size, refusal)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Whether `claimed` is the store's proof of `refusal` (constant time).
+pub(crate) fn verify_refusal(
+    token: &str,
+    server_nonce: &Nonce,
+    client_nonce: &Nonce,
+    rank: u32,
+    world_size: u32,
+    refusal: &[u8],
+    claimed: &[u8],
+) -> bool {
+    refusal_mac(token, server_nonce, client_nonce, rank, world_size, refusal)
+        .verify_slice(claimed)
+        .is_ok()
+}
+
+fn refusal_mac(
+    token: &str,
+    server_nonce: &Nonce,
+    client_nonce: &Nonce,
+    rank: u32,
+    world_size: u32,
+    refusal: &[u8],
+) -> HmacSha256 {
+    mac(
+        token.as_bytes(),
+        b"gpucast rendezvous v2: refusal",
+        &[
+            server_nonce,
+            client_nonce,
+            &rank.to_le_bytes(),
+            &world_size.to_le_bytes(),
+            refusal,
+        ],
+    )
+}
+
 /// Equality of two byte strings in time that depends on their lengths only.
 pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     use subtle::ConstantTimeEq;

@@ -52,7 +52,7 @@ pub(crate) fn connect_tcp(
     timeout: Duration,
 ) -> Result<(TcpStream, SocketAddr)> {
     let start = Instant::now();
-    let deadline = start + timeout;
+    let deadline = super::later(timeout);
     let mut backoff = BACKOFF_START;
     let mut last_error = None;
     loop {
@@ -129,6 +129,12 @@ impl StoreClient {
 
     /// Sends one request frame and reads the reply frame. Error replies become their error.
     fn call(&mut self, request: &Request, during: &str, wait: Duration) -> Result<wire::Frame> {
+        let frame = self.call_raw(request, during, wait)?;
+        self.error_reply(frame, during)
+    }
+
+    /// [`StoreClient::call`], keeping an error reply as a frame.
+    fn call_raw(&mut self, request: &Request, during: &str, wait: Duration) -> Result<wire::Frame> {
         self.check_usable(during)?;
         let peer = self.server.to_string();
         let frame = request.encode().map_err(|source| RendezvousError::Io {
@@ -140,18 +146,33 @@ impl StoreClient {
             .write_all(&frame)
             .and_then(|()| (&self.stream).flush());
         match sent {
-            Ok(()) => self.receive(during, wait),
+            Ok(()) => self.receive_raw(during, wait),
             Err(e) => Err(self.broken_by(FrameError::Io(e), during)),
         }
     }
 
-    /// Reads the next frame, expected within `wait` (plus slack). Error replies become their
-    /// error. Until the store has proven the token (`self.world_size` is set by a verified
-    /// welcome), frames are small and the whole of one must arrive by that time too: whatever
-    /// holds the port must not make this rank allocate or wait beyond its bound.
-    fn receive(&mut self, during: &str, wait: Duration) -> Result<wire::Frame> {
+    /// An error reply as its error; any other frame as it is.
+    fn error_reply(&self, frame: wire::Frame, during: &str) -> Result<wire::Frame> {
+        if frame.op != op::ERROR {
+            return Ok(frame);
+        }
         let peer = self.server.to_string();
-        let by = Instant::now() + wait + REPLY_SLACK;
+        Err(
+            wire::decode_error(&frame.payload, &peer).unwrap_or_else(|reason| {
+                RendezvousError::Protocol {
+                    peer: peer.clone(),
+                    reason: format!("malformed error reply during {during}: {reason}"),
+                }
+            }),
+        )
+    }
+
+    /// Reads the next frame, expected within `wait` (plus slack). Until the store has proven
+    /// the token (`self.world_size` is set by a verified welcome), frames are small and the
+    /// whole of one must arrive by that time too: whatever holds the port must not make this
+    /// rank allocate or wait beyond its bound.
+    fn receive_raw(&mut self, during: &str, wait: Duration) -> Result<wire::Frame> {
+        let by = super::later(wait.saturating_add(REPLY_SLACK));
         let proven = self.world_size.is_some();
         let times = FrameTimes {
             start_by: Some(by),
@@ -163,21 +184,10 @@ impl StoreClient {
         } else {
             MAX_UNPROVEN_REPLY
         };
-        let frame = match wire::read_frame(&mut &self.stream, max, times) {
-            Ok(f) => f,
-            Err(e) => return Err(self.broken_by(e, during)),
-        };
-        if frame.op == op::ERROR {
-            return Err(
-                wire::decode_error(&frame.payload, &peer).unwrap_or_else(|reason| {
-                    RendezvousError::Protocol {
-                        peer: peer.clone(),
-                        reason: format!("malformed error reply during {during}: {reason}"),
-                    }
-                }),
-            );
+        match wire::read_frame(&mut &self.stream, max, times) {
+            Ok(f) => Ok(f),
+            Err(e) => Err(self.broken_by(e, during)),
         }
-        Ok(frame)
     }
 
     /// Marks the connection unusable after `e` and returns it as the rendezvous error.
@@ -263,14 +273,19 @@ impl StoreClient {
         let during = format!("hello as rank {rank} of {world_size}");
         self.check_usable(&during)?;
         let store = self.server.to_string();
-        let challenge = self.receive(&during, timeout)?;
-        self.expect(&challenge, op::CHALLENGE, &during)?;
-        let server_nonce = wire::decode_challenge(&challenge.payload).map_err(|reason| {
-            RendezvousError::Protocol {
-                peer: store.clone(),
-                reason: format!("malformed challenge: {reason}"),
+        let not_authentic = |this: &mut Self| {
+            this.broken = Some("the store could not prove the job token".into());
+            RendezvousError::StoreNotAuthentic {
+                store: store.clone(),
             }
-        })?;
+        };
+        // The store speaks first, and before it has proven the token nothing it says is taken
+        // at its word: only its challenge, its proven welcome or its proven refusal.
+        let challenge = self.receive_raw(&during, timeout)?;
+        let server_nonce = match (challenge.op, wire::decode_challenge(&challenge.payload)) {
+            (op::CHALLENGE, Ok(n)) => n,
+            _ => return Err(not_authentic(self)),
+        };
         let nonce = auth::random()?;
         let proof = auth::prove(
             job_token,
@@ -286,31 +301,66 @@ impl StoreClient {
             nonce,
             proof,
         };
-        let frame = self.call(&req, &during, timeout).map_err(|e| match e {
-            RendezvousError::JobTokenMismatch { .. } => RendezvousError::JobTokenMismatch {
-                store: store.clone(),
-            },
-            other => other,
-        })?;
-        self.expect(&frame, op::OK, &during)?;
-        let welcome = wire::decode_welcome(&frame.payload);
-        let genuine = welcome.is_ok_and(|p| {
-            auth::verify(
-                job_token,
-                Purpose::Welcome,
-                &server_nonce,
-                &nonce,
-                rank32,
-                world32,
-                &p,
-            )
-        });
-        if !genuine {
-            self.broken = Some("the store could not prove the job token".into());
-            return Err(RendezvousError::StoreNotAuthentic { store });
+        let frame = self.call_raw(&req, &during, timeout)?;
+        match frame.op {
+            op::OK => {
+                let genuine = wire::decode_welcome(&frame.payload).is_ok_and(|p| {
+                    auth::verify(
+                        job_token,
+                        Purpose::Welcome,
+                        &server_nonce,
+                        &nonce,
+                        rank32,
+                        world32,
+                        &p,
+                    )
+                });
+                if !genuine {
+                    return Err(not_authentic(self));
+                }
+                self.world_size = Some(world_size);
+                Ok(())
+            }
+            // The refusal of this process's proof: unprovable to a process whose token
+            // differs, so it travels bare, and is believed (it ends only this rank's attempt).
+            op::ERROR if wire::is_token_refusal(&frame.payload) => {
+                self.broken = Some("the store refused the job token".into());
+                Err(RendezvousError::JobTokenMismatch { store })
+            }
+            op::ERROR => {
+                let split = frame.payload.len().checked_sub(auth::PROOF_LEN);
+                let proven = split.filter(|&at| {
+                    let (refusal, claimed) = frame.payload.split_at(at);
+                    auth::verify_refusal(
+                        job_token,
+                        &server_nonce,
+                        &nonce,
+                        rank32,
+                        world32,
+                        refusal,
+                        claimed,
+                    )
+                });
+                match proven {
+                    Some(at) => {
+                        self.broken = Some("the store refused this rank".into());
+                        let refusal = wire::Frame {
+                            op: op::ERROR,
+                            payload: frame.payload[..at].to_vec(),
+                        };
+                        self.error_reply(refusal, &during).map(drop)
+                    }
+                    None => Err(not_authentic(self)),
+                }
+            }
+            other => {
+                self.broken = Some(format!("reply op {other:#04x} to a HELLO"));
+                Err(RendezvousError::Protocol {
+                    peer: store,
+                    reason: format!("reply op {other:#04x} during {during}"),
+                })
+            }
         }
-        self.world_size = Some(world_size);
-        Ok(())
     }
 
     /// Waits until every rank has said hello. On timeout the error names the missing ranks.

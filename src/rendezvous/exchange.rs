@@ -261,8 +261,9 @@ fn local_target(listening: SocketAddr) -> SocketAddr {
 }
 
 /// Connects and says hello, reconnecting while the failure is on the connection (the store
-/// closed it, e.g. to make room, or reset it) and time is left. When time runs out after such
-/// a failure, that failure is the error, not the last connect attempt.
+/// closed it, e.g. to make room, or reset it) or on what answered (it could not prove the
+/// token: not the job's store, or not yet) and time is left. When time runs out after such a
+/// failure, that failure is the error, not the last connect attempt.
 fn connect_and_hello(
     host: &str,
     port: u16,
@@ -281,7 +282,7 @@ fn connect_and_hello(
         let left = deadline.saturating_duration_since(Instant::now());
         match client.hello(env.rank, env.world_size, &env.job_token, left) {
             Ok(()) => return Ok(client),
-            Err(e @ RendezvousError::Io { .. }) => {
+            Err(e @ (RendezvousError::Io { .. } | RendezvousError::StoreNotAuthentic { .. })) => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     return Err(e);
@@ -346,7 +347,7 @@ impl Rendezvous {
     pub fn connect(env: &JobEnv, timeout: Duration) -> Result<Self> {
         env.validate()?;
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = super::later(timeout);
         let rendezvous = |backend, server| Self {
             env: env.clone(),
             timeout,

@@ -151,3 +151,50 @@ const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// For the descriptor exchange between the processes of a host (the P2P path).
 pub(crate) use auth::{random as random_bytes, same_secret};
+
+/// `timeout` from now, or far in the future when that is beyond what an `Instant` holds (a
+/// caller may pass `Duration::MAX` for "no limit").
+pub(crate) fn later(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
+}
+
+/// Lets the first few of a kind of event be logged, then one in 1024, so that strangers who
+/// make the same mistake (or attack) many times cannot flood the log.
+#[derive(Default)]
+pub(crate) struct Throttle(std::sync::atomic::AtomicU64);
+
+impl Throttle {
+    /// A throttle that has seen nothing yet.
+    pub(crate) const fn new() -> Self {
+        Self(std::sync::atomic::AtomicU64::new(0))
+    }
+
+    /// Whether this occurrence is to be logged, and how many came before it.
+    pub(crate) fn allow(&self) -> Option<u64> {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        (n < 8 || n.is_multiple_of(1024)).then_some(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_throttle_lets_the_first_few_through_then_one_in_1024() {
+        let t = Throttle::new();
+        let allowed = (0..5000).filter(|_| t.allow().is_some()).count();
+        assert_eq!(allowed, 8 + 4, "0..8, then 1024, 2048, 3072, 4096");
+    }
+
+    #[test]
+    fn far_deadlines_do_not_overflow() {
+        let far = later(Duration::MAX);
+        assert!(far > std::time::Instant::now() + Duration::from_secs(3600 * 24 * 365));
+        let near = later(Duration::from_millis(5));
+        assert!(near <= std::time::Instant::now() + Duration::from_millis(5));
+    }
+}

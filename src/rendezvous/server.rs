@@ -23,7 +23,7 @@ use super::error::{rank_list, RendezvousError, Result};
 use super::wire::{self, op, Frame, FrameError, FrameTimes, Request};
 use super::wire::{HELLO_LEN, MAX_REQUEST_PAYLOAD};
 use super::{
-    DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_PENDING, MAX_GATHER_BYTES,
+    Throttle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_PENDING, MAX_GATHER_BYTES,
     MAX_STORE_BYTES, MAX_TOKEN_LEN, MAX_WORLD_SIZE,
 };
 
@@ -116,6 +116,8 @@ struct Shared {
     state: Mutex<State>,
     cond: Condvar,
     shutdown: AtomicBool,
+    /// Logging of strangers' failed proofs and late claims.
+    refused: Throttle,
 }
 
 #[derive(Clone)]
@@ -261,6 +263,7 @@ impl StoreServer {
             }),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            refused: Throttle::new(),
         });
         let for_thread = Arc::clone(&shared);
         let accept = thread::Builder::new()
@@ -348,7 +351,7 @@ impl Drop for StoreServer {
             .take()
             .and_then(|h| h.join().ok())
             .unwrap_or_default();
-        let grace_end = Instant::now() + SHUTDOWN_GRACE.min(self.shared.opts.io_timeout);
+        let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
         while st.busy > 0 {
             let left = grace_end.saturating_duration_since(Instant::now());
@@ -448,6 +451,34 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         }
     }
     handles
+}
+
+/// What becomes of a proven HELLO.
+enum Admission {
+    /// The connection is the rank's.
+    Admitted,
+    /// Refused with this error (sent with the store's proof).
+    Refused(RendezvousError),
+    /// Closed without an answer: the connection was evicted, or cannot be kept.
+    Dropped,
+}
+
+/// Whether the peer of `stream` has closed it (or it broke), looked at without blocking and
+/// without taking any byte from whoever reads it.
+fn closed(stream: &TcpStream) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    match recv(
+        stream.as_raw_fd(),
+        &mut b,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    ) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => false,
+        Err(_) => true,
+    }
 }
 
 /// How a wait ended.
@@ -558,7 +589,10 @@ impl Conn {
     fn handshake(&mut self) -> bool {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self.accepted + opts.handshake_timeout;
+        let hello_by = self
+            .accepted
+            .checked_add(opts.handshake_timeout)
+            .unwrap_or_else(|| super::later(opts.handshake_timeout));
         let left = hello_by.saturating_duration_since(Instant::now());
         let _ = self
             .stream
@@ -609,24 +643,42 @@ impl Conn {
             world_size,
             &proof,
         ) {
-            warn!(peer = %self.peer, rank, "rendezvous store: refused a connection that did not prove the job token");
+            if let Some(before) = shared.refused.allow() {
+                warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
+            }
             let _ = self.send_error(&RendezvousError::JobTokenMismatch {
                 store: String::new(),
             });
             return false;
         }
-        if !self.admit(rank, world_size) {
-            return false;
+        match self.admit(rank, world_size) {
+            Admission::Admitted => {
+                let welcome = auth::prove(
+                    &opts.job_token,
+                    Purpose::Welcome,
+                    &server_nonce,
+                    &nonce,
+                    rank,
+                    world_size,
+                );
+                self.send(op::OK, &[&welcome])
+            }
+            Admission::Refused(e) => {
+                // Proven, so that the rank can believe it (and nothing else can pass for it).
+                let refusal = wire::encode_error(&e);
+                let proof = auth::prove_refusal(
+                    &opts.job_token,
+                    &server_nonce,
+                    &nonce,
+                    rank,
+                    world_size,
+                    &refusal,
+                );
+                let _ = self.send(op::ERROR, &[&refusal, &proof]);
+                false
+            }
+            Admission::Dropped => false,
         }
-        let welcome = auth::prove(
-            &opts.job_token,
-            Purpose::Welcome,
-            &server_nonce,
-            &nonce,
-            rank,
-            world_size,
-        );
-        self.send(op::OK, &[&welcome])
     }
 
     fn send(&self, op: u8, parts: &[&[u8]]) -> bool {
@@ -707,7 +759,7 @@ impl Conn {
 
     /// Registers a proven HELLO's rank, or refuses it (failing the job when two processes of
     /// one launch disagree before the job has formed).
-    fn admit(&mut self, rank: u32, world_size: u32) -> bool {
+    fn admit(&mut self, rank: u32, world_size: u32) -> Admission {
         let n = self.shared.opts.world_size;
         let rank = usize::try_from(rank).unwrap_or(usize::MAX);
         let world_size = usize::try_from(world_size).unwrap_or(usize::MAX);
@@ -716,14 +768,26 @@ impl Conn {
         // take a rank (its welcome could not be delivered). The client reconnects.
         if !st.pending.iter().any(|(i, _)| *i == self.id) {
             debug!(peer = %self.peer, rank, "rendezvous store: a proven HELLO on an evicted connection");
-            return false;
+            return Admission::Dropped;
         }
-        // A rank whose connection closed before the job formed, and before it contributed to
-        // anything, may come again (its welcome may never have reached it).
-        if rank < n && !st.complete && st.departed[rank] && st.next_round[rank] == 0 {
-            st.registered[rank] = None;
-            st.departed[rank] = false;
-            st.told[rank] = false;
+        // A member the store cannot close at shutdown would hold Drop forever: no member
+        // without its handle (out of descriptors, in a flood).
+        let Ok(handle) = self.stream.try_clone() else {
+            warn!(peer = %self.peer, rank, "rendezvous store: no descriptor to keep for a rank; it will reconnect");
+            return Admission::Dropped;
+        };
+        // A rank whose earlier connection is gone, before it contributed to anything, may come
+        // again: its welcome may never have reached it.
+        if rank < n && st.next_round[rank] == 0 {
+            if let Some(old) = &st.registered[rank] {
+                let gone = st.departed[rank] || st.members.get(&old.conn).is_none_or(closed);
+                if gone {
+                    debug!(peer = %self.peer, rank, "rendezvous store: a rank comes again");
+                    st.registered[rank] = None;
+                    st.departed[rank] = false;
+                    st.told[rank] = false;
+                }
+            }
         }
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
@@ -732,12 +796,10 @@ impl Conn {
             if claims_free_rank {
                 st.told[rank] = true;
             }
-            drop(st);
-            let _ = self.send_error(&RendezvousError::JobFailed {
+            return Admission::Refused(RendezvousError::JobFailed {
                 reason: f.reason,
                 missing: f.missing,
             });
-            return false;
         }
         let refusal = if world_size != n {
             Some(RendezvousError::WorldSizeMismatch {
@@ -765,19 +827,18 @@ impl Conn {
             if st.complete {
                 // The job has formed: a late or stray claim costs it nothing.
                 drop(st);
-                warn!(peer = %self.peer, reason = %e, "rendezvous store: refused a claim after the job formed");
-                let _ = self.send_error(&RendezvousError::Rejected {
+                if let Some(before) = self.shared.refused.allow() {
+                    warn!(peer = %self.peer, reason = %e, before, "rendezvous store: refused a claim after the job formed");
+                }
+                return Admission::Refused(RendezvousError::Rejected {
                     reason: format!("every rank of the job has joined already: {e}"),
                 });
-                return false;
             }
             if claims_free_rank {
                 st.told[rank] = true;
             }
             st.fail(&self.shared.cond, e.to_string(), Vec::new());
-            drop(st);
-            let _ = self.send_error(&e);
-            return false;
+            return Admission::Refused(e);
         }
         st.registered[rank] = Some(Member {
             conn: self.id,
@@ -785,14 +846,12 @@ impl Conn {
         });
         st.complete = st.registered.iter().all(Option::is_some);
         st.pending.retain(|(i, _)| *i != self.id);
-        if let Ok(clone) = self.stream.try_clone() {
-            st.members.insert(self.id, clone);
-        }
+        st.members.insert(self.id, handle);
         self.rank = Some(rank);
         self.shared.cond.notify_all();
         drop(st);
         debug!(peer = %self.peer, rank, "rendezvous: rank said hello");
-        true
+        Admission::Admitted
     }
 
     /// Waits on the shared state until `ready` yields a value, the job fails, the server shuts
@@ -1092,6 +1151,75 @@ mod tests {
             "{e:?}"
         );
         fake.join().unwrap();
+    }
+
+    /// An error from what holds the port, unproven, does not end a rank with the text it
+    /// chooses: it is "not this job's store"; the store's own refusals carry its proof.
+    #[test]
+    fn refusals_count_only_when_proven() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            wire::write_frame(&mut s, op::CHALLENGE, &[&[3u8; auth::NONCE_LEN]]).unwrap();
+            let mut hello = [0u8; wire::FRAME_HEADER_LEN + HELLO_LEN];
+            s.read_exact(&mut hello).unwrap();
+            let lie = wire::encode_error(&RendezvousError::JobFailed {
+                reason: "rank 3 ran out of memory".into(),
+                missing: vec![3],
+            });
+            wire::write_frame(&mut s, op::ERROR, &[&lie, &[0u8; auth::PROOF_LEN]]).unwrap();
+            thread::sleep(Duration::from_millis(200));
+        });
+        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
+        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        assert!(
+            matches!(e, RendezvousError::StoreNotAuthentic { .. }),
+            "{e:?}"
+        );
+        fake.join().unwrap();
+        // The real store's refusal is believed: a world size of its own is a typed error.
+        let s = server(2);
+        let mut c = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
+        let e = c.hello(0, 3, TOKEN, T).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RendezvousError::WorldSizeMismatch {
+                    client: 3,
+                    server: 2,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    /// A rank whose connection dropped right after its welcome (it may never have read it)
+    /// comes again, before and after the job has formed, and is let in: its old connection is
+    /// gone, and it had contributed nothing.
+    #[test]
+    fn a_rank_whose_connection_died_may_come_again() {
+        for _ in 0..30 {
+            let s = server(2);
+            let c0 = client(&s, 0, 2);
+            drop(c0);
+            let mut again = client(&s, 0, 2);
+            let c1 = client(&s, 1, 2);
+            drop(c1);
+            let mut c1 = client(&s, 1, 2);
+            let other = thread::spawn(move || {
+                c1.wait_all(T).unwrap();
+                c1.all_gather(0, b"b", T).unwrap()
+            });
+            again.wait_all(T).unwrap();
+            assert_eq!(
+                again.all_gather(0, b"a", T).unwrap(),
+                [b"a".to_vec(), b"b".to_vec()]
+            );
+            other.join().unwrap();
+            assert!(s.failure().is_none());
+        }
     }
 
     /// Before the store has proven the token, what holds the port can make a rank neither

@@ -28,7 +28,7 @@ use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::client::{connect_tcp, host_port};
 use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
-use super::{MAX_GATHER_BYTES, MAX_VALUE_LEN};
+use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
 const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
@@ -50,8 +50,8 @@ const READY: u8 = 0;
 const NOT_READY: u8 = 1;
 /// Longest value PyTorch's store servers accept (the libuv server's limit).
 pub(crate) const TORCH_MAX_VALUE: usize = 8 << 20;
-/// Each request may take this long even when the wait it serves has run out, so that a wait
-/// that times out can still name what it missed (the same slack as gpucast's own store).
+/// Requests may run this long past the end of the wait they serve, so that a wait that times
+/// out can still name what it missed (the same slack as gpucast's own store's replies).
 const REQUEST_SLACK: Duration = Duration::from_secs(1);
 /// First and longest pause between two looks at the keys of a round.
 const POLL_START: Duration = Duration::from_micros(200);
@@ -131,25 +131,32 @@ impl TorchStore {
         }
     }
 
-    /// When one request must be answered, for a wait that ends at `deadline`.
-    fn by(deadline: Instant) -> Instant {
-        deadline.max(Instant::now() + REQUEST_SLACK)
-    }
-
-    fn left(deadline: Instant) -> Duration {
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1))
-    }
-
+    /// Writes all of `bytes` by `deadline` (checked between partial writes, not per write).
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
         self.usable(during)?;
-        let sent = self
-            .stream
-            .set_write_timeout(Some(Self::left(deadline)))
-            .and_then(|()| self.stream.write_all(bytes))
-            .and_then(|()| self.stream.flush());
-        sent.map_err(|e| self.io_error(during, e))
+        let mut sent = 0;
+        while sent < bytes.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let e =
+                    io::Error::new(io::ErrorKind::TimedOut, "the store took no request in time");
+                return Err(self.io_error(during, e));
+            }
+            if let Err(e) = self.stream.set_write_timeout(Some(left)) {
+                return Err(self.io_error(during, e));
+            }
+            match self.stream.write(&bytes[sent..]) {
+                Ok(0) => {
+                    let e =
+                        io::Error::new(io::ErrorKind::WriteZero, "the store closed the connection");
+                    return Err(self.io_error(during, e));
+                }
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(during, e)),
+            }
+        }
+        Ok(())
     }
 
     fn receive(&mut self, buf: &mut [u8], deadline: Instant, during: &str) -> Result<()> {
@@ -193,7 +200,6 @@ impl TorchStore {
 
     /// Stores `value` under `key`.
     pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
-        let deadline = Self::by(deadline);
         if value.len() > TORCH_MAX_VALUE {
             return Err(RendezvousError::TooLarge {
                 what: format!("the value of {key}"),
@@ -210,7 +216,6 @@ impl TorchStore {
     /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
     /// any memory is taken.
     pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
-        let deadline = Self::by(deadline);
         let during = format!("getting {key}");
         let mut req = vec![query::GET];
         push_bytes(&mut req, key.as_bytes());
@@ -236,7 +241,6 @@ impl TorchStore {
 
     /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
     pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
-        let deadline = Self::by(deadline);
         let during = format!("adding to {key}");
         let mut req = vec![query::ADD];
         push_bytes(&mut req, key.as_bytes());
@@ -247,7 +251,6 @@ impl TorchStore {
 
     /// Whether every key of `keys` exists.
     pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
-        let deadline = Self::by(deadline);
         let during = "checking for keys";
         let mut req = vec![query::CHECK];
         req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
@@ -270,7 +273,6 @@ impl TorchStore {
 
     /// Deletes `key`.
     pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
-        let deadline = Self::by(deadline);
         let during = format!("deleting {key}");
         let mut req = vec![query::DELETE_KEY];
         push_bytes(&mut req, key.as_bytes());
@@ -280,6 +282,13 @@ impl TorchStore {
 }
 
 /// The rounds of one [`super::Rendezvous`] over torchrun's store.
+///
+/// Rounds: `hello` (every rank's fresh nonce and world size), `confirm` (a value sealed under
+/// the session id that the nonces give, so that a rank goes on only once every rank has seen
+/// the same hellos: a hello recorded in an earlier launch cannot pass), then the all-gather
+/// rounds 0, 1, ... Each rank writes its value, then adds one to the round's counter; a rank
+/// waits by reading that one counter (not every key, which would load the store with
+/// world x world key lookups) and checks the keys once it is full.
 pub(crate) struct TorchSession {
     store: TorchStore,
     sealer: Sealer,
@@ -291,10 +300,11 @@ pub(crate) struct TorchSession {
     world: usize,
     /// This rank's fresh nonce of the first round.
     nonce: [u8; 32],
-    /// Every rank's nonce, once the first round is done.
-    nonces: Option<Vec<[u8; 32]>>,
-    /// Digest of every rank's nonce: binds later values to this session.
-    session: [u8; 32],
+    /// Digest of every rank's nonce, once the first round is done: binds later values, and
+    /// aborts, to this session.
+    session: Option<[u8; 32]>,
+    /// A genuine abort seen during the first round, reported if that round fails.
+    early_abort: Option<(String, Vec<usize>)>,
     /// Whether an abort that failed authentication was seen (reported once).
     forged_abort: bool,
 }
@@ -311,16 +321,47 @@ const ABORT_RANKS: usize = 1 << 12;
 const ABORT_REASON: usize = 4096;
 /// Longest sealed abort.
 const ABORT_MAX: usize = 4 + 32 + 4 + 4 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
+/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
+/// this many keys in one CHECK.
+pub(crate) const TORCH_MAX_WORLD: usize = 128 * 1024;
+
+/// Which round a key belongs to.
+#[derive(Clone, Copy)]
+enum Round {
+    Hello,
+    Confirm,
+    Gather(u64),
+}
+
+impl Round {
+    fn name(self) -> String {
+        match self {
+            Round::Hello => "hello".into(),
+            Round::Confirm => "confirm".into(),
+            Round::Gather(r) => r.to_string(),
+        }
+    }
+}
 
 impl TorchSession {
     /// Joins the job through torchrun's store: takes this rendezvous's instance number, then
-    /// runs the first round (every rank's nonce and world size), within `deadline`.
+    /// runs the first two rounds (every rank's nonce and world size, then a confirmation under
+    /// the session id), within `deadline`.
     pub(crate) fn join(env: &JobEnv, deadline: Instant) -> Result<TorchSession> {
         let StoreKind::Torch { prefix } = &env.store else {
             return Err(RendezvousError::InvalidArgument {
                 reason: "the job does not use torchrun's store".into(),
             });
         };
+        if env.world_size > TORCH_MAX_WORLD {
+            return Err(RendezvousError::InvalidArgument {
+                reason: format!(
+                    "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
+                     (set GPUCAST_MASTER_PORT to host gpucast's own store)",
+                    env.world_size
+                ),
+            });
+        }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
         if let Some(reason) = weak {
@@ -330,9 +371,10 @@ impl TorchSession {
                  MASTER_PORT can read, are sealed with a key derived from it",
             );
         }
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let mut store = TorchStore::connect(&env.master_addr, env.master_port, deadline)?;
         let key = |k: &str| format!("/{prefix}/gpucast/{k}");
-        let instance = store.add(&key(&format!("instance/{}", env.rank)), 1, deadline)?;
+        let instance = store.add(&key(&format!("instance/{}", env.rank)), 1, hard)?;
         let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
             peer: store.peer().to_owned(),
             reason: format!("the instance counter is {instance}"),
@@ -345,47 +387,59 @@ impl TorchSession {
             rank: env.rank,
             world: env.world_size,
             nonce: auth::random()?,
-            nonces: None,
-            session: [0; 32],
+            session: None,
+            early_abort: None,
             forged_abort: false,
         };
         debug!(rank = env.rank, instance, base = %s.base, "rendezvous through torchrun's store");
-        let first = s.hello(deadline);
+        let first = s.hello(deadline).and_then(|()| s.confirm(deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
         first.map(|()| s)
     }
 
-    fn hello_aad(&self, rank: usize) -> Vec<u8> {
-        let mut aad = b"gpucast hello".to_vec();
-        aad.extend(u64s(&[self.instance, rank as u64]));
+    fn aad(&self, what: &[u8], round: Round, rank: usize) -> Vec<u8> {
+        let mut aad = what.to_vec();
+        if let Some(session) = &self.session {
+            aad.extend_from_slice(session);
+        }
+        let r = match round {
+            Round::Hello => u64::MAX,
+            Round::Confirm => u64::MAX - 1,
+            Round::Gather(r) => r,
+        };
+        aad.extend(u64s(&[self.instance, r, rank as u64]));
         aad
     }
 
-    fn round_aad(&self, round: u64, rank: usize) -> Vec<u8> {
-        let mut aad = b"gpucast round".to_vec();
-        aad.extend_from_slice(&self.session);
-        aad.extend(u64s(&[self.instance, round, rank as u64]));
-        aad
+    fn key(&self, round: Round, rank: usize) -> String {
+        format!("{}{}/{rank}", self.base, round.name())
+    }
+
+    fn counter(&self, round: Round) -> String {
+        format!("{}{}/count", self.base, round.name())
+    }
+
+    fn keys(&self, round: Round) -> Vec<String> {
+        (0..self.world).map(|r| self.key(round, r)).collect()
+    }
+
+    /// The abort key of the first round (bound to its sender's nonce) and of the session.
+    fn abort_key(&self) -> String {
+        match self.session {
+            None => format!("{}abort-hello", self.base),
+            Some(_) => format!("{}abort", self.base),
+        }
     }
 
     fn abort_aad(&self) -> Vec<u8> {
         let mut aad = b"gpucast abort".to_vec();
+        if let Some(session) = &self.session {
+            aad.extend_from_slice(session);
+        }
         aad.extend(u64s(&[self.instance]));
         aad
-    }
-
-    fn hello_key(&self, rank: usize) -> String {
-        format!("{}hello/{rank}", self.base)
-    }
-
-    fn round_key(&self, round: u64, rank: usize) -> String {
-        format!("{}{round}/{rank}", self.base)
-    }
-
-    fn abort_key(&self) -> String {
-        format!("{}abort", self.base)
     }
 
     fn forged(&self, what: String) -> RendezvousError {
@@ -397,26 +451,41 @@ impl TorchSession {
 
     /// Rank `r`'s first-round value, opened: its nonce and world size.
     fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
-        let plain = self.sealer.open(&self.hello_aad(r), sealed)?;
+        let plain = self
+            .sealer
+            .open(&self.aad(b"gpucast hello", Round::Hello, r), sealed)?;
         let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
         let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
         (plain.len() == HELLO_PLAIN).then_some((nonce, world))
     }
 
+    /// Writes this rank's sealed `plain` for `round` and counts it in.
+    fn put(&mut self, round: Round, what: &[u8], plain: &[u8], hard: Instant) -> Result<()> {
+        let sealed = self.sealer.seal(&self.aad(what, round, self.rank), plain)?;
+        self.store.set(&self.key(round, self.rank), &sealed, hard)?;
+        self.store.add(&self.counter(round), 1, hard).map(drop)
+    }
+
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let mut plain = self.nonce.to_vec();
         plain.extend_from_slice(&(self.world as u64).to_le_bytes());
-        let sealed = self.sealer.seal(&self.hello_aad(self.rank), &plain)?;
-        self.store
-            .set(&self.hello_key(self.rank), &sealed, deadline)?;
-        let keys: Vec<String> = (0..self.world).map(|r| self.hello_key(r)).collect();
+        self.put(Round::Hello, b"gpucast hello", &plain, hard)?;
         let what = format!("hello from all {} ranks", self.world);
         let timeout = deadline.saturating_duration_since(Instant::now());
-        self.wait_keys(&keys, deadline, &what, timeout)?;
+        if let Err(e) = self.wait_round(Round::Hello, deadline, &what, timeout) {
+            // Another rank's abort of this round says more than the timeout it caused.
+            return Err(match (e, self.early_abort.take()) {
+                (RendezvousError::Timeout { .. }, Some((reason, missing))) => {
+                    RendezvousError::JobFailed { reason, missing }
+                }
+                (e, _) => e,
+            });
+        }
         let mut nonces = Vec::with_capacity(self.world);
-        for (r, k) in keys.iter().enumerate() {
-            let sealed = self.store.get(k, HELLO_PLAIN + SEAL_OVERHEAD, deadline)?;
+        for (r, k) in self.keys(Round::Hello).iter().enumerate() {
+            let sealed = self.store.get(k, HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
             let (nonce, world) = self
                 .open_hello(r, &sealed)
                 .ok_or_else(|| self.forged(format!("rank {r}'s hello")))?;
@@ -440,9 +509,48 @@ impl TorchSession {
         let instance = self.instance.to_le_bytes();
         parts.push(&instance);
         parts.extend(nonces.iter().map(|n| n.as_slice()));
-        self.session = auth::digest(&parts);
-        self.nonces = Some(nonces);
+        self.session = Some(auth::digest(&parts));
         Ok(())
+    }
+
+    /// The second round: an empty value sealed under the session id, from every rank. A rank
+    /// that saw other hellos (one recorded in an earlier launch, planted for a rank that never
+    /// came) has another session id, and its confirmation does not open here.
+    fn confirm(&mut self, deadline: Instant) -> Result<()> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        self.put(Round::Confirm, b"gpucast confirm", &[], hard)?;
+        let what = format!(
+            "every one of the {} ranks to confirm the session",
+            self.world
+        );
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        self.wait_round(Round::Confirm, deadline, &what, timeout)?;
+        for (r, k) in self.keys(Round::Confirm).iter().enumerate() {
+            let sealed = self.store.get(k, SEAL_OVERHEAD, hard)?;
+            let aad = self.aad(b"gpucast confirm", Round::Confirm, r);
+            if self.sealer.open(&aad, &sealed).is_none() {
+                return Err(self.forged(format!(
+                    "rank {r}'s confirmation (it saw other ranks' hellos than this rank)"
+                )));
+            }
+        }
+        if self.rank == 0 {
+            // Every rank wrote its confirmation after reading every hello.
+            self.forget(Round::Hello, hard);
+        }
+        Ok(())
+    }
+
+    /// Deletes a round's keys and counter (rank 0, once every rank is past it).
+    fn forget(&mut self, round: Round, hard: Instant) {
+        let mut old = self.keys(round);
+        old.push(self.counter(round));
+        for k in old {
+            if let Err(e) = self.store.delete(&k, hard) {
+                debug!(error = %e, "rendezvous: could not delete a finished key");
+                return;
+            }
+        }
     }
 
     /// Every rank's contribution to round `round`, in rank order.
@@ -459,27 +567,24 @@ impl TorchSession {
                 max: MAX_VALUE_LEN,
             });
         }
-        let deadline = Instant::now() + timeout;
-        let sealed = self.sealer.seal(&self.round_aad(round, self.rank), mine)?;
-        self.store
-            .set(&self.round_key(round, self.rank), &sealed, deadline)?;
-        let keys: Vec<String> = (0..self.world).map(|r| self.round_key(round, r)).collect();
+        let deadline = later(timeout);
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let this = Round::Gather(round);
+        self.put(this, b"gpucast round", mine, hard)?;
         let what = format!("all-gather round {round}");
-        self.wait_keys(&keys, deadline, &what, timeout)?;
+        self.wait_round(this, deadline, &what, timeout)?;
         // Each value is read at most as long as a contribution can be, and opened at once: a
         // process that overwrites keys with junk costs no more memory than a real round.
         let mut out = Vec::with_capacity(self.world);
         let mut total = 0usize;
-        for (r, k) in keys.iter().enumerate() {
-            let sealed = self.store.get(k, MAX_VALUE_LEN + SEAL_OVERHEAD, deadline)?;
-            let plain = self
-                .sealer
-                .open(&self.round_aad(round, r), &sealed)
-                .ok_or_else(|| {
-                    self.forged(format!(
-                        "rank {r}'s contribution to all-gather round {round}"
-                    ))
-                })?;
+        for (r, k) in self.keys(this).iter().enumerate() {
+            let sealed = self.store.get(k, MAX_VALUE_LEN + SEAL_OVERHEAD, hard)?;
+            let aad = self.aad(b"gpucast round", this, r);
+            let plain = self.sealer.open(&aad, &sealed).ok_or_else(|| {
+                self.forged(format!(
+                    "rank {r}'s contribution to all-gather round {round}"
+                ))
+            })?;
             total += plain.len();
             if total > MAX_GATHER_BYTES {
                 return Err(RendezvousError::TooLarge {
@@ -500,47 +605,54 @@ impl TorchSession {
         }
         if self.rank == 0 {
             // Every rank wrote this round after reading the previous one: that one is done.
-            let old: Vec<String> = if round == 0 {
-                (0..self.world).map(|r| self.hello_key(r)).collect()
-            } else {
-                (0..self.world)
-                    .map(|r| self.round_key(round - 1, r))
-                    .collect()
+            let previous = match round {
+                0 => Round::Confirm,
+                r => Round::Gather(r - 1),
             };
-            for k in old {
-                if let Err(e) = self.store.delete(&k, deadline) {
-                    debug!(error = %e, "rendezvous: could not delete a finished key");
-                    break;
-                }
-            }
+            self.forget(previous, hard);
         }
         Ok(out)
     }
 
-    /// Waits until every key of `keys` exists, an abort of this session appears, or
-    /// `deadline` passes.
-    fn wait_keys(
+    /// Waits until every rank has counted itself into `round` and its keys exist, an abort of
+    /// this session appears, or `deadline` passes (requests may take a second longer, to name
+    /// the missing ranks).
+    fn wait_round(
         &mut self,
-        keys: &[String],
+        round: Round,
         deadline: Instant,
         what: &str,
         timeout: Duration,
     ) -> Result<()> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let counter = self.counter(round);
+        let keys = self.keys(round);
         let abort = vec![self.abort_key()];
+        let world = i64::try_from(self.world).unwrap_or(i64::MAX);
         let mut pause = POLL_START;
         loop {
-            if self.store.check(keys, deadline)? {
+            // One counter per look; the keys once it says everyone is in (a stranger can
+            // raise the counter, never make the keys exist).
+            if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
                 return Ok(());
             }
-            if self.store.check(&abort, deadline)? {
-                self.read_abort(deadline)?;
+            if self.store.check(&abort, hard)? {
+                self.read_abort(hard)?;
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                // Name the missing ranks: a key each.
+                // Every key there though the counter is short (written without being counted:
+                // a stranger's, or a rank's that died in between): let the values speak.
+                if self.store.check(&keys, hard)? {
+                    return Ok(());
+                }
+                // Name the missing ranks, a key each, as far as the second allows.
                 let mut missing = Vec::new();
                 for (r, k) in keys.iter().enumerate() {
-                    if !self.store.check(std::slice::from_ref(k), deadline)? {
+                    if Instant::now() >= hard {
+                        break;
+                    }
+                    if !self.store.check(std::slice::from_ref(k), hard)? {
                         missing.push(r);
                     }
                 }
@@ -555,30 +667,12 @@ impl TorchSession {
         }
     }
 
-    /// Rank `sender`'s nonce of this session as far as this rank can tell: its own record
-    /// after the first round, else what the store holds for the sender now.
-    fn nonce_of(&mut self, sender: usize, deadline: Instant) -> Result<Option<[u8; 32]>> {
-        if sender >= self.world {
-            return Ok(None);
-        }
-        if let Some(nonces) = &self.nonces {
-            return Ok(Some(nonces[sender]));
-        }
-        let key = vec![self.hello_key(sender)];
-        if !self.store.check(&key, deadline)? {
-            return Ok(None);
-        }
-        let sealed = self
-            .store
-            .get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, deadline)?;
-        Ok(self.open_hello(sender, &sealed).map(|(n, _)| n))
-    }
-
-    /// Fails with the abort another rank left, if it is genuine: sealed with the token, and
-    /// carrying its sender's nonce of this launch (so an abort recorded in an earlier launch
-    /// is ignored).
-    fn read_abort(&mut self, deadline: Instant) -> Result<()> {
-        let sealed = self.store.get(&self.abort_key(), ABORT_MAX, deadline)?;
+    /// Reads the abort another rank left. In a session, one that opens under the session's
+    /// key fails this rank at once. In the first round, one whose sender's nonce matches that
+    /// sender's hello is kept, and reported if the round fails: it cannot prove itself of
+    /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
+    fn read_abort(&mut self, hard: Instant) -> Result<()> {
+        let sealed = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
         let parsed = self.sealer.open(&self.abort_aad(), &sealed).and_then(|p| {
             let sender = u32::from_le_bytes(p.get(..4)?.try_into().ok()?) as usize;
             let nonce: [u8; 32] = p.get(4..36)?.try_into().ok()?;
@@ -592,25 +686,28 @@ impl TorchSession {
             let reason = String::from_utf8_lossy(p.get(end..)?).into_owned();
             Some((sender, nonce, missing, reason))
         });
-        let genuine = match parsed {
-            Some((sender, nonce, missing, reason)) => {
-                let known = self.nonce_of(sender, deadline)?;
-                known
-                    .is_some_and(|n| auth::same_secret(&n, &nonce))
-                    .then_some((missing, reason))
+        let Some((sender, nonce, missing, reason)) = parsed else {
+            if !self.forged_abort {
+                self.forged_abort = true;
+                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that is not of this job");
             }
-            None => None,
+            return Ok(());
         };
-        match genuine {
-            Some((missing, reason)) => Err(RendezvousError::JobFailed { reason, missing }),
-            None => {
-                if !self.forged_abort {
-                    self.forged_abort = true;
-                    warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that is not from this launch");
-                }
-                Ok(())
+        if self.session.is_some() {
+            return Err(RendezvousError::JobFailed { reason, missing });
+        }
+        // First round: the sender's hello must be there and carry the same nonce.
+        let key = vec![self.key(Round::Hello, sender.min(self.world))];
+        if sender < self.world && self.store.check(&key, hard)? {
+            let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
+            if self
+                .open_hello(sender, &hello)
+                .is_some_and(|(n, _)| auth::same_secret(&n, &nonce))
+            {
+                self.early_abort = Some((reason, missing));
             }
         }
+        Ok(())
     }
 
     /// Fails the job for every rank with `reason`.
@@ -639,7 +736,7 @@ impl TorchSession {
         );
         let sealed = self.sealer.seal(&self.abort_aad(), &plain)?;
         let key = self.abort_key();
-        self.store.set(&key, &sealed, Instant::now() + timeout)
+        self.store.set(&key, &sealed, later(timeout))
     }
 
     /// After a local failure, tells the others (best effort), unless the failure came from

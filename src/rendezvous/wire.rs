@@ -205,7 +205,7 @@ pub(crate) fn read_frame<R: TimedRead>(
         }
     };
     let frame_limit = times.within;
-    let mut deadline = Instant::now() + frame_limit;
+    let mut deadline = super::later(frame_limit);
     if let Some(end) = times.end_by {
         deadline = deadline.min(end);
     }
@@ -521,6 +521,12 @@ pub(crate) fn decode_gathered(payload: &[u8]) -> Result<Vec<Vec<u8>>, String> {
     }
     c.finish("GATHERED")?;
     Ok(out)
+}
+
+/// Whether an `ERROR` payload is the refusal of a HELLO's proof (which the store cannot prove
+/// to a process that lacks the token, so it travels alone).
+pub(crate) fn is_token_refusal(payload: &[u8]) -> bool {
+    payload.first() == Some(&code::TOKEN_MISMATCH)
 }
 
 /// Error codes of the `ERROR` reply.
