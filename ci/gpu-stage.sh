@@ -42,5 +42,5 @@ for ex in broadcast broadcast_weights; do
   cp "target/release/examples/$ex" ".gpu/bin/example-$ex"
 done
 strip .gpu/bin/* 2>/dev/null || true
-cp ci/gpu-run.sh benches/torch_broadcast.py .gpu/
+cp ci/gpu-run.sh bench/benches/torch_broadcast.py .gpu/
 du -sh .gpu

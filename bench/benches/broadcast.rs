@@ -396,7 +396,7 @@ fn torch_rows(
 ) -> Result<Option<Vec<Row>>> {
     let modes_arg = args.modes.join(",");
     let mut cmd = Command::new(&args.python);
-    cmd.arg(script_path("benches/torch_broadcast.py"))
+    cmd.arg(script_path("bench/benches/torch_broadcast.py"))
         .args(["--sizes", &format!("{}:{}", args.min_bytes, args.max_bytes)])
         .args(["--factor", &args.factor.to_string()])
         .args(["--dtype", torch_dtype(dtype)])
@@ -428,10 +428,11 @@ fn torch_rows(
     }
 }
 
-/// A file of this repository: from the build's checkout if it is still there, else relative to
-/// the working directory (the GPU machine runs the staged binary from a copy of the repository).
+/// A file of this repository (a path from its root): from the build's checkout if it is still
+/// there, else relative to the working directory (the GPU machine runs the staged binary from a
+/// copy of the repository).
 fn script_path(relative: &str) -> PathBuf {
-    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    let built = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/..")).join(relative);
     if built.exists() {
         built
     } else {
