@@ -15,7 +15,7 @@
 //!
 //! By default one process drives every GPU (a `Clique`). With `--procs N` the example starts N
 //! ranks of itself with torchrun's variables (store on 127.0.0.1, rank `r` on GPU `r`; see
-//! `bench/benches/procs/job.rs`), and under torchrun it runs as a rank by itself (`RANK` and
+//! `examples/common/job.rs`), and under torchrun it runs as a rank by itself (`RANK` and
 //! `WORLD_SIZE` set). Then every rank builds a `gpucast::Communicator` and builds the model's
 //! host bytes the same way (the synthetic model is deterministic; a `--file` is read by every
 //! rank), the root uploads its copy, every other rank allocates and poisons its tensors, and
@@ -24,7 +24,7 @@
 //! `--repeats` more calls, each from a barrier of the job's store to the end of the call on
 //! the last rank (latest end - earliest start over the ranks, on the host's clock).
 
-#[path = "../../bench/benches/procs/job.rs"]
+#[path = "../common/job.rs"]
 mod job;
 mod model;
 

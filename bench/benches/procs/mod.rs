@@ -9,7 +9,7 @@
 //! ```
 //!
 //! `--procs N` re-executes the bench N times (same arguments minus `--procs`) with torchrun's
-//! variables, `MASTER_ADDR=127.0.0.1` and a free port (see `job.rs`); under torchrun the bench
+//! variables, `MASTER_ADDR=127.0.0.1` and a free port (see `examples/common/job.rs`); under torchrun the bench
 //! sees `RANK` and `WORLD_SIZE` and runs as a rank by itself. Rank `r` uses GPU `LOCAL_RANK`.
 //!
 //! # What is measured
@@ -53,6 +53,9 @@
 //! symmetric-memory one-shot all-reduce, one process per GPU) and merges its `torch-dist` and
 //! `torch-symm` rows. By then every rank has released its GPU and the other ranks are done.
 
+// The launcher and rank helper the weights example shares (it ships with the library's
+// examples; the bench is not published).
+#[path = "../../../examples/common/job.rs"]
 pub mod job;
 mod nccl;
 

@@ -2,8 +2,9 @@
 //! ranks (`--procs N`), telling a rank from a launcher, and what the ranks share besides the
 //! broadcasts themselves (a TCP store for barriers and small exchanges, a common clock).
 //!
-//! `benches/broadcast.rs` includes this file through `benches/procs/mod.rs`, the example with a
-//! `#[path]` attribute; each uses a different subset of it, hence the `dead_code` allowance.
+//! The bench (`bench/benches/procs/mod.rs`) and the example (`broadcast_weights/main.rs`) both
+//! include this file with a `#[path]` attribute; each uses a different subset of it, hence the
+//! `dead_code` allowance.
 //!
 //! # Launching
 //!
