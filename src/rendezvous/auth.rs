@@ -61,14 +61,17 @@ fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     m
 }
 
-/// What a proof is for: the label makes a client's proof useless as the server's, and both
+/// What a proof is for: the label makes a client's proof useless as the store's, and each
 /// useless anywhere else.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Purpose {
     /// A client proves the token when it says hello.
     Hello,
-    /// The store proves it back in its reply.
+    /// The store proves it back in its welcome.
     Welcome,
+    /// The store proves that it refused this HELLO with the error it sends, so that whatever
+    /// holds the port cannot end a rank with an error of its choosing.
+    Refusal,
 }
 
 impl Purpose {
@@ -76,110 +79,46 @@ impl Purpose {
         match self {
             Purpose::Hello => b"gpucast rendezvous v2: hello",
             Purpose::Welcome => b"gpucast rendezvous v2: welcome",
+            Purpose::Refusal => b"gpucast rendezvous v2: refusal",
         }
     }
 }
 
-/// The proof of knowing `token` for one handshake: both nonces (the store's is fresh per
-/// connection, so a recorded proof does not replay) and the rank and world size claimed.
-pub(crate) fn prove(
-    token: &str,
-    purpose: Purpose,
-    server_nonce: &Nonce,
-    client_nonce: &Nonce,
-    rank: u32,
-    world_size: u32,
-) -> Proof {
-    mac(
-        token.as_bytes(),
-        purpose.label(),
-        &[
-            server_nonce,
-            client_nonce,
-            &rank.to_le_bytes(),
-            &world_size.to_le_bytes(),
-        ],
-    )
-    .finalize()
-    .into_bytes()
-    .into()
+/// One handshake: both nonces (the store's is fresh per connection, so a recorded proof does
+/// not replay) and the rank and world size the HELLO claims.
+pub(crate) struct Handshake<'a> {
+    pub token: &'a str,
+    pub server_nonce: &'a Nonce,
+    pub client_nonce: &'a Nonce,
+    pub rank: u32,
+    pub world_size: u32,
 }
 
-/// Whether `claimed` is the proof [`prove`] gives, compared in constant time.
-pub(crate) fn verify(
-    token: &str,
-    purpose: Purpose,
-    server_nonce: &Nonce,
-    client_nonce: &Nonce,
-    rank: u32,
-    world_size: u32,
-    claimed: &[u8],
-) -> bool {
-    mac(
-        token.as_bytes(),
-        purpose.label(),
-        &[
-            server_nonce,
-            client_nonce,
-            &rank.to_le_bytes(),
-            &world_size.to_le_bytes(),
-        ],
-    )
-    .verify_slice(claimed)
-    .is_ok()
-}
+impl Handshake<'_> {
+    /// The MAC of `purpose` over this handshake and `extra` (a refusal's encoded error).
+    fn mac(&self, purpose: Purpose, extra: &[u8]) -> HmacSha256 {
+        mac(
+            self.token.as_bytes(),
+            purpose.label(),
+            &[
+                self.server_nonce,
+                self.client_nonce,
+                &self.rank.to_le_bytes(),
+                &self.world_size.to_le_bytes(),
+                extra,
+            ],
+        )
+    }
 
-/// The store's proof that it, knowing `token`, refused the HELLO of this handshake with
-/// `refusal` (an encoded error): so that whatever holds the port cannot end a rank with an
-/// error of its choosing.
-pub(crate) fn prove_refusal(
-    token: &str,
-    server_nonce: &Nonce,
-    client_nonce: &Nonce,
-    rank: u32,
-    world_size: u32,
-    refusal: &[u8],
-) -> Proof {
-    refusal_mac(token, server_nonce, client_nonce, rank, world_size, refusal)
-        .finalize()
-        .into_bytes()
-        .into()
-}
+    /// The proof of knowing the token for `purpose`, over `extra` too.
+    pub(crate) fn prove(&self, purpose: Purpose, extra: &[u8]) -> Proof {
+        self.mac(purpose, extra).finalize().into_bytes().into()
+    }
 
-/// Whether `claimed` is the store's proof of `refusal` (constant time).
-pub(crate) fn verify_refusal(
-    token: &str,
-    server_nonce: &Nonce,
-    client_nonce: &Nonce,
-    rank: u32,
-    world_size: u32,
-    refusal: &[u8],
-    claimed: &[u8],
-) -> bool {
-    refusal_mac(token, server_nonce, client_nonce, rank, world_size, refusal)
-        .verify_slice(claimed)
-        .is_ok()
-}
-
-fn refusal_mac(
-    token: &str,
-    server_nonce: &Nonce,
-    client_nonce: &Nonce,
-    rank: u32,
-    world_size: u32,
-    refusal: &[u8],
-) -> HmacSha256 {
-    mac(
-        token.as_bytes(),
-        b"gpucast rendezvous v2: refusal",
-        &[
-            server_nonce,
-            client_nonce,
-            &rank.to_le_bytes(),
-            &world_size.to_le_bytes(),
-            refusal,
-        ],
-    )
+    /// Whether `claimed` is that proof, compared in constant time.
+    pub(crate) fn verify(&self, purpose: Purpose, extra: &[u8], claimed: &[u8]) -> bool {
+        self.mac(purpose, extra).verify_slice(claimed).is_ok()
+    }
 }
 
 /// Equality of two byte strings in time that depends on their lengths only.
@@ -288,15 +227,28 @@ mod tests {
     #[test]
     fn proofs_bind_the_token_the_nonces_and_the_claim() {
         let (s, c) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let p = prove("tok", Purpose::Hello, &s, &c, 3, 8);
-        assert!(verify("tok", Purpose::Hello, &s, &c, 3, 8, &p));
-        assert!(!verify("tok2", Purpose::Hello, &s, &c, 3, 8, &p));
-        assert!(!verify("tok", Purpose::Welcome, &s, &c, 3, 8, &p));
-        assert!(!verify("tok", Purpose::Hello, &c, &s, 3, 8, &p));
-        assert!(!verify("tok", Purpose::Hello, &s, &c, 4, 8, &p));
-        assert!(!verify("tok", Purpose::Hello, &s, &c, 3, 9, &p));
-        assert!(!verify("tok", Purpose::Hello, &s, &c, 3, 8, &p[..31]));
-        assert!(!verify("tok", Purpose::Hello, &s, &c, 3, 8, &[]));
+        let hs = |token, server_nonce, client_nonce, rank, world_size| Handshake {
+            token,
+            server_nonce,
+            client_nonce,
+            rank,
+            world_size,
+        };
+        let p = hs("tok", &s, &c, 3, 8).prove(Purpose::Hello, b"");
+        assert!(hs("tok", &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs("tok2", &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Welcome, b"", &p));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Refusal, b"", &p));
+        assert!(!hs("tok", &c, &s, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs("tok", &s, &c, 4, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs("tok", &s, &c, 3, 9).verify(Purpose::Hello, b"", &p));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Hello, b"x", &p));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Hello, b"", &p[..31]));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Hello, b"", &[]));
+        // A refusal's proof covers the error it proves.
+        let r = hs("tok", &s, &c, 3, 8).prove(Purpose::Refusal, b"error 1");
+        assert!(hs("tok", &s, &c, 3, 8).verify(Purpose::Refusal, b"error 1", &r));
+        assert!(!hs("tok", &s, &c, 3, 8).verify(Purpose::Refusal, b"error 2", &r));
         // The token is not in the proof in any readable form.
         assert!(!p.windows(3).any(|w| w == b"tok"));
     }

@@ -5,8 +5,8 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::auth::{self, Purpose};
-use super::error::{RendezvousError, Result};
+use super::auth::{self, Handshake, Purpose};
+use super::error::{clip, RendezvousError, Result};
 use super::wire::{self, op, FrameError, FrameTimes, Request, MAX_REPLY_PAYLOAD};
 use super::{DEFAULT_IO_TIMEOUT, MAX_TOKEN_LEN, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
@@ -115,14 +115,11 @@ impl StoreClient {
     /// The error of a connection made unusable by an earlier one.
     fn check_usable(&self, during: &str) -> Result<()> {
         match &self.broken {
-            Some(why) => Err(RendezvousError::Io {
-                peer: self.server.to_string(),
-                during: during.to_owned(),
-                source: io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    format!("the connection is unusable after an earlier error: {why}"),
-                ),
-            }),
+            Some(why) => Err(RendezvousError::unusable(
+                &self.server.to_string(),
+                during,
+                why,
+            )),
             None => Ok(()),
         }
     }
@@ -287,14 +284,14 @@ impl StoreClient {
             _ => return Err(not_authentic(self)),
         };
         let nonce = auth::random()?;
-        let proof = auth::prove(
-            job_token,
-            Purpose::Hello,
-            &server_nonce,
-            &nonce,
-            rank32,
-            world32,
-        );
+        let handshake = Handshake {
+            token: job_token,
+            server_nonce: &server_nonce,
+            client_nonce: &nonce,
+            rank: rank32,
+            world_size: world32,
+        };
+        let proof = handshake.prove(Purpose::Hello, b"");
         let req = Request::Hello {
             rank: rank32,
             world_size: world32,
@@ -304,17 +301,8 @@ impl StoreClient {
         let frame = self.call_raw(&req, &during, timeout)?;
         match frame.op {
             op::OK => {
-                let genuine = wire::decode_welcome(&frame.payload).is_ok_and(|p| {
-                    auth::verify(
-                        job_token,
-                        Purpose::Welcome,
-                        &server_nonce,
-                        &nonce,
-                        rank32,
-                        world32,
-                        &p,
-                    )
-                });
+                let genuine = wire::decode_welcome(&frame.payload)
+                    .is_ok_and(|p| handshake.verify(Purpose::Welcome, b"", &p));
                 if !genuine {
                     return Err(not_authentic(self));
                 }
@@ -331,15 +319,7 @@ impl StoreClient {
                 let split = frame.payload.len().checked_sub(auth::PROOF_LEN);
                 let proven = split.filter(|&at| {
                     let (refusal, claimed) = frame.payload.split_at(at);
-                    auth::verify_refusal(
-                        job_token,
-                        &server_nonce,
-                        &nonce,
-                        rank32,
-                        world32,
-                        refusal,
-                        claimed,
-                    )
+                    handshake.verify(Purpose::Refusal, refusal, claimed)
                 });
                 match proven {
                     Some(at) => {
@@ -428,17 +408,13 @@ impl StoreClient {
         missing: &[usize],
         timeout: Duration,
     ) -> Result<()> {
-        let mut end = reason.len().min(4096);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
         let req = Request::Abort {
             missing: missing
                 .iter()
                 .take(MAX_WORLD_SIZE)
                 .filter_map(|&r| u32::try_from(r).ok())
                 .collect(),
-            reason: reason[..end].to_owned(),
+            reason: clip(reason, 4096).to_owned(),
         };
         let frame = self.call(&req, "abort", timeout)?;
         self.expect(&frame, op::OK, "abort")

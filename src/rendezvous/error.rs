@@ -214,6 +214,37 @@ impl RendezvousError {
             _ => &[],
         }
     }
+
+    /// Whether a rank that hit this error should abort the job so that the others fail now:
+    /// not when the failure came from them (the job failed already) or from the store itself
+    /// (the connection is gone, or spoke nonsense).
+    pub(crate) fn is_worth_an_abort(&self) -> bool {
+        !matches!(
+            self,
+            Self::JobFailed { .. } | Self::Io { .. } | Self::Protocol { .. }
+        )
+    }
+
+    /// The error of a connection made unusable by an earlier one (`why`).
+    pub(crate) fn unusable(peer: &str, during: &str, why: &str) -> Self {
+        Self::Io {
+            peer: peer.to_owned(),
+            during: during.to_owned(),
+            source: io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!("the connection is unusable after an earlier error: {why}"),
+            ),
+        }
+    }
+}
+
+/// At most `max` bytes of `s`, cut at a character boundary.
+pub(crate) fn clip(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 fn last_error_text(e: &Option<io::Error>) -> String {

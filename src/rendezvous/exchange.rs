@@ -302,12 +302,7 @@ fn abort_after(backend: &mut Backend, rank: usize, e: &RendezvousError) {
     match backend {
         Backend::Alone => {}
         Backend::Own(client) => {
-            if matches!(
-                e,
-                RendezvousError::JobFailed { .. }
-                    | RendezvousError::Io { .. }
-                    | RendezvousError::Protocol { .. }
-            ) {
+            if !e.is_worth_an_abort() {
                 return;
             }
             let reason = e.to_string();

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::auth::{self, Purpose};
+use super::auth::{self, Handshake, Purpose};
 use super::error::{rank_list, RendezvousError, Result};
 use super::wire::{self, op, Frame, FrameError, FrameTimes, Request};
 use super::wire::{HELLO_LEN, MAX_REQUEST_PAYLOAD};
@@ -634,15 +634,14 @@ impl Conn {
             Ok(_) => return self.protocol_error("the first request must be HELLO".into()),
             Err(reason) => return self.protocol_error(reason),
         };
-        if !auth::verify(
-            &opts.job_token,
-            Purpose::Hello,
-            &server_nonce,
-            &nonce,
+        let handshake = Handshake {
+            token: &opts.job_token,
+            server_nonce: &server_nonce,
+            client_nonce: &nonce,
             rank,
             world_size,
-            &proof,
-        ) {
+        };
+        if !handshake.verify(Purpose::Hello, b"", &proof) {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
@@ -653,27 +652,13 @@ impl Conn {
         }
         match self.admit(rank, world_size) {
             Admission::Admitted => {
-                let welcome = auth::prove(
-                    &opts.job_token,
-                    Purpose::Welcome,
-                    &server_nonce,
-                    &nonce,
-                    rank,
-                    world_size,
-                );
+                let welcome = handshake.prove(Purpose::Welcome, b"");
                 self.send(op::OK, &[&welcome])
             }
             Admission::Refused(e) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let refusal = wire::encode_error(&e);
-                let proof = auth::prove_refusal(
-                    &opts.job_token,
-                    &server_nonce,
-                    &nonce,
-                    rank,
-                    world_size,
-                    &refusal,
-                );
+                let proof = handshake.prove(Purpose::Refusal, &refusal);
                 let _ = self.send(op::ERROR, &[&refusal, &proof]);
                 false
             }
@@ -1130,9 +1115,9 @@ mod tests {
         assert!(!format!("{:?}", s.shared.opts).contains(TOKEN));
     }
 
-    /// A store that answers a HELLO without knowing the token is found out by the client.
-    #[test]
-    fn a_store_that_cannot_prove_the_token_is_found_out() {
+    /// A process on a port of its own that challenges one client like a store, reads its
+    /// HELLO, then `answers` (without knowing the token).
+    fn fake_store(answer: impl FnOnce(&mut TcpStream) + Send + 'static) -> (u16, JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let fake = thread::spawn(move || {
@@ -1140,9 +1125,18 @@ mod tests {
             wire::write_frame(&mut s, op::CHALLENGE, &[&[3u8; auth::NONCE_LEN]]).unwrap();
             let mut hello = [0u8; wire::FRAME_HEADER_LEN + HELLO_LEN];
             s.read_exact(&mut hello).unwrap();
-            // "Welcome", with a proof it cannot have.
-            wire::write_frame(&mut s, op::OK, &[&[0u8; auth::PROOF_LEN]]).unwrap();
+            answer(&mut s);
             thread::sleep(Duration::from_millis(200));
+        });
+        (port, fake)
+    }
+
+    /// A store that answers a HELLO without knowing the token is found out by the client.
+    #[test]
+    fn a_store_that_cannot_prove_the_token_is_found_out() {
+        // "Welcome", with a proof it cannot have.
+        let (port, fake) = fake_store(|s| {
+            wire::write_frame(s, op::OK, &[&[0u8; auth::PROOF_LEN]]).unwrap();
         });
         let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
         let e = c.hello(0, 2, TOKEN, T).unwrap_err();
@@ -1157,19 +1151,12 @@ mod tests {
     /// chooses: it is "not this job's store"; the store's own refusals carry its proof.
     #[test]
     fn refusals_count_only_when_proven() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let fake = thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            wire::write_frame(&mut s, op::CHALLENGE, &[&[3u8; auth::NONCE_LEN]]).unwrap();
-            let mut hello = [0u8; wire::FRAME_HEADER_LEN + HELLO_LEN];
-            s.read_exact(&mut hello).unwrap();
+        let (port, fake) = fake_store(|s| {
             let lie = wire::encode_error(&RendezvousError::JobFailed {
                 reason: "rank 3 ran out of memory".into(),
                 missing: vec![3],
             });
-            wire::write_frame(&mut s, op::ERROR, &[&lie, &[0u8; auth::PROOF_LEN]]).unwrap();
-            thread::sleep(Duration::from_millis(200));
+            wire::write_frame(s, op::ERROR, &[&lie, &[0u8; auth::PROOF_LEN]]).unwrap();
         });
         let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
         let e = c.hello(0, 2, TOKEN, T).unwrap_err();

@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::client::{connect_tcp, host_port};
 use super::env::{JobEnv, StoreKind};
-use super::error::{RendezvousError, Result};
+use super::error::{clip, RendezvousError, Result};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
@@ -119,14 +119,7 @@ impl TorchStore {
 
     fn usable(&self, during: &str) -> Result<()> {
         match &self.broken {
-            Some(why) => Err(RendezvousError::Io {
-                peer: self.peer.clone(),
-                during: during.to_owned(),
-                source: io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    format!("the connection is unusable after an earlier error: {why}"),
-                ),
-            }),
+            Some(why) => Err(RendezvousError::unusable(&self.peer, during, why)),
             None => Ok(()),
         }
     }
@@ -727,12 +720,8 @@ impl TorchSession {
         for &r in listed {
             plain.extend_from_slice(&u32::try_from(r).unwrap_or(u32::MAX).to_le_bytes());
         }
-        let mut end = reason.len().min(ABORT_REASON);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
         plain.extend_from_slice(
-            format!("rank {} aborted: {}", self.rank, &reason[..end]).as_bytes(),
+            format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON)).as_bytes(),
         );
         let sealed = self.sealer.seal(&self.abort_aad(), &plain)?;
         let key = self.abort_key();
@@ -742,12 +731,7 @@ impl TorchSession {
     /// After a local failure, tells the others (best effort), unless the failure came from
     /// them or from the store itself.
     pub(crate) fn abort_after(&mut self, e: &RendezvousError) {
-        if matches!(
-            e,
-            RendezvousError::JobFailed { .. }
-                | RendezvousError::Io { .. }
-                | RendezvousError::Protocol { .. }
-        ) {
+        if !e.is_worth_an_abort() {
             return;
         }
         let reason = e.to_string();

@@ -5,7 +5,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use super::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
-use super::error::RendezvousError;
+use super::error::{clip, RendezvousError};
 use super::MAX_VALUE_LEN;
 
 /// The first four bytes of every frame.
@@ -601,12 +601,9 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
     p.extend_from_slice(&u16::try_from(strs.len()).unwrap_or(0).to_le_bytes());
     for s in &strs {
         // Messages are short; clip anything absurd at 64 KiB on a character boundary.
-        let mut end = s.len().min(64 * 1024);
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        p.extend_from_slice(&u32::try_from(end).unwrap_or(0).to_le_bytes());
-        p.extend_from_slice(&s.as_bytes()[..end]);
+        let s = clip(s, 64 * 1024);
+        p.extend_from_slice(&u32::try_from(s.len()).unwrap_or(0).to_le_bytes());
+        p.extend_from_slice(s.as_bytes());
     }
     p
 }
