@@ -138,6 +138,54 @@ fn a_communicator_checks_its_device_before_waiting_for_peers() {
     );
 }
 
+/// The ranks that can run hear at once why one cannot, rather than waiting out their own
+/// timeout for it: rank 1 cannot run while rank 0 waits (rank 1 joins rank 0's store just to
+/// abort), then rank 0 cannot run while rank 1 waits (rank 0 hosts its store just to say so).
+#[test]
+fn the_other_ranks_hear_at_once_why_a_rank_cannot_run() {
+    use gpucast::rendezvous::{JobEnv, Rendezvous, RendezvousError};
+    let bad_device = if driver_present() { 4096 } else { 0 };
+    for failing in [1usize, 0] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let waiting = 1 - failing;
+        let peer = std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let job = JobEnv::single_node(waiting, 2, port).unwrap();
+            // The failing rank may complete the rendezvous before it aborts: the first
+            // exchange after it fails then.
+            let r = Rendezvous::connect(&job, Duration::from_secs(20))
+                .and_then(|rdv| rdv.all_gather(b"cards"));
+            (r.map(drop), started.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let job = JobEnv::single_node(failing, 2, port).unwrap();
+        let r = gpucast::Communicator::builder()
+            .job(job)
+            .device(bad_device)
+            .init_timeout(Duration::from_secs(20))
+            .build();
+        assert!(r.is_err(), "rank {failing} has no usable device");
+        let (outcome, took) = peer.join().unwrap();
+        match outcome {
+            Err(RendezvousError::JobFailed { reason, .. }) => {
+                assert!(
+                    reason.contains(&format!("rank {failing} cannot take part")),
+                    "{reason}"
+                );
+            }
+            other => panic!("rank {waiting}: expected the job to fail, got {other:?}"),
+        }
+        assert!(
+            took < Duration::from_secs(5),
+            "rank {waiting} heard after {took:?}"
+        );
+    }
+}
+
 /// A zero timeout is rejected like `GPUCAST_TIMEOUT_MS=0`, before any GPU work.
 #[test]
 fn a_zero_timeout_is_rejected() {

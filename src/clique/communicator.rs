@@ -19,6 +19,9 @@ use crate::plan::FusedReport;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
 use crate::tensor::DeviceTensorMut;
 
+/// Longest a rank that cannot take part keeps trying to tell the others (in the background).
+const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
+
 /// Default bound on finding the other ranks and setting up NCCL and P2P with them.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -147,11 +150,23 @@ impl Communicator {
         let env = Env::read()?;
         let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
         let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
-        // What this machine can tell alone comes before waiting for peers that may never come.
+        // What this machine can tell alone comes before waiting for peers that may never come;
+        // the peers hear it from a thread of gpucast's rendezvous (a caller's exchange has its
+        // own way to fail).
         let ordinal = b.device.unwrap_or(job.local_rank);
-        let available = setup::device_count()?;
-        if ordinal >= available {
-            return Err(Error::DeviceOutOfRange { ordinal, available });
+        let usable = setup::device_count().and_then(|available| {
+            if ordinal < available {
+                Ok(())
+            } else {
+                Err(Error::DeviceOutOfRange { ordinal, available })
+            }
+        });
+        if let Err(e) = usable {
+            if b.exchange.is_none() {
+                let reason = format!("rank {} cannot take part: {e}", job.rank);
+                Rendezvous::announce_failure(&job, reason, init_timeout.min(ANNOUNCE_WITHIN));
+            }
+            return Err(e);
         }
         let exchange: Box<dyn Exchange + Send + Sync> = match b.exchange {
             Some(x) => x,

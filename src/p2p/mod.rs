@@ -762,6 +762,36 @@ mod tests {
         }
     }
 
+    /// Memory the driver exports (a POSIX descriptor of `cuMemCreate` memory) passes the
+    /// descriptor exchange's checks (close-on-exec, only memory kinds) and maps again: what is
+    /// written through one mapping is read through the other. One GPU, two threads.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn exported_memory_passes_the_descriptor_exchange() {
+        use std::time::Instant;
+        let ctx = CudaContext::new(0).unwrap();
+        let mem = SharedMemory::alloc(&ctx, 1 << 20).unwrap();
+        let fd = mem.export().unwrap();
+        let server = ipc::Server::bind().unwrap();
+        let card = server.card().clone();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let fetcher = std::thread::spawn(move || ipc::fetch(&card, 1, deadline));
+        server.serve(b"rank", &[fd], 1, deadline).unwrap();
+        let (head, mut fds) = fetcher.join().unwrap().unwrap();
+        assert_eq!(head, b"rank");
+        let imported = SharedMemory::import(&ctx, fds.pop().unwrap(), mem.size()).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3).to_le_bytes()[0]).collect();
+        let mut back = vec![0u8; data.len()];
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: both mappings are live, at least `data.len()` bytes long, of this context's
+        // device; the copies are synchronous.
+        unsafe {
+            result::memcpy_htod_sync(mem.ptr(), &data).unwrap();
+            result::memcpy_dtoh_sync(&mut back, imported.ptr()).unwrap();
+        }
+        assert_eq!(back, data);
+    }
+
     /// A peer's card is checked, never trusted: short cards, sizes that do not cover what the
     /// kernels address and bad socket cards are errors, not panics.
     #[test]

@@ -410,6 +410,45 @@ impl Rendezvous {
         }
     }
 
+    /// Tells the other ranks of the job that this one cannot take part (`reason`), so that
+    /// they fail at once with it instead of waiting out their timeout, without holding up the
+    /// caller: a thread does it, best effort, within `within`. With gpucast's own store, rank
+    /// 0 hosts it just long enough for every rank to hear the reason, and any other rank
+    /// joins it and aborts; under torchrun, the rank joins torchrun's store with the others
+    /// and aborts there. Nothing is sent when the process exits first, or the others do not
+    /// come within `within`.
+    pub fn announce_failure(env: &JobEnv, reason: String, within: Duration) {
+        if env.world_size == 1 || env.validate().is_err() {
+            return;
+        }
+        let env = env.clone();
+        let spawned = thread::Builder::new()
+            .name("gpucast-announce".into())
+            .spawn(move || {
+                let deadline = super::later(within);
+                let told = match env.store {
+                    StoreKind::Torch { .. } => TorchSession::join(&env, deadline)
+                        .and_then(|mut s| s.abort(&reason, &[], ABORT_TIMEOUT)),
+                    StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
+                        server.fail_with(reason, Vec::new());
+                        server.mark_told(0);
+                        server.linger_until_told(deadline);
+                    }),
+                    StoreKind::Own => {
+                        let (host, port) = (env.master_addr.clone(), env.master_port);
+                        connect_and_hello(&host, port, &env, deadline)
+                            .and_then(|mut c| c.abort(&reason, &[], ABORT_TIMEOUT))
+                    }
+                };
+                if let Err(e) = told {
+                    debug!(rank = env.rank, error = %e, "rendezvous: the other ranks were not told of this rank's failure");
+                }
+            });
+        if let Err(e) = spawned {
+            debug!(error = %e, "rendezvous: no thread to tell the other ranks of this rank's failure");
+        }
+    }
+
     /// This process's rank.
     pub fn rank(&self) -> usize {
         self.env.rank

@@ -292,6 +292,14 @@ impl StoreServer {
         self.shared.lock().fail(&self.shared.cond, reason, missing);
     }
 
+    /// Records that `rank` knows of the failure already (the rank that caused it, in this
+    /// process), so that lingering waits only for the others.
+    pub(crate) fn mark_told(&self, rank: usize) {
+        if let Some(t) = self.shared.lock().told.get_mut(rank) {
+            *t = true;
+        }
+    }
+
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
