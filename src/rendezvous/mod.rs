@@ -36,18 +36,20 @@
 //!
 //! - gpucast's store sends every new connection a fresh random nonce; the HELLO must carry
 //!   HMAC-SHA256(token, both nonces, rank, world size), checked in constant time, and the store
-//!   answers with its own proof over the same nonces. A process without the token learns
-//!   nothing and registers nothing; a recorded HELLO is useless on any other connection; a
-//!   process that took the port first cannot pass as the store.
+//!   answers with its own proof over the same nonces, for a welcome and for a refusal alike. A
+//!   process without the token learns nothing and registers nothing; a recorded HELLO is
+//!   useless on any other connection; a process that took the port first can pass neither as
+//!   the store nor for its refusals (the rank retries until its deadline, then says so).
 //! - Until a HELLO is proven, a connection may send one frame of at most a HELLO's size,
 //!   within one deadline for the whole handshake (10 s), and at most 64 such connections are
 //!   kept: a new one evicts the oldest. Strangers that connect, idle, dribble or reconnect cost
 //!   the job at most a retried connection.
 //! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
 //!   there is sealed with XChaCha20-Poly1305 under a key derived from the token, bound to its
-//!   rank, round and instance and to a session id made of every rank's fresh nonce: a value
-//!   written by a process without the token, or recorded in an earlier launch, is refused
-//!   ([`RendezvousError::Forged`]).
+//!   rank, round and instance and, after a first round of fresh nonces and a round that
+//!   confirms them, to the session id they make: a value written by a process without the
+//!   token is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can
+//!   at most keep a rank's place empty until the timeout, never stand for it.
 //! - A token that anyone can find out (empty, torchrun's run id: `"none"` by default and in the
 //!   process list otherwise, Slurm's job id, fewer than 16 characters) protects nothing. gpucast accepts it, so that jobs that never
 //!   set one keep working, and says so once on standard error when the store is reachable from
@@ -98,8 +100,11 @@
 //! duplicate rank `[rank]` + detail, 4 token refused (nothing else), 5 timeout `[ms,
 //! missing...]` + what, 6 job failed `[missing...]` + reason, 7 rejected + reason, 8 too large
 //! `[len, max]` + what, 9 protocol + reason. Proofs are HMAC-SHA256 keyed by the token over a
-//! label (`gpucast rendezvous v2: hello` or `...: welcome`) and the length-prefixed server
-//! nonce, client nonce, rank and world size.
+//! label (`gpucast rendezvous v2: hello`, `...: welcome` or `...: refusal`) and the
+//! length-prefixed server nonce, client nonce, rank, world size and, for a refusal, the error
+//! payload. The ERROR that answers a proven HELLO carries the store's refusal proof after the
+//! error; a client believes no other ERROR during the handshake except code 4 (the refusal of
+//! its own proof, which the store cannot prove to a process whose token differs).
 //!
 //! A bad magic closes the connection silently; a bad version, non-zero reserved bytes or an
 //! oversize length closes it after an ERROR reply. The length is checked before any payload
