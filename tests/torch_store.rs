@@ -269,6 +269,41 @@ fn forged_and_replayed_values_are_refused() {
     );
 }
 
+/// A launch of `world` ranks in which rank 1 aborts once all have joined; the store's owner
+/// records the values under `keys` as they appear (what a stranger who reaches the port can
+/// read), and they are returned in that order.
+fn record_launch_where_rank_1_aborts(
+    py: &str,
+    token: &str,
+    world: usize,
+    keys: &[&str],
+) -> Vec<Vec<u8>> {
+    let mut store = TorchStore::start(py);
+    let port = store.port;
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let token = token.to_owned();
+            thread::spawn(move || {
+                let env = job(rank, world, port, &token);
+                let rdv = Rendezvous::connect(&env, Duration::from_secs(20)).unwrap();
+                if rank == 1 {
+                    rdv.abort("launch 1 gave up").unwrap();
+                } else {
+                    assert!(rdv.all_gather(b"x").is_err());
+                }
+            })
+        })
+        .collect();
+    let values = keys
+        .iter()
+        .map(|k| decode_hex(&store.ask(&format!("wait {k}"))).unwrap())
+        .collect();
+    for r in ranks {
+        r.join().unwrap();
+    }
+    values
+}
+
 /// A rank that fails tells the others through the store; a rank that never comes is named.
 #[test]
 fn failures_reach_every_rank_fast() {
@@ -335,27 +370,7 @@ fn replayed_aborts_and_oversize_values_are_refused() {
     let token = random_token().unwrap();
 
     // Launch 1: rank 1 aborts; the store's owner records the abort.
-    let mut first = TorchStore::start(&py);
-    let port = first.port;
-    let ranks: Vec<_> = (0..2)
-        .map(|rank| {
-            let token = token.clone();
-            thread::spawn(move || {
-                let rdv = Rendezvous::connect(&job(rank, 2, port, &token), Duration::from_secs(20))
-                    .unwrap();
-                if rank == 1 {
-                    rdv.abort("launch 1 gave up").unwrap();
-                } else {
-                    assert!(rdv.all_gather(b"x").is_err());
-                }
-            })
-        })
-        .collect();
-    let abort = decode_hex(&first.ask("wait gpucast/1/abort")).unwrap();
-    for r in ranks {
-        r.join().unwrap();
-    }
-    drop(first);
+    let abort = record_launch_where_rank_1_aborts(&py, &token, 2, &["gpucast/1/abort"]).remove(0);
 
     // Launch 2, same token, the recorded abort planted before anyone comes: it is ignored.
     let mut second = TorchStore::start(&py);
@@ -406,36 +421,21 @@ fn a_replayed_hello_does_not_pass_for_a_rank() {
     let token = random_token().unwrap();
     for world in [2usize, 3] {
         // Launch 1: every rank joins, rank 1 aborts; its hello and abort are recorded.
-        let mut first = TorchStore::start(&py);
-        let port = first.port;
-        let ranks: Vec<_> = (0..world)
-            .map(|rank| {
-                let token = token.clone();
-                thread::spawn(move || {
-                    let env = job(rank, world, port, &token);
-                    let rdv = Rendezvous::connect(&env, Duration::from_secs(20)).unwrap();
-                    if rank == 1 {
-                        rdv.abort("launch 1 gave up").unwrap();
-                    } else {
-                        assert!(rdv.all_gather(b"x").is_err());
-                    }
-                })
-            })
-            .collect();
-        let hello = decode_hex(&first.ask("wait gpucast/1/hello/1")).unwrap();
-        let abort = decode_hex(&first.ask("wait gpucast/1/abort")).unwrap();
-        for r in ranks {
-            r.join().unwrap();
-        }
-        drop(first);
+        let recorded = record_launch_where_rank_1_aborts(
+            &py,
+            &token,
+            world,
+            &["gpucast/1/hello/1", "gpucast/1/abort"],
+        );
+        let (hello, abort) = (&recorded[0], &recorded[1]);
 
         // Launch 2, same token: rank 1 never comes, its recorded values are planted.
         let mut second = TorchStore::start(&py);
-        plant(&mut second, "gpucast/1/hello/1", &hello);
+        plant(&mut second, "gpucast/1/hello/1", hello);
         plant(&mut second, "gpucast/1/hello/count", b"1");
         plant(&mut second, "gpucast/1/confirm/count", b"1");
-        plant(&mut second, "gpucast/1/abort", &abort);
-        plant(&mut second, "gpucast/1/abort-hello", &abort);
+        plant(&mut second, "gpucast/1/abort", abort);
+        plant(&mut second, "gpucast/1/abort-hello", abort);
         let port = second.port;
         let ranks: Vec<_> = (0..world)
             .filter(|&r| r != 1)
@@ -447,12 +447,25 @@ fn a_replayed_hello_does_not_pass_for_a_rank() {
                 })
             })
             .collect();
-        for r in ranks {
-            let e = r.join().unwrap().unwrap_err();
+        // Each rank times out naming rank 1, or hears that another did first; none takes the
+        // planted reason, and at least one timed out itself.
+        let errors: Vec<_> = ranks
+            .into_iter()
+            .map(|r| r.join().unwrap().unwrap_err())
+            .collect();
+        for e in &errors {
+            assert_eq!(e.missing_ranks(), [1], "world {world}: {e:?}");
             assert!(
-                matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[1]),
+                matches!(e, RendezvousError::Timeout { .. })
+                    || matches!(e, RendezvousError::JobFailed { reason, .. } if !reason.contains("launch 1")),
                 "world {world}: {e:?}"
             );
         }
+        assert!(
+            errors
+                .iter()
+                .any(|e| matches!(e, RendezvousError::Timeout { .. })),
+            "world {world}: {errors:?}"
+        );
     }
 }

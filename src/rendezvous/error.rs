@@ -167,7 +167,8 @@ pub enum RendezvousError {
         /// The OS error.
         reason: String,
     },
-    /// The store refused a request for a reason of its own (too many connections, store full).
+    /// The store refused a request for a reason of its own (a claim of a rank, or of another
+    /// world size, after every rank of the job has joined).
     #[error("the rendezvous store refused the request: {reason}")]
     Rejected {
         /// Why.
