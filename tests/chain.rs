@@ -1,34 +1,23 @@
-//! The copy-engine chain and the P2P kernel beyond two ranks, on the GPUs at hand: cliques in
-//! which one GPU holds several ranks (`CliqueBuilder::shared_devices`). With ranks 0 and 2 on
-//! GPU 0 and ranks 1 and 3 on GPU 1, every hop of a chain of four crosses NVLink or stays on a
-//! device, and chunks flow through every rank, as on four GPUs.
+//! The copy-engine chain and the P2P kernel beyond two ranks, on the GPUs at hand: the ranks
+//! are spread over the visible GPUs, and where there are fewer GPUs than ranks one GPU holds
+//! several ranks (`CliqueBuilder::shared_devices`, no NCCL). With ranks 0 and 2 on GPU 0 and
+//! ranks 1 and 3 on GPU 1, every hop of a chain of four crosses NVLink or stays on a device, and
+//! chunks flow through every rank, as on four GPUs.
 //!
-//! With one GPU, all four ranks sit on it. Run with
-//! `cargo test --release --test chain -- --include-ignored --test-threads 1`.
+//! With one GPU, all ranks sit on it; with four or more, each rank has a GPU of its own. Run
+//! with `cargo test --release --test chain -- --include-ignored --test-threads 1`.
 
 mod common;
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
-use gpucast::{BroadcastOptions, Clique, Element, Error, Path};
+use gpucast::{BroadcastOptions, Clique, Element, Path};
 use rand::RngCore;
 
-/// Four ranks alternating over GPUs 0 and 1 (or `other` first), all on GPU 0 when it is alone.
-fn four_ranks(first: usize) -> Vec<usize> {
-    let gpus = gpucast::device_count().expect("a CUDA driver");
-    if gpus >= 2 {
-        vec![first, 1 - first, first, 1 - first]
-    } else {
-        vec![0; 4]
-    }
-}
-
-fn shared(devices: &[usize]) -> Clique {
-    Clique::builder()
-        .devices(devices)
-        .shared_devices(true)
-        .build()
-        .expect("a clique with several ranks per GPU")
+/// A clique of four ranks spread over the visible GPUs from GPU `first` ([`spread`]): on two
+/// GPUs they alternate over GPUs 0 and 1 (`first` first), on one all sit on GPU 0.
+fn four_ranks(first: usize) -> Clique {
+    clique_on(Clique::builder(), &spread(4, first))
 }
 
 fn check<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
@@ -67,30 +56,29 @@ const SIZES: [usize; 5] = [1, 4097, (4 << 20) + 3, (13 << 20) + 5, 40 << 20];
 #[test]
 #[ignore = "needs a CUDA GPU (two for NVLink hops)"]
 fn four_ranks_on_two_gpus_every_root_and_path() {
-    let clique = shared(&four_ranks(0));
+    let clique = four_ranks(0);
+    // NCCL needs one device per rank: where ranks share a GPU the path is off, and
+    // `paths_to_test` checks that a call forced onto it is refused with its reason.
+    let paths = paths_to_test(
+        &clique,
+        &[Path::CopyEngine, Path::P2p, Path::Auto, Path::Nccl],
+    );
     let mut rng = rng();
     for root in 0..4 {
         for &bytes in &SIZES {
-            for path in [Path::CopyEngine, Path::P2p, Path::Auto] {
+            for &path in &paths {
                 check::<u8>(&clique, root, bytes, path, &mut rng);
             }
         }
     }
     check::<f32>(&clique, 3, 3_000_001, Path::CopyEngine, &mut rng);
     check::<u64>(&clique, 1, 2_000_003, Path::CopyEngine, &mut rng);
-    // NCCL needs one device per rank: the path is off, with its reason.
-    let input = clique.stream(0).clone_htod(&[1u8; 64]).unwrap();
-    let mut outputs = poisoned_outputs::<u8>(&clique, 64, &mut rng);
-    let e = clique
-        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl))
-        .unwrap_err();
-    assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
 }
 
 #[test]
 #[ignore = "needs 1 CUDA GPU"]
 fn three_ranks_on_one_gpu() {
-    let clique = shared(&[0, 0, 0]);
+    let clique = clique_on(Clique::builder(), &[0, 0, 0]);
     let mut rng = rng();
     for root in 0..3 {
         for &bytes in &SIZES {
@@ -105,7 +93,7 @@ fn three_ranks_on_one_gpu() {
 #[test]
 #[ignore = "needs a CUDA GPU (two for NVLink hops)"]
 fn chain_in_place_and_fused() {
-    let clique = shared(&four_ranks(1));
+    let clique = four_ranks(1);
     let mut rng = rng();
     for root in [0usize, 2, 3] {
         check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::CopyEngine, &mut rng);
@@ -150,7 +138,7 @@ fn chain_in_place_and_fused() {
 #[test]
 #[ignore = "needs a CUDA GPU (two for NVLink hops)"]
 fn p2p_chain_back_to_back_from_every_root() {
-    let clique = shared(&four_ranks(0));
+    let clique = four_ranks(0);
     let mut rng = rng();
     let sizes: Vec<usize> = (0..12)
         .map(|i| match i % 3 {
@@ -205,12 +193,12 @@ fn p2p_chain_back_to_back_from_every_root() {
     }
 }
 
-/// The P2P chain between two real GPUs (every hop over NVLink), told to run at any size:
-/// every root, dtype and size, in place.
+/// The P2P chain between two ranks (two GPUs, every hop over NVLink, or both on GPU 0 when it is
+/// alone), told to run at any size: every root, dtype and size, in place.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn p2p_chain_between_two_gpus() {
-    let clique = two_gpus();
+    let clique = two_ranks();
     let mut rng = rng();
     let chain = p2p_chain();
     for root in 0..2 {
@@ -237,7 +225,7 @@ fn p2p_chain_between_two_gpus() {
 #[test]
 #[ignore = "needs a CUDA GPU (two for NVLink hops)"]
 fn captured_chain_replays() {
-    let clique = shared(&four_ranks(0));
+    let clique = four_ranks(0);
     let mut rng = rng();
     for path in [Path::CopyEngine, Path::P2p] {
         captured_replays(&clique, path, &mut rng);
@@ -291,11 +279,12 @@ fn captured_replays(clique: &Clique, path: Path, rng: &mut impl RngCore) {
 }
 
 /// A graph of many copy-engine broadcasts (each waits on flags): every rank's graph must go
-/// out although the first one's device stalls on flags the second one writes.
+/// out although the first one's device stalls on flags the second one writes (on two GPUs, or
+/// two ranks of GPU 0 when it is alone).
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn a_graph_of_many_copy_engine_broadcasts() {
-    let clique = shared(&[0, 1]);
+    let clique = two_ranks();
     let mut rng = rng();
     let n = 256 << 10;
     let data: Vec<u8> = random_vec(n, &mut rng);

@@ -1,7 +1,8 @@
-//! The buffer contract, threads and captures, on 2 GPUs (ignored without them): every buffer of
-//! a call may be dropped, reused or overwritten, on its own stream, right after the call
-//! returns, whichever stream it was allocated on. The clique's streams are held back by a host
-//! function that sleeps, so that a missing order shows as wrong data instead of passing by luck.
+//! The buffer contract, threads and captures, on two ranks (GPUs 0 and 1, or both on GPU 0 when
+//! it is alone, without NCCL; ignored without a GPU): every buffer of a call may be dropped,
+//! reused or overwritten, on its own stream, right after the call returns, whichever stream it
+//! was allocated on. The clique's streams are held back by a host function that sleeps, so that
+//! a missing order shows as wrong data instead of passing by luck.
 //!
 //! `cargo test --release --test contract -- --include-ignored --test-threads 1`
 
@@ -399,7 +400,7 @@ fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand:
 /// Every source of buffers, both paths, single and fused, in place and out of place, small
 /// (packet protocol) and large (pull protocol) messages.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
     let mut rng = rng();
     for source in [
@@ -409,8 +410,8 @@ fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
     ] {
         // A fresh clique per source: a second stream turns cudarc's event tracking on for the
         // clique's contexts, and the first source must be tested without it.
-        let clique = two_gpus();
-        for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
+        let clique = two_ranks();
+        for path in paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]) {
             for n in [4096usize, 4 << 20] {
                 single_cases(&clique, source, path, n, &mut rng);
             }
@@ -422,13 +423,13 @@ fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
 /// A graph borrows its buffers; when it is dropped they may be dropped and their memory reused
 /// at once, although replays are still held back on the clique's streams.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn graph_buffers_may_be_dropped_right_after_the_graph() {
     let mut rng = rng();
     for source in [Source::CliqueStreams, Source::SecondStream] {
-        let clique = two_gpus();
+        let clique = two_ranks();
         let streams = streams_of(&clique, source);
-        for path in [Path::P2p, Path::Nccl, Path::CopyEngine] {
+        for path in paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]) {
             let n = 1 << 20;
             let data: Vec<u32> = random_vec(n, &mut rng);
             let input = upload(&streams[0], &data);
@@ -488,9 +489,9 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
 /// A clique call inside its own capture closure is an error, not a deadlock; the capture still
 /// ends cleanly and the clique keeps working.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn a_call_inside_the_capture_closure_is_an_error() {
-    let clique = two_gpus();
+    let clique = two_ranks();
     let mut rng = rng();
     let input = clique.stream(0).clone_htod(&[1u32; 64]).unwrap();
     let mut outputs = clique.alloc_outputs::<u32>(64).unwrap();
@@ -534,9 +535,15 @@ fn a_call_inside_the_capture_closure_is_an_error() {
 /// eager threads keep their buffers on streams of their own: work queued straight onto the
 /// clique's streams by another thread during a capture would be captured (CUDA's rule).
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn threads_share_a_clique_and_captures_swallow_nothing() {
-    let clique = two_gpus();
+    let clique = two_ranks();
+    // The capturing thread alternates these; the eager threads cycle through `eager_paths`.
+    let capture_paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl]);
+    let eager_paths = paths_to_test(
+        &clique,
+        &[Path::Auto, Path::P2p, Path::Nccl, Path::CopyEngine],
+    );
     let seed_rng = &mut rng();
     let seeds: Vec<u64> = (0..4).map(|_| rand::Rng::random(seed_rng)).collect();
     // Made before any capture: a context's first `new_stream` synchronises the context.
@@ -545,7 +552,7 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
         .collect();
     std::thread::scope(|scope| {
         for ((t, &seed), streams) in seeds.iter().enumerate().zip(own) {
-            let clique = &clique;
+            let (clique, capture_paths, eager_paths) = (&clique, &capture_paths, &eager_paths);
             scope.spawn(move || {
                 let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
                 if t == 0 {
@@ -555,11 +562,7 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                         let data: Vec<u32> = random_vec(n, &mut rng);
                         let input = clique.stream(1).clone_htod(&data).unwrap();
                         let mut outputs = poisoned_outputs::<u32>(clique, n, &mut rng);
-                        let path = if round % 2 == 0 {
-                            Path::P2p
-                        } else {
-                            Path::Nccl
-                        };
+                        let path = capture_paths[round % capture_paths.len()];
                         let mut graph = clique
                             .capture(|c| {
                                 c.broadcast_with(
@@ -592,7 +595,7 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                     let data: Vec<u32> = random_vec(n, &mut rng);
                     let input = upload(&streams[root], &data);
                     let mut outputs = poisoned(&streams, n);
-                    let path = [Path::Auto, Path::P2p, Path::Nccl, Path::CopyEngine][i % 4];
+                    let path = eager_paths[i % eager_paths.len()];
                     clique
                         .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
                         .unwrap();
@@ -616,17 +619,21 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
 
 /// The raw entry: device pointers and the caller's own streams, ordered both ways.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn raw_pointers_on_the_callers_streams() {
-    let clique = two_gpus();
+    let clique = two_ranks();
     let mut rng = rng();
     let streams = streams_of(&clique, Source::SecondStream);
+    let paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]);
     for (n, path) in [
         (3000usize, Path::P2p),
         (3 << 20, Path::P2p),
         (5000, Path::Nccl),
         (3 << 20, Path::CopyEngine),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(_, path)| paths.contains(path))
+    {
         let data: Vec<u32> = random_vec(n, &mut rng);
         let mut input = upload(&streams[0], &data);
         let mut outputs = poisoned(&streams, n);
@@ -670,9 +677,9 @@ fn raw_pointers_on_the_callers_streams() {
 
 /// A buffer from a non-primary context is a clear error.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn a_buffer_of_another_context_is_rejected() {
-    let clique = two_gpus();
+    let clique = two_ranks();
     let other = CudaContext::new_non_primary(clique.ordinals()[1], 0).unwrap();
     let foreign_stream = other.new_stream().unwrap();
     let input = clique.stream(0).clone_htod(&[7u8; 100]).unwrap();
@@ -687,13 +694,9 @@ fn a_buffer_of_another_context_is_rejected() {
 /// Dropping a clique while a rank is held back and the other waits for it returns within the
 /// timeout plus a little: no hang, no panic.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn dropping_a_busy_clique_does_not_hang() {
-    let clique = Clique::builder()
-        .devices(&[0, 1])
-        .timeout(std::time::Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let clique = two_ranks_with(Clique::builder().timeout(std::time::Duration::from_millis(300)));
     let input = clique.stream(0).clone_htod(&[3u8; 300_000]).unwrap();
     let mut outputs = clique.alloc_outputs::<u8>(300_000).unwrap();
     clique.synchronize().unwrap();
@@ -718,8 +721,11 @@ fn dropping_a_busy_clique_does_not_hang() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn a_failed_nccl_group_aborts_instead_of_hanging() {
+    if too_few_gpus(2, "NCCL between two ranks needs a GPU per rank") {
+        return;
+    }
     if std::env::var("CONTRACT_CHILD").is_ok() {
-        let clique = two_gpus();
+        let clique = two_ranks();
         let input = clique.stream(0).clone_htod(&[5u32; 1024]).unwrap();
         let mut outputs = clique.alloc_outputs::<u32>(1024).unwrap();
         let src = outputs[0].device_ptr_mut(clique.stream(0)).0;

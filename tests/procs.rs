@@ -1,6 +1,8 @@
-//! One process per GPU (ignored without 2 GPUs): each test starts this binary once per rank,
+//! One process per GPU (ignored without a GPU): each test starts this binary once per rank,
 //! with the environment torchrun would set, and every rank checks its own data bit for bit.
-//! All ranks draw the data from one shared seed, so each knows what the root sent.
+//! All ranks draw the data from one shared seed, so each knows what the root sent. With one GPU,
+//! the tests of ranks that play separate nodes run with both ranks on it; the others, which need
+//! a GPU per process, are skipped with a printed reason.
 //!
 //! `cargo test --release --test procs -- --include-ignored --test-threads 1`
 
@@ -356,6 +358,10 @@ fn nodes(comm: &Communicator, seed: u64) {
     ));
 }
 
+/// Why the tests of two processes on one host need two GPUs.
+const ONE_GPU_PER_PROCESS: &str =
+    "two processes of one host on one GPU cannot form an NCCL communicator";
+
 /// Timeout of the fault cases.
 const FAULT_TIMEOUT_MS: u64 = 300;
 
@@ -467,6 +473,9 @@ fn faults(paths: &[&str], extra: impl Fn(usize) -> Vec<(String, String)>) {
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn a_killed_or_stalled_rank_is_detected_on_every_path() {
+    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
+        return;
+    }
     faults(&["nccl", "p2p"], |_| Vec::new());
 }
 
@@ -475,16 +484,8 @@ fn a_killed_or_stalled_rank_is_detected_on_every_path() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_killed_or_stalled_rank_is_detected_across_nodes() {
-    let gpus = gpucast::device_count().unwrap();
-    faults(&["nccl"], |rank| {
-        let mut vars = nodes_env(rank);
-        if gpus < 2 {
-            vars.push(("LOCAL_RANK".into(), "0".into()));
-            vars.push(("LOCAL_WORLD_SIZE".into(), "1".into()));
-            vars.push(("GROUP_RANK".into(), rank.to_string()));
-        }
-        vars
-    });
+    let gpus = gpus();
+    faults(&["nccl"], |rank| nodes_env_on(rank, gpus));
 }
 
 /// The rendezvous host (rank 0) is not there: rank 1 gets an error, no hang.
@@ -519,33 +520,49 @@ fn the_rendezvous_host_missing_is_an_error() {
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn two_processes_every_path_type_root_and_size() {
+    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
+        return;
+    }
     run_ranks("paths", Duration::from_secs(240), |_| Vec::new());
 }
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn two_processes_ten_thousand_small_broadcasts() {
+    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
+        return;
+    }
     run_ranks("many_small", Duration::from_secs(240), |_| Vec::new());
 }
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn two_processes_fused() {
+    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
+        return;
+    }
     run_ranks("fused", Duration::from_secs(120), |_| Vec::new());
 }
 
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn two_processes_graph_capture() {
+    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
+        return;
+    }
     run_ranks("graphs", Duration::from_secs(120), |_| Vec::new());
 }
 
 /// "Two nodes on one host": NCCL is told each process is its own host and uses sockets over
-/// loopback; gpucast's host id is overridden, so no P2P between the "nodes".
+/// loopback; gpucast's host id is overridden, so no P2P between the "nodes". Both ranks may
+/// share one GPU here, since NCCL sees two hosts: this runs on a single GPU.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn two_nodes_on_one_host() {
-    run_ranks("nodes", Duration::from_secs(180), nodes_env);
+    let gpus = gpus();
+    run_ranks("nodes", Duration::from_secs(180), |rank| {
+        nodes_env_on(rank, gpus)
+    });
 }
 
 /// The variables that make rank `rank` a node of its own to NCCL and to gpucast.
@@ -561,4 +578,19 @@ fn nodes_env(rank: usize) -> Vec<(String, String)> {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect()
+}
+
+/// [`nodes_env`] on `gpus` visible GPUs: with fewer than `WORLD`, every rank is the only local
+/// rank of its node, on GPU 0.
+fn nodes_env_on(rank: usize, gpus: usize) -> Vec<(String, String)> {
+    let mut vars = nodes_env(rank);
+    if gpus < WORLD {
+        if rank == 0 {
+            eprintln!("{gpus} GPU(s) visible: every rank on GPU 0, each a node of its own");
+        }
+        vars.push(("LOCAL_RANK".into(), "0".into()));
+        vars.push(("LOCAL_WORLD_SIZE".into(), "1".into()));
+        vars.push(("GROUP_RANK".into(), rank.to_string()));
+    }
+    vars
 }

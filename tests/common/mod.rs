@@ -80,9 +80,95 @@ pub fn assert_bytes_eq<T: Element>(
     }
 }
 
-/// A clique of the first two GPUs, or a panic that says why there is none.
-pub fn two_gpus() -> Clique {
-    Clique::new(&[0, 1]).expect("a clique of GPUs 0 and 1")
+/// The number of visible GPUs, or a panic without a CUDA driver.
+pub fn gpus() -> usize {
+    gpucast::device_count().expect("a CUDA driver")
+}
+
+/// Whether fewer than `n` GPUs are visible; if so, prints that the test is skipped and `why`.
+pub fn too_few_gpus(n: usize, why: &str) -> bool {
+    let visible = gpus();
+    if visible < n {
+        eprintln!("skipped: needs {n} GPUs, {visible} visible ({why})");
+    }
+    visible < n
+}
+
+/// The devices of `ranks` ranks spread over the visible GPUs, starting at GPU `first`: rank
+/// `r` is on GPU `(first + r) % g`, `g` the smaller of the GPU and rank counts (all on GPU 0
+/// when it is alone).
+pub fn spread(ranks: usize, first: usize) -> Vec<usize> {
+    let g = gpus().min(ranks).max(1);
+    (0..ranks).map(|r| (first + r) % g).collect()
+}
+
+/// A clique of the ranks on `devices` from `builder`, with `shared_devices` on when a device
+/// holds several ranks.
+pub fn clique_on(builder: gpucast::CliqueBuilder, devices: &[usize]) -> Clique {
+    let shared = (1..devices.len()).any(|i| devices[..i].contains(&devices[i]));
+    builder
+        .devices(devices)
+        .shared_devices(shared)
+        .build()
+        .unwrap_or_else(|e| panic!("a clique on devices {devices:?}: {e}"))
+}
+
+/// Two ranks with default settings: on GPUs 0 and 1, or both on GPU 0 when it is alone.
+pub fn two_ranks() -> Clique {
+    two_ranks_with(Clique::builder())
+}
+
+/// [`two_ranks`] from a builder that holds other settings (a timeout, say). Prints, once per
+/// process, which devices the two ranks are on.
+pub fn two_ranks_with(builder: gpucast::CliqueBuilder) -> Clique {
+    static PRINTED: std::sync::Once = std::sync::Once::new();
+    let devices = spread(2, 0);
+    PRINTED.call_once(|| {
+        if devices[0] == devices[1] {
+            eprintln!("two ranks share GPU 0 (one GPU visible): NCCL is off between them");
+        } else {
+            eprintln!("two ranks on GPUs 0 and 1");
+        }
+    });
+    clique_on(builder, &devices)
+}
+
+/// Whether the NCCL path runs in `clique`: every rank has a device of its own.
+pub fn nccl_on(clique: &Clique) -> bool {
+    let d = clique.ordinals();
+    (1..d.len()).all(|i| !d[..i].contains(&d[i]))
+}
+
+/// Whether the NCCL cases run in `clique` ([`nccl_on`]). Where NCCL is off, prints so and
+/// checks that a call forced onto NCCL is refused with [`Error::NcclUnavailable`].
+///
+/// [`Error::NcclUnavailable`]: gpucast::Error::NcclUnavailable
+pub fn nccl_to_test(clique: &Clique) -> bool {
+    if nccl_on(clique) {
+        return true;
+    }
+    let input = clique.stream(0).clone_htod(&[7u8; 64]).expect("upload");
+    let mut outputs = clique.alloc_outputs::<u8>(64).expect("outputs");
+    let forced = gpucast::BroadcastOptions::path(gpucast::Path::Nccl);
+    match clique.broadcast_with(0, &input, &mut outputs, &forced) {
+        Err(gpucast::Error::NcclUnavailable(why)) => {
+            eprintln!("NCCL not tested on devices {:?}: {why}", clique.ordinals());
+        }
+        other => panic!("NCCL forced on devices {:?}: {other:?}", clique.ordinals()),
+    }
+    false
+}
+
+/// `paths` less [`Path::Nccl`] where [`nccl_to_test`] says NCCL is off in `clique`.
+///
+/// [`Path::Nccl`]: gpucast::Path::Nccl
+pub fn paths_to_test(clique: &Clique, paths: &[gpucast::Path]) -> Vec<gpucast::Path> {
+    let nccl = !paths.contains(&gpucast::Path::Nccl) || nccl_to_test(clique);
+    paths
+        .iter()
+        .copied()
+        .filter(|&p| nccl || p != gpucast::Path::Nccl)
+        .collect()
 }
 
 unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
