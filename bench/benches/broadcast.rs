@@ -62,6 +62,10 @@ struct Args {
     /// per process there).
     #[arg(short = 'g', long)]
     gpus: Option<usize>,
+    /// Put every rank on GPU 0 (`--gpus` ranks, default 2; `shared_devices`): per-call costs
+    /// only, on a machine with one GPU. NCCL is off there and bandwidths mean nothing.
+    #[arg(long)]
+    shared: bool,
     /// One process per GPU: start N ranks of this bench (torchrun's variables, store on
     /// 127.0.0.1, GPU = local rank) and measure the Communicator. Under torchrun the bench
     /// runs that way by itself.
@@ -69,7 +73,8 @@ struct Args {
     procs: Option<usize>,
     /// Paths to measure: nccl, p2p, auto, copy-engine (gpucast's route), copy-engine-raw
     /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor;
-    /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); and the P2P kernel
+    /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); p2p-untracked (the
+    /// P2P call with cudarc's per-buffer events off, eager only: what those events cost); and the P2P kernel
     /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull (fan-out),
     /// p2p-chain (each rank forwards to the next; any number of GPUs). Default:
     /// nccl, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
@@ -180,15 +185,24 @@ fn main() -> Result<()> {
         return procs::launch(&args, n);
     }
     let (sizes, dtype, modes) = sweep(&args)?;
-    let ngpus = match args.gpus {
-        Some(g) => g,
-        None => gpucast::device_count()?.min(gpucast::MAX_GPUS),
+    let ngpus = match (args.gpus, args.shared) {
+        (Some(g), _) => g,
+        (None, true) => 2,
+        (None, false) => gpucast::device_count()?.min(gpucast::MAX_GPUS),
     };
     if ngpus < 2 {
-        bail!("the benchmark needs at least 2 GPUs ({ngpus} visible)");
+        bail!("the benchmark needs at least 2 GPUs ({ngpus} visible; --shared puts ranks on one)");
     }
-    let ordinals: Vec<usize> = (0..ngpus).collect();
-    let clique = Clique::new(&ordinals)?;
+    let clique = if args.shared {
+        println!("# every rank on GPU 0 (--shared): per-call costs only");
+        Clique::builder()
+            .devices(&vec![0; ngpus])
+            .shared_devices(true)
+            .build()?
+    } else {
+        let ordinals: Vec<usize> = (0..ngpus).collect();
+        Clique::new(&ordinals)?
+    };
     let (a, b, c) = gpucast::nccl_version()?;
     println!("# gpucast broadcast benchmark");
     println!("# GPUs: {ngpus}, root {}, dtype {dtype}", args.root);
@@ -584,7 +598,7 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
             packet_threshold: Some(gpucast::PACKET_MAX_BYTES),
             ..Default::default()
         },
-        "p2p-1thread" => BroadcastOptions::path(Path::P2p),
+        "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(Path::P2p),
         "p2p-pull" => BroadcastOptions {
             path: Some(Path::P2p),
             packet_threshold: Some(0),
@@ -639,7 +653,23 @@ fn run_op(
             if sequential {
                 clique.set_parallel_launch(false)?;
             }
+            // p2p-untracked: the same call without cudarc's per-buffer events, to measure what
+            // they cost. Sound here only: every bench buffer lives on its rank's clique stream
+            // and nothing else touches it.
+            let untracked = p == "p2p-untracked";
+            if untracked {
+                for r in 0..clique.len() {
+                    // SAFETY: see above; turned back on right after the call.
+                    unsafe { clique.context(r).disable_event_tracking() };
+                }
+            }
             let r = clique.broadcast_with(root, &input, &mut outs, &opts);
+            if untracked {
+                for r in 0..clique.len() {
+                    // SAFETY: restores the default.
+                    unsafe { clique.context(r).enable_event_tracking() };
+                }
+            }
             if sequential {
                 clique.set_parallel_launch(true)?;
             }

@@ -275,7 +275,6 @@ impl Communicator {
                 places: vec![place],
                 globals: vec![rank],
                 world,
-                p2p: status,
                 copy_engine: Err(Error::CopyEngineUnavailable(
                     "the ranks are separate processes: a rank's copy engines cannot address \
                      the buffers of another process"
@@ -343,7 +342,7 @@ impl Communicator {
 
     /// `Ok` if the P2P kernel can run, otherwise the error a forced P2P call returns.
     pub fn p2p_available(&self) -> Result<()> {
-        self.core.p2p.clone()
+        self.core.p2p_available()
     }
 
     /// The thresholds `Auto` uses.

@@ -24,8 +24,6 @@ pub(crate) struct Core {
     pub(crate) globals: Vec<usize>,
     /// Ranks in the job.
     pub(crate) world: usize,
-    /// Whether the P2P kernel can run, or the error a forced P2P call returns.
-    pub(crate) p2p: std::result::Result<(), Error>,
     /// Whether the copy-engine route can run, or the error a forced call returns.
     pub(crate) copy_engine: std::result::Result<(), Error>,
     /// Whether NCCL runs here (off where a device holds several ranks).
@@ -57,23 +55,31 @@ impl Core {
         self.engine.settings().path
     }
 
-    /// Which routes can run here.
-    fn available(&self) -> Available<'_> {
-        Available {
-            p2p: self.p2p.as_ref().map(|_| ()),
+    /// `Ok` if the P2P kernel can run now, otherwise the error a forced P2P call returns.
+    pub(crate) fn p2p_available(&self) -> Result<()> {
+        self.engine.p2p_status()
+    }
+
+    /// Runs `f` with which routes can run here now.
+    fn with_available<R>(&self, f: impl FnOnce(Available<'_>) -> R) -> R {
+        let p2p = self.p2p_available();
+        f(Available {
+            p2p: p2p.as_ref().map(|_| ()),
             copy_engine: self.copy_engine.as_ref().map(|_| ()),
             nccl: self.nccl_on,
             p2p_chain: self.one_process,
-        }
+        })
     }
 
     pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        crate::config::choose(
-            options.path.unwrap_or(self.path()),
-            bytes,
-            self.available(),
-            &self.engine.settings().thresholds_for(options, false),
-        )
+        self.with_available(|available| {
+            crate::config::choose(
+                options.path.unwrap_or(self.path()),
+                bytes,
+                available,
+                &self.engine.settings().thresholds_for(options, false),
+            )
+        })
     }
 
     /// The launch step of a single broadcast, `None` for nothing to do.
@@ -94,14 +100,16 @@ impl Core {
         options: &BroadcastOptions,
         in_graph: bool,
     ) -> Result<Vec<Step>> {
-        plan::plan(
-            bytes,
-            options.path.unwrap_or(self.path()),
-            self.available(),
-            &self.engine.settings().thresholds_for(options, in_graph),
-            self.world,
-            self.one_process,
-        )
+        self.with_available(|available| {
+            plan::plan(
+                bytes,
+                options.path.unwrap_or(self.path()),
+                available,
+                &self.engine.settings().thresholds_for(options, in_graph),
+                self.world,
+                self.one_process,
+            )
+        })
     }
 
     /// One broadcast: `input` is the root's source when the root is a local rank and the call

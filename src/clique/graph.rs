@@ -114,9 +114,14 @@ pub struct Capture<'c, 'buf> {
 }
 
 impl<'c, 'buf> Capture<'c, 'buf> {
-    /// The stream of local rank `local` (it is being captured).
+    /// The stream that records local rank `local`'s part of the graph: work queued on it
+    /// (kernels of your own) joins the graph, in order with the captured broadcasts. It is not
+    /// [`Clique::stream`], which stays an ordinary stream while the capture runs. Work queued
+    /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
+    /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
+    /// fail.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
-        self.session.core.stream(local)
+        self.session.core.engine.capture_stream(local)
     }
 
     /// Captures [`Clique::broadcast`] of `input` into `outputs` (one per rank).
@@ -218,9 +223,14 @@ pub struct UncheckedCapture<'c> {
 }
 
 impl<'c> UncheckedCapture<'c> {
-    /// The stream of local rank `local` (it is being captured).
+    /// The stream that records local rank `local`'s part of the graph: work queued on it
+    /// (kernels of your own) joins the graph, in order with the captured broadcasts. It is not
+    /// [`Clique::stream`], which stays an ordinary stream while the capture runs. Work queued
+    /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
+    /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
+    /// fail.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
-        self.session.core.stream(local)
+        self.session.core.engine.capture_stream(local)
     }
 
     /// Captures [`Clique::broadcast_with`] of `input` into `outputs` (one per rank).
@@ -348,8 +358,10 @@ impl Core {
         let body = f(&mut cap);
         let execs = cap.session.finish();
         body?;
+        // The session's clique, not `self`: the closure may have swapped `cap` with the capture
+        // of another clique, and the graphs belong to the clique whose streams recorded them.
         Ok(CliqueGraph {
-            core: self,
+            core: cap.session.core,
             execs: execs?,
             reads: std::mem::take(&mut cap.reads),
             writes: std::mem::take(&mut cap.writes),
@@ -373,8 +385,9 @@ impl Core {
         let body = f(&mut cap);
         let execs = cap.session.finish();
         body?;
+        // As in `capture`: the session's clique.
         Ok(CliqueGraph {
-            core: self,
+            core: cap.session.core,
             execs: execs?,
             reads: Vec::new(),
             writes: Vec::new(),

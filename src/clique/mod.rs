@@ -149,7 +149,6 @@ impl CliqueBuilder {
                 places,
                 globals: (0..n).collect(),
                 world: n,
-                p2p: built.p2p,
                 copy_engine: built.topology.copy_engine_support(),
                 nccl_on: built.nccl_on,
                 one_process: true,
@@ -160,7 +159,7 @@ impl CliqueBuilder {
             devices = ?clique.ordinals,
             nccl = ?crate::nccl::nccl_version().ok(),
             nccl_library = ?crate::nccl::NcclLib::get().map(|l| l.path.as_str()).ok(),
-            p2p = clique.core.p2p.is_ok(),
+            p2p = clique.core.p2p_available().is_ok(),
             thresholds = ?clique.thresholds(),
             "clique created\n{}", clique.topology
         );
@@ -178,29 +177,29 @@ impl CliqueBuilder {
 /// Broadcasts are asynchronous: each call queues its work on every rank's
 /// [`Clique::stream`] and returns. What a caller may rely on when a call returns:
 ///
-/// - every buffer passed in may be dropped, reused or overwritten at once, on any stream:
+/// - every buffer passed in may be dropped, reused or overwritten at once, on any stream,
+///   the context's default stream (`ctx.default_stream()`) and the per-thread stream included:
 ///   work queued on a buffer's own stream before the call is seen by the broadcast, and the
-///   buffer's free and later work on its stream (or on any stream through cudarc's per-buffer
-///   events) come after it;
-/// - buffers allocated on `clique.stream(rank)` cost nothing extra; a buffer on another stream
-///   of the same device costs two event records and two waits per call;
-/// - to read an output on another stream without cudarc, order it with [`Clique::record`]
-///   (or make the clique wait for your stream with [`Clique::wait_for`]), or call
-///   [`Clique::synchronize`].
-///
-/// While no other stream of a clique context exists (nothing called `new_stream` on it),
-/// cudarc records no per-buffer events for that context: use `clique.stream(rank)` for your own
-/// work on the clique's devices, or create streams with `new_stream`, which turns cudarc's
-/// tracking on. Work on the context's legacy default stream is not ordered with the clique's
-/// streams (they are non-blocking).
+///   buffer's free and later work on its stream, or on any other stream through cudarc's
+///   per-buffer events, come after it;
+/// - the clique's streams are cudarc streams, so cudarc tracks every buffer of a clique context
+///   with events (its multi-stream mode): each buffer of a call costs an event wait or two
+///   before it and one event record after it; a buffer on another stream than its rank's
+///   clique stream costs one more record and wait on each side;
+/// - to read an output with work cudarc does not see (raw launches, another library), order
+///   it with [`Clique::record`] (or make the clique wait for your stream with
+///   [`Clique::wait_for`]), or call [`Clique::synchronize`].
 ///
 /// # Threads
 /// A clique is `Send` and `Sync`. Every call goes through one lock (the engine), so calls
 /// from several threads are serialised in some order, the same on every GPU; a capture holds
-/// the lock until it ends, so no other thread's broadcast lands in a graph. (Work another thread
-/// queues straight onto `clique.stream(rank)` while a capture runs is captured, as CUDA captures
-/// everything queued on a capturing stream: queue such work through the clique, or on streams
-/// of your own.)
+/// the lock until it ends, so no other thread's broadcast lands in a graph. A capture records
+/// on streams of its own ([`Capture::stream`]), never on `clique.stream(rank)`: work another
+/// thread (or the capture closure) queues there, allocations included, stays eager.
+///
+/// Where one GPU holds several ranks (`shared_devices`), that device's memory pool reuses
+/// freed memory only once the free is known complete, never by making one rank's stream wait
+/// for another's (which could hold a broadcast's kernel behind its peer's until the timeout).
 ///
 /// # Failures
 /// Every P2P wait is bounded by the clique's timeout: a rank that does not arrive gives
@@ -293,7 +292,7 @@ impl Clique {
     /// `Ok` if the P2P kernel can run on this clique, otherwise the error a forced P2P call
     /// returns ([`Error::P2pUnavailable`], or [`Error::LibraryMissing`] without NVRTC).
     pub fn p2p_available(&self) -> Result<()> {
-        self.core.p2p.clone()
+        self.core.p2p_available()
     }
 
     /// Launch the P2P kernel on every GPU at once, from one worker thread per GPU after the

@@ -101,7 +101,6 @@ pub(crate) enum Devices {
 pub(crate) struct Built {
     pub engine: Engine,
     pub topology: Topology,
-    pub p2p: std::result::Result<(), Error>,
     pub nccl_on: bool,
 }
 
@@ -115,6 +114,16 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     };
     if let Some(o) = &listed {
         args::check_device_list(o, shared)?;
+    }
+    if let Devices::Streams(streams) = &devices {
+        for (rank, s) in streams.iter().enumerate() {
+            if let Some(what) = crate::engine::streams::special_handle(s.cu_stream()) {
+                return Err(Error::InvalidArgument(format!(
+                    "stream {rank} given to the builder is {what}, which cannot carry a rank's \
+                     work: pass a stream of its own (`ctx.new_stream()`)"
+                )));
+            }
+        }
     }
     let env = Env::read()?;
     // Reject bad settings before touching the driver (the thresholds are settled below).
@@ -161,20 +170,45 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
             settings.timeout.max(Duration::from_secs(60)),
         )?)
     } else {
+        for (i, ctx) in ctxs.iter().enumerate() {
+            if !ordinals[..i].contains(&ordinals[i]) {
+                no_pool_dependencies(ctx)?;
+            }
+        }
         Nccl::Off("a device holds several ranks of this clique (`shared_devices`), and NCCL needs one device per rank".into())
     };
     let p2p = topology
         .p2p_support()
         .map_err(Error::P2pUnavailable)
         .and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
-    let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
     let engine = Engine::new(ranks, settings, nccl, p2p)?;
     Ok(Built {
         engine,
         topology,
-        p2p: status,
         nccl_on: distinct,
     })
+}
+
+/// Where one device holds several ranks, their streams share its memory pool, and by default
+/// an allocation may reuse memory freed on another stream by making its stream wait for the
+/// point of the free. Between the launches of one broadcast on two ranks of the device (another
+/// thread allocating on one rank's stream while the broadcast is queued), such a wait makes one
+/// rank's kernel wait for the other's, which waits for it in turn, until the P2P timeout. So
+/// pools of such devices reuse memory only once a free is known complete (the other reuse
+/// policies stay on). This changes the device's current pool for the whole process, and
+/// applies only to `shared_devices` cliques.
+fn no_pool_dependencies(ctx: &Arc<CudaContext>) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(Error::cuda("binding a context"))?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is an out pointer; the device handle is live.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()).result() }
+        .map_err(Error::cuda("finding a device's memory pool"))?;
+    let mut off: i32 = 0;
+    let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
+    // SAFETY: `pool` is the device's live pool; this attribute takes an int.
+    unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&raw mut off).cast()).result() }
+        .map_err(Error::cuda("setting a memory pool's reuse policy"))
 }
 
 /// Streams handed in must belong to the device's primary context: the clique's kernels and

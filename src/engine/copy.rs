@@ -40,14 +40,23 @@ const FLAG_BYTES: usize = (WINDOW + 1) * 4;
 /// peer access), all zero between calls.
 pub(crate) struct Flags {
     areas: Vec<(Arc<CudaContext>, u64)>,
+    /// Per rank: its device can flush remote writes at a stream wait.
+    flush: Vec<bool>,
 }
 
 impl Flags {
     pub(crate) fn new(ctxs: &[Arc<CudaContext>]) -> Result<Flags> {
-        let mut flags = Flags { areas: Vec::new() };
+        let mut flags = Flags {
+            areas: Vec::new(),
+            flush: Vec::new(),
+        };
         for ctx in ctxs {
             ctx.bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
+            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES;
+            // SAFETY: a query of a live device handle.
+            let can = unsafe { result::device::get_attribute(ctx.cu_device(), attr) };
+            flags.flush.push(can.is_ok_and(|v| v != 0));
             // SAFETY: a plain allocation in the current context, freed in Drop.
             let ptr = unsafe { result::malloc_sync(FLAG_BYTES) }
                 .map_err(Error::cuda("allocating copy-engine flags"))?;
@@ -213,7 +222,7 @@ impl EngineGuard<'_> {
     }
 
     fn raw_stream(&self, rank: usize) -> CUstream {
-        self.engine.ranks[rank].stream.get().cu_stream()
+        self.work_stream(rank)
     }
 
     /// Queues `ops` (from [`plan::eager_ops`] or [`plan::captured_ops`]) over `chunks` of
@@ -236,7 +245,35 @@ impl EngineGuard<'_> {
             let ctxs: Vec<_> = self.engine.ranks.iter().map(|r| r.ctx.clone()).collect();
             self.state.ce_flags = Some(Flags::new(&ctxs)?);
         }
+        // After a failure the copies stop but every record and wait still goes out: each
+        // rank's stream then waits for whatever copies into its buffers did go out, so no
+        // stream moves past a copy still writing a buffer its caller may free.
+        let mut failed: Option<Error> = None;
         for op in ops {
+            let ordering = matches!(op, ChainOp::Record { .. } | ChainOp::Wait { .. });
+            if failed.is_some() && !ordering {
+                continue;
+            }
+            // SAFETY: per this function's contract.
+            if let Err(e) = unsafe { self.queue_op(root, items, chunks, op) } {
+                failed.get_or_insert(e);
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Queues one operation of [`EngineGuard::queue`].
+    ///
+    /// # Safety
+    /// As for [`EngineGuard::run`].
+    unsafe fn queue_op(
+        &mut self,
+        root: usize,
+        items: &[Item],
+        chunks: &[Chunk],
+        op: &ChainOp,
+    ) -> Result<()> {
+        {
             match *op {
                 ChainOp::Record { rank } => {
                     let event = self.state.ce_events[rank].cu_event();
@@ -266,7 +303,15 @@ impl EngineGuard<'_> {
                 }
                 ChainOp::WaitFlag { rank, flag } => {
                     let addr = self.flags().addr(rank, flag);
-                    let mode = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+                    // The flag announces copies a peer's copy engine wrote into this device:
+                    // where the device can, flush them before the work after the wait.
+                    let flush = if self.flags().flush[rank] {
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32
+                    } else {
+                        0
+                    };
+                    let mode =
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32 | flush;
                     // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
                     // device (peer access between every pair).
                     unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }

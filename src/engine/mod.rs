@@ -10,7 +10,7 @@ mod copy;
 pub(crate) mod streams;
 mod watchdog;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
@@ -40,6 +40,10 @@ pub(crate) struct Rank {
     /// The root's own copy of a copy-engine broadcast runs here, beside the chain on `stream`
     /// (forked from it and joined back within the call).
     aux: EngineStream,
+    /// Captures record on this stream, never handed out as the rank's stream: work that the
+    /// caller (or another thread) queues on `stream` while a capture runs stays eager instead
+    /// of landing in the graph, and allocations on it stay ordinary allocations.
+    capture: EngineStream,
 }
 
 impl Rank {
@@ -51,12 +55,14 @@ impl Rank {
     ) -> Result<Rank> {
         let stream = match stream {
             Some(s) => EngineStream::Callers(s),
-            None => EngineStream::create(&ctx)?,
+            None => EngineStream::create(&ctx, None)?,
         };
+        let fork = || EngineStream::create(&ctx, Some(stream.get()));
         Ok(Rank {
             global,
-            side: EngineStream::create(&ctx)?,
-            aux: EngineStream::create(&ctx)?,
+            side: fork()?,
+            aux: fork()?,
+            capture: fork()?,
             stream,
             ctx,
         })
@@ -84,8 +90,6 @@ impl Item {
 struct State {
     /// Shared with the watchdog, which aborts it without the engine's lock.
     nccl: Arc<Mutex<Nccl>>,
-    /// Calls queued so far (broadcasts and graph launches): errors name calls by number.
-    calls: u64,
     /// An NCCL step was queued inside the capture in progress.
     captured_nccl: bool,
     /// A copy-engine step was queued inside the capture in progress.
@@ -101,6 +105,8 @@ struct State {
     ce_flags: Option<copy::Flags>,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
     desynced: bool,
+    /// A capture is recording: work goes to the ranks' capture streams.
+    recording: bool,
 }
 
 /// The engine of one clique.
@@ -108,12 +114,23 @@ pub(crate) struct Engine {
     ranks: Vec<Rank>,
     settings: Settings,
     state: Mutex<State>,
+    /// Whether the P2P path can run, or why not: what the P2P state says, readable without
+    /// the lock (routes are chosen before it is taken). Closed for good after a failure across
+    /// processes.
+    p2p_status: Mutex<std::result::Result<(), Error>>,
+    /// Calls queued so far (broadcasts and graph launches): errors name calls by number.
+    /// Written under the lock, read without it (`Clique::calls` inside a capture closure).
+    calls: AtomicU64,
     /// Set while a capture holds the lock, with the capturing thread: a call from that thread
     /// (inside its capture closure) would wait for itself, so it is an error instead.
     capturing: AtomicBool,
     capture_thread: Mutex<Option<ThreadId>>,
     /// Watches NCCL work (absent where NCCL is off).
     watchdog: Option<watchdog::Watchdog>,
+    /// Instantiated graphs holding NCCL broadcasts that are still alive. Destroying an NCCL
+    /// communicator waits for every graph that captured it, so where one outlives the engine
+    /// (`mem::forget`), the communicators are leaked instead.
+    nccl_graphs: Arc<AtomicUsize>,
 }
 
 /// The engine, locked: every operation on streams, NCCL and P2P state takes one of these.
@@ -131,7 +148,6 @@ impl Engine {
         nccl: Nccl,
         p2p: std::result::Result<P2p, Error>,
     ) -> Result<Engine> {
-        streams::sweep();
         if let Err(why) = &p2p {
             tracing::warn!(reason = %why, "P2P path unavailable: Auto will use NCCL");
         }
@@ -145,6 +161,7 @@ impl Engine {
         let events = new_events()?;
         let ce_events = new_events()?;
         let ce_aux_events = new_events()?.into_iter().zip(new_events()?).collect();
+        let p2p_status = Mutex::new(p2p.as_ref().map(|_| ()).map_err(Clone::clone));
         let live = matches!(nccl, Nccl::Live(_));
         let nccl = Arc::new(Mutex::new(nccl));
         let watchdog = if live {
@@ -157,7 +174,6 @@ impl Engine {
             settings,
             state: Mutex::new(State {
                 nccl,
-                calls: 0,
                 captured_nccl: false,
                 captured_ce: false,
                 p2p,
@@ -166,10 +182,14 @@ impl Engine {
                 ce_aux_events,
                 ce_flags: None,
                 desynced: false,
+                recording: false,
             }),
+            p2p_status,
+            calls: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
             capture_thread: Mutex::new(None),
             watchdog,
+            nccl_graphs: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -185,6 +205,11 @@ impl Engine {
     /// The stream of `rank`.
     pub(crate) fn stream(&self, rank: usize) -> &Arc<CudaStream> {
         self.ranks[rank].stream.get()
+    }
+
+    /// The stream captures of `rank` record on (see [`Rank`]).
+    pub(crate) fn capture_stream(&self, rank: usize) -> &Arc<CudaStream> {
+        self.ranks[rank].capture.get()
     }
 
     /// The side stream of `rank` (see [`Rank`]).
@@ -238,9 +263,17 @@ impl Engine {
         Ok(())
     }
 
+    /// `Ok` if the P2P path can run now, otherwise the error a forced P2P call returns.
+    pub(crate) fn p2p_status(&self) -> std::result::Result<(), Error> {
+        self.p2p_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Number of calls queued so far (see `Clique::calls`).
     pub(crate) fn calls(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|e| e.into_inner()).calls
+        self.calls.load(Ordering::Acquire)
     }
 
     /// The bare lock (no recovery): an error on the capturing thread, where it would wait for
@@ -262,14 +295,6 @@ impl Engine {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         *owner == Some(std::thread::current().id())
-    }
-
-    fn raw_streams(&self) -> [CUstream; MAX_GPUS] {
-        let mut raw = [std::ptr::null_mut(); MAX_GPUS];
-        for (r, rank) in self.ranks.iter().enumerate() {
-            raw[r] = rank.stream.get().cu_stream();
-        }
-        raw
     }
 
     /// Waits until every stream is idle or `limit` passes; whether they all became idle.
@@ -313,6 +338,34 @@ impl EngineGuard<'_> {
         self.engine.ranks.len()
     }
 
+    /// Counts a call; its number.
+    fn next_call(&mut self) -> u64 {
+        // Only under the lock: load and store cannot interleave with another writer.
+        let call = self.engine.calls.load(Ordering::Acquire) + 1;
+        self.engine.calls.store(call, Ordering::Release);
+        call
+    }
+
+    /// The stream `rank`'s work goes to now: its capture stream while a capture records, else
+    /// its own.
+    pub(crate) fn work_stream(&self, rank: usize) -> CUstream {
+        let r = &self.engine.ranks[rank];
+        if self.state.recording {
+            r.capture.get().cu_stream()
+        } else {
+            r.stream.get().cu_stream()
+        }
+    }
+
+    /// [`EngineGuard::work_stream`] of every rank.
+    fn work_streams(&self) -> [CUstream; MAX_GPUS] {
+        let mut raw = [std::ptr::null_mut(); MAX_GPUS];
+        for (r, slot) in raw.iter_mut().enumerate().take(self.n()) {
+            *slot = self.work_stream(r);
+        }
+        raw
+    }
+
     fn recover_if_needed(&mut self) -> Result<()> {
         let error = match &self.state.p2p {
             Ok(p2p) => p2p.first_error(),
@@ -331,10 +384,16 @@ impl EngineGuard<'_> {
             let why = error.clone().unwrap_or_else(|| {
                 Error::P2pUnavailable("a launch reached only some ranks".into())
             });
-            self.state.p2p = Err(Error::P2pUnavailable(format!(
+            let closed = Error::P2pUnavailable(format!(
                 "the P2P path of this communicator closed after a failure across processes \
                  ({why}); NCCL still works, create a new communicator to use P2P again"
-            )));
+            ));
+            *self
+                .engine
+                .p2p_status
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Err(closed.clone());
+            self.state.p2p = Err(closed);
             self.state.desynced = false;
             return Err(why);
         }
@@ -361,6 +420,14 @@ impl EngineGuard<'_> {
         loop {
             if self.engine.streams_idle()? {
                 return Ok(());
+            }
+            // After a launch that reached only some ranks, copy-engine waits of the ranks
+            // launched wait for flags nobody will write: set them, again at every turn, as a
+            // chain waits on each flag once per chunk of its window (reset to 0 by the reader).
+            if self.state.desynced {
+                if let Some(flags) = &self.state.ce_flags {
+                    flags.set(1)?;
+                }
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
             // the next call).
@@ -406,8 +473,8 @@ impl EngineGuard<'_> {
     /// this point; `steps` name tensors of `items` only.
     pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
         let n = self.n();
-        self.state.calls += 1;
-        let streams = self.engine.raw_streams();
+        let call = self.next_call();
+        let streams = self.work_streams();
         for step in steps {
             match step {
                 Step::P2pOne { tensor, route } => {
@@ -490,7 +557,7 @@ impl EngineGuard<'_> {
                             "NCCL broadcast of {} tensor(s), {bytes} bytes, from rank {root}",
                             tensors.len()
                         );
-                        w.watch(begun, &own, self.state.calls, what)?;
+                        w.watch(begun, &own, call, what)?;
                     }
                 }
             }
@@ -588,7 +655,7 @@ impl EngineGuard<'_> {
         self.state.captured_ce = false;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
-            if let Err(e) = r.stream.get().begin_capture(mode) {
+            if let Err(e) = r.capture.get().begin_capture(mode) {
                 self.abandon_capture(rank);
                 return Err(Error::Cuda {
                     during: format!("beginning a graph capture on rank {rank}"),
@@ -596,15 +663,17 @@ impl EngineGuard<'_> {
                 });
             }
         }
+        self.state.recording = true;
         Ok(())
     }
 
     /// Ends the capture on the first `begun` ranks and discards what was captured.
     pub(crate) fn abandon_capture(&mut self, begun: usize) {
+        self.state.recording = false;
         for r in &self.engine.ranks[..begun] {
             if r.ctx.bind_to_thread().is_ok() {
                 // SAFETY: the stream is live and capturing (begun above).
-                if let Ok(g) = unsafe { result::stream::end_capture(r.stream.get().cu_stream()) } {
+                if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
                         // SAFETY: a graph just returned by end_capture, used nowhere else.
                         let _ = unsafe { result::graph::destroy(g) };
@@ -619,6 +688,7 @@ impl EngineGuard<'_> {
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
         let has_nccl = std::mem::take(&mut self.state.captured_nccl);
         let has_ce = std::mem::take(&mut self.state.captured_ce);
+        self.state.recording = false;
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
         for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -626,7 +696,7 @@ impl EngineGuard<'_> {
                 .ctx
                 .bind_to_thread()
                 // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
-                .and_then(|()| unsafe { result::stream::end_capture(r.stream.get().cu_stream()) });
+                .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
             match ended {
                 Ok(g) if g.is_null() => {
                     status = status.and(Err(Error::Cuda {
@@ -636,7 +706,12 @@ impl EngineGuard<'_> {
                         ),
                     }));
                 }
-                Ok(graph) => match GraphExec::instantiate(r.ctx.clone(), graph, has_nccl, has_ce) {
+                Ok(graph) => match GraphExec::instantiate(
+                    r.ctx.clone(),
+                    graph,
+                    has_nccl.then(|| self.engine.nccl_graphs.clone()),
+                    has_ce,
+                ) {
                     Ok(exec) => execs.push(exec),
                     Err(e) => status = status.and(Err(e)),
                 },
@@ -655,7 +730,7 @@ impl EngineGuard<'_> {
     /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
-        self.state.calls += 1;
+        let call = self.next_call();
         let watch = self
             .engine
             .watchdog
@@ -713,7 +788,7 @@ impl EngineGuard<'_> {
         }
         if let (Some(w), Some(begun)) = (watch, begun) {
             let what = "a graph launch with NCCL broadcasts".to_string();
-            w.watch(begun, &own, self.state.calls, what)?;
+            w.watch(begun, &own, call, what)?;
         }
         Ok(())
     }
@@ -753,6 +828,8 @@ pub(crate) struct GraphExec {
     exec: sys::CUgraphExec,
     /// The graph holds NCCL broadcasts: its launches are watched.
     has_nccl: bool,
+    /// Where it holds NCCL broadcasts, the engine's count of such graphs (one is this).
+    nccl_count: Option<Arc<AtomicUsize>>,
     /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
     has_ce: bool,
 }
@@ -767,18 +844,24 @@ impl GraphExec {
     fn instantiate(
         ctx: Arc<CudaContext>,
         graph: sys::CUgraph,
-        has_nccl: bool,
+        nccl_count: Option<Arc<AtomicUsize>>,
         has_ce: bool,
     ) -> Result<GraphExec> {
         // SAFETY: `graph` is a live graph from end_capture in the current context.
         match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-            Ok(exec) => Ok(GraphExec {
-                ctx,
-                graph,
-                exec,
-                has_nccl,
-                has_ce,
-            }),
+            Ok(exec) => {
+                if let Some(count) = &nccl_count {
+                    count.fetch_add(1, Ordering::AcqRel);
+                }
+                Ok(GraphExec {
+                    ctx,
+                    graph,
+                    exec,
+                    has_nccl: nccl_count.is_some(),
+                    nccl_count,
+                    has_ce,
+                })
+            }
             Err(e) => {
                 // SAFETY: the graph is not used again.
                 let _ = unsafe { result::graph::destroy(graph) };
@@ -793,6 +876,9 @@ impl GraphExec {
 
 impl Drop for GraphExec {
     fn drop(&mut self) {
+        if let Some(count) = &self.nccl_count {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: owned handles, not used again; an executable graph still running is
             // freed by the driver when it completes.
@@ -827,7 +913,14 @@ impl Drop for Engine {
                     idle = self.wait_idle(Duration::from_secs(1));
                 }
                 if idle {
-                    *nccl = Nccl::Aborted("dropped".into());
+                    let old = std::mem::replace(&mut *nccl, Nccl::Aborted("dropped".into()));
+                    if self.nccl_graphs.load(Ordering::Acquire) > 0 {
+                        tracing::warn!(
+                            "a graph with NCCL broadcasts outlives its clique (forgotten): its \
+                             NCCL communicators are leaked, as destroying them would wait for it"
+                        );
+                        std::mem::forget(old);
+                    }
                 }
             }
             None => idle = false,
@@ -844,6 +937,5 @@ impl Drop for Engine {
             std::mem::forget(p2p);
             std::mem::forget(state.ce_flags.take());
         }
-        streams::sweep();
     }
 }

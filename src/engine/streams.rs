@@ -1,48 +1,46 @@
-//! Streams the engine uses: one per rank for the broadcasts, one per rank on the side.
+//! Streams the engine uses: per rank, the stream its broadcasts run on, and three more that
+//! never carry a caller's work (see [`super::Rank`]).
 //!
-//! The engine's own streams are plain driver streams wrapped with `wrap_borrowed_stream`, so
-//! that they do not count as a "second stream" of the context in cudarc's eyes: while a context
-//! has no stream made by `new_stream`, cudarc treats it as single-stream and records no
-//! per-buffer events, which keeps the common case (buffers allocated and used on the clique's
-//! stream) free of event calls. Once the caller creates a stream of that context, cudarc tracks
-//! every buffer with events, and the engine's calls honour them (see `clique::access`).
-//!
-//! Because cudarc does not destroy a borrowed stream, the engine does: when the clique goes
-//! away, a stream nobody else holds is destroyed; one still held (buffers allocated on it keep
-//! an `Arc` to their stream) is parked and destroyed by a later sweep once the last holder is
-//! gone.
+//! Every stream the engine creates is a cudarc stream (`CudaStream::fork`), which puts
+//! the context in cudarc's multi-stream mode: cudarc then records a read or write event for
+//! every buffer access it orders and makes every stream wait for them, the context's default
+//! stream and the per-thread stream included. That is what orders a caller's later work on any
+//! stream with a broadcast (see `clique::access`); in single-stream mode cudarc tracks nothing,
+//! and work on the default stream would race with the clique's non-blocking streams.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use cudarc::driver::{result, CudaContext, CudaStream};
+use cudarc::driver::sys::CUstream;
+use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
 
-/// Streams whose engine is gone but which something still holds.
-static PARKED: Mutex<Vec<Arc<CudaStream>>> = Mutex::new(Vec::new());
-
-/// A stream of the engine: created by it (destroyed when unused), or the caller's.
+/// A stream of the engine: created by it, or the caller's.
 pub(crate) enum EngineStream {
-    /// Created by the engine.
+    /// Created by the engine (destroyed by cudarc when the last holder drops it).
     Owned(Arc<CudaStream>),
-    /// Handed in by the caller (`CliqueBuilder::streams`); never destroyed here.
+    /// Handed in by the caller (`CliqueBuilder::streams`).
     Callers(Arc<CudaStream>),
 }
 
 impl EngineStream {
-    /// A new non-blocking stream of `ctx`, not counted as a cudarc stream of it.
-    pub(crate) fn create(ctx: &Arc<CudaContext>) -> Result<EngineStream> {
-        ctx.bind_to_thread()
-            .map_err(Error::cuda("binding a context"))?;
-        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(
-            Error::cuda(format!("creating a stream on device {}", ctx.ordinal())),
-        )?;
-        // SAFETY: `raw` is a live stream of `ctx`; it is destroyed only when no other holder of
-        // the wrapper remains (`Drop`, `sweep`), so it outlives every use. Ordering with other
-        // streams is the engine's job (module docs).
-        Ok(EngineStream::Owned(unsafe {
-            ctx.wrap_borrowed_stream(raw)
-        }))
+    /// A new non-blocking stream of `ctx`, counted by cudarc (multi-stream mode), forked from
+    /// `parent` (a stream of `ctx`; the context's default stream when `None`): it starts after
+    /// the work queued there so far. Forking, unlike `new_stream`, never blocks the host (the
+    /// latter synchronises the whole context when it switches modes, waiting for any work the
+    /// caller has queued there, without bound).
+    pub(crate) fn create(
+        ctx: &Arc<CudaContext>,
+        parent: Option<&Arc<CudaStream>>,
+    ) -> Result<EngineStream> {
+        let forked = match parent {
+            Some(p) => p.fork(),
+            None => ctx.default_stream().fork(),
+        };
+        forked.map(EngineStream::Owned).map_err(Error::cuda(format!(
+            "creating a stream on device {}",
+            ctx.ordinal()
+        )))
     }
 
     /// The stream.
@@ -53,37 +51,28 @@ impl EngineStream {
     }
 }
 
-/// Destroys parked streams that nothing holds any more.
-pub(crate) fn sweep() {
-    let mut parked = PARKED.lock().unwrap_or_else(|e| e.into_inner());
-    parked.retain(|s| {
-        let held = Arc::strong_count(s) > 1;
-        if !held {
-            destroy(s);
-        }
-        held
-    });
-}
-
-fn destroy(s: &Arc<CudaStream>) {
-    if s.context().bind_to_thread().is_ok() {
-        // SAFETY: the engine created this stream and no other holder of its wrapper remains.
-        if let Err(e) = unsafe { result::stream::destroy(s.cu_stream()) } {
-            tracing::warn!(error = %e, "could not destroy a stream");
-        }
+/// Why a caller's stream handle cannot carry a rank's work, if it cannot: the legacy default
+/// stream (which captures refuse and which synchronises with every blocking stream) and the
+/// per-thread default stream (a different stream on each thread, and the engine launches from
+/// several threads) are names, not streams of their own.
+pub(crate) fn special_handle(stream: CUstream) -> Option<&'static str> {
+    match stream as usize {
+        0 => Some("the context's default (null) stream"),
+        1 => Some("the legacy default stream handle (CU_STREAM_LEGACY)"),
+        2 => Some("the per-thread default stream handle (CU_STREAM_PER_THREAD)"),
+        _ => None,
     }
 }
 
-impl Drop for EngineStream {
-    fn drop(&mut self) {
-        if let EngineStream::Owned(s) = self {
-            let s = s.clone();
-            // `s` and the enum's own Arc: two when nobody else holds the stream.
-            if Arc::strong_count(&s) > 2 {
-                PARKED.lock().unwrap_or_else(|e| e.into_inner()).push(s);
-            } else {
-                destroy(&s);
-            }
+#[cfg(test)]
+mod tests {
+    use super::special_handle;
+
+    #[test]
+    fn the_default_stream_handles_are_refused_and_real_streams_are_not() {
+        for raw in [0usize, 1, 2] {
+            assert!(special_handle(raw as _).is_some(), "{raw}");
         }
+        assert!(special_handle(0x7f00_1234_5000usize as _).is_none());
     }
 }

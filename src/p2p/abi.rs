@@ -198,8 +198,15 @@ pub(crate) mod layout {
     pub const CHAIN_READY: usize = CHAIN_SEQ + B;
     /// `[block][succ]`: pieces the successor `succ` has finished reading (written by `succ`).
     pub const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
+    /// `[block]`, two words each (one 64-bit lease, 8-byte aligned): this GPU's claim on the
+    /// root's buffer for a pull op, {op, state}. The reader claims it before it reads and
+    /// releases it after; a root that gives up cancels it first (both by compare-and-swap), so
+    /// a late reader never touches a buffer whose owner's call has ended.
+    pub const PULL_LEASE: usize = (CHAIN_DONE + B * MAX_GPUS).next_multiple_of(2);
+    /// `[block]`, two words each: the same lease on the predecessor's buffer in a chain op.
+    pub const CHAIN_LEASE: usize = PULL_LEASE + 2 * B;
     /// Words of flags.
-    pub const SIGNAL_WORDS: usize = CHAIN_DONE + B * MAX_GPUS;
+    pub const SIGNAL_WORDS: usize = CHAIN_LEASE + 2 * B;
     /// Byte offset of the packet inbox, after the flags.
     pub const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
     /// Bytes of inbox: a ring of slots per block, each twice a block's data region.
@@ -210,7 +217,7 @@ pub(crate) mod layout {
 }
 
 /// The `#define`s the kernel source needs, from the constants above.
-pub(crate) fn defines() -> [(&'static str, usize); 14] {
+pub(crate) fn defines() -> [(&'static str, usize); 16] {
     [
         ("GPUCAST_MAX_GPUS", MAX_GPUS),
         ("GPUCAST_THREADS", THREADS as usize),
@@ -224,6 +231,8 @@ pub(crate) fn defines() -> [(&'static str, usize); 14] {
         ("GPUCAST_CHAIN_SEQ", layout::CHAIN_SEQ),
         ("GPUCAST_CHAIN_READY", layout::CHAIN_READY),
         ("GPUCAST_CHAIN_DONE", layout::CHAIN_DONE),
+        ("GPUCAST_PULL_LEASE", layout::PULL_LEASE),
+        ("GPUCAST_CHAIN_LEASE", layout::CHAIN_LEASE),
         ("GPUCAST_INBOX_OFFSET", layout::INBOX_OFFSET),
         ("GPUCAST_LIST_MAX", LIST_MAX),
     ]
@@ -406,17 +415,18 @@ mod tests {
         const {
             assert!(PACKET_SEQ < PULL_SEQ && PULL_SEQ < PACKET_ACK && PACKET_ACK < ARRIVE);
             assert!(ARRIVE < DONE && DONE < CHAIN_SEQ && CHAIN_SEQ < CHAIN_READY);
-            assert!(CHAIN_READY < CHAIN_DONE && CHAIN_DONE < SIGNAL_WORDS);
+            assert!(CHAIN_READY < CHAIN_DONE && CHAIN_DONE < PULL_LEASE);
+            assert!(PULL_LEASE.is_multiple_of(2) && CHAIN_LEASE.is_multiple_of(2));
+            assert!(PULL_LEASE + 2 * MAX_BLOCKS as usize <= CHAIN_LEASE);
+            assert!(CHAIN_LEASE + 2 * MAX_BLOCKS as usize <= SIGNAL_WORDS);
             assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET.is_multiple_of(4096));
             assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
             assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
         }
         assert_eq!(CHAIN_SEQ - DONE, MAX_BLOCKS as usize * MAX_GPUS);
         assert_eq!(CHAIN_READY - CHAIN_SEQ, MAX_BLOCKS as usize);
-        assert_eq!(
-            CHAIN_DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1,
-            SIGNAL_WORDS - 1
-        );
+        assert!(CHAIN_DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1 < PULL_LEASE);
+        assert_eq!(CHAIN_LEASE + 2 * MAX_BLOCKS as usize, SIGNAL_WORDS);
     }
 
     #[test]

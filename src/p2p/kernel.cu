@@ -17,6 +17,13 @@
 #define PHASE_PULL_DONE 4u    // root waits for peers to finish reading
 #define PHASE_CHAIN_DATA 5u   // rank waits for its predecessor's piece
 #define PHASE_CHAIN_DONE 6u   // rank waits for its successor to finish reading
+#define PHASE_LEASE 7u        // owner that gave up waits for a reader holding its lease
+#define PHASE_CANCELLED 8u    // reader found its owner gave up on the op: nothing read
+
+// States of a reader's lease on its owner's buffer, {op << 32 | state}.
+#define LEASE_READING 1u
+#define LEASE_RELEASED 2u
+#define LEASE_CANCELLED 3u
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
@@ -92,6 +99,81 @@ __device__ bool wait_flag(const u32* flag, u32 target, const Bound& p, u32 phase
             *abort = 1;
             return false;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leases. A reader (a pull peer, a chain successor) reads its owner's buffer (the root's input,
+// the predecessor's output) only under a lease: a 64-bit word in the reader's signal area that
+// names the op and a state. The reader claims it (READING) before its first read and releases
+// it (RELEASED) after its last; an owner that did not see the reader finish (it timed out, or
+// gave up for another reason) settles it before its kernel ends: it cancels the lease
+// (CANCELLED), or, if the reader holds it, waits for the release. Both change the word by
+// compare-and-swap, so exactly one wins: once an owner's kernel has ended, no reader of that op
+// touches its buffer, and the caller may free it.
+
+__device__ __forceinline__ u64 lease_word(u32 op, u32 state) { return ((u64)op << 32) | state; }
+
+__device__ __forceinline__ u64* lease_of(u32* area, u32 offset, u32 block) {
+    return (u64*)(area + offset) + block;
+}
+
+__device__ __forceinline__ u64 ld_acquire64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release64(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 cas_acq_rel64(u64* p, u64 expected, u64 desired) {
+    u64 seen;
+    asm volatile("atom.acq_rel.sys.global.cas.b64 %0, [%1], %2, %3;"
+                 : "=l"(seen)
+                 : "l"(p), "l"(expected), "l"(desired)
+                 : "memory");
+    return seen;
+}
+
+// Reader: claims op `op` before reading the owner's buffer; false if the owner cancelled it.
+__device__ bool lease_claim(u64* lease, u32 op) {
+    u64 v = ld_acquire64(lease);
+    while (true) {
+        if ((u32)(v >> 32) == op && (u32)v == LEASE_CANCELLED) return false;
+        const u64 seen = cas_acq_rel64(lease, v, lease_word(op, LEASE_READING));
+        if (seen == v) return true;
+        v = seen;
+    }
+}
+
+// Reader: gives the lease back once every thread's reads of the owner's buffer have returned
+// (the caller synchronises the block first).
+__device__ __forceinline__ void lease_release(u64* lease, u32 op) {
+    st_release64(lease, lease_word(op, LEASE_RELEASED));
+}
+
+// Owner that did not see `done` reach `target`: after this returns, the reader never reads op
+// `op` of its buffer. Cancels the lease, or waits for the reader holding it to release it (or
+// to report done), at most twice the timeout (then reports PHASE_LEASE and returns).
+__device__ void lease_settle(u64* lease, u32 op, const u32* done, u32 target, const Bound& p) {
+    u64 v = ld_acquire64(lease);
+    u64 start = 0;
+    while (true) {
+        if ((u32)(v >> 32) == op) {
+            if ((u32)v != LEASE_READING || reached(ld_acquire(done), target)) return;
+            if (start == 0) start = now_ns();
+            if (now_ns() - start > 2 * p.timeout_ns) {
+                report_timeout(p, PHASE_LEASE, op);
+                return;
+            }
+            v = ld_acquire64(lease);
+            continue;
+        }
+        const u64 seen = cas_acq_rel64(lease, v, lease_word(op, LEASE_CANCELLED));
+        if (seen == v) return;
+        v = seen;
     }
 }
 
@@ -174,7 +256,9 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
 
     if (p.rank == p.root) {
         // The slot was last used GPUCAST_PACKET_SLOTS ops ago; wait until every peer is past it.
-        if (t < p.nranks && t != p.rank && seq > GPUCAST_PACKET_SLOTS) {
+        // Wrap-aware: right after a reset the acks are 0, which `reached` counts as past any
+        // op up to GPUCAST_PACKET_SLOTS, so no special case for the first ops is needed.
+        if (t < p.nranks && t != p.rank) {
             wait_flag(mine + GPUCAST_PACKET_ACK + b * GPUCAST_MAX_GPUS + t, seq - GPUCAST_PACKET_SLOTS,
                       bound, PHASE_PACKET_SLOT, seq, &abort_flag);
         }
@@ -300,19 +384,28 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
         }
         copy(true);
         if (t < nranks && t != rank) {
-            wait_flag(mine + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + t, seq, p, PHASE_PULL_DONE, seq,
-                      &abort_flag);
+            const u32* done = mine + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + t;
+            if (!wait_flag(done, seq, p, PHASE_PULL_DONE, seq, &abort_flag)) {
+                lease_settle(lease_of((u32*)signal[t], GPUCAST_PULL_LEASE, b), seq, done, seq, p);
+            }
         }
     } else {
-        if (t == 0) {
-            wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + root, seq, p, PHASE_PULL_ARRIVE,
-                      seq, &abort_flag);
+        u64* lease = lease_of(mine, GPUCAST_PULL_LEASE, b);
+        if (t == 0 && wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + root, seq, p,
+                                PHASE_PULL_ARRIVE, seq, &abort_flag)) {
+            if (!lease_claim(lease, seq)) {
+                report_timeout(p, PHASE_CANCELLED, seq);
+                abort_flag = 1;
+            }
         }
         __syncthreads();
         if (abort_flag) return;
         copy(false);
         __syncthreads();
-        if (t == 0) st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
+        if (t == 0) {
+            st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
+            lease_release(lease, seq);
+        }
     }
     __syncthreads();
     if (abort_flag) return;
@@ -400,10 +493,19 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
         }
     } else {
         const u32* ready = mine + GPUCAST_CHAIN_READY + b * GPUCAST_MAX_GPUS + pred;
+        u64* lease = lease_of(mine, GPUCAST_CHAIN_LEASE, b);
+        bool claimed = false;  // thread 0's view
         for (u32 k = 0; k < count; k++) {
-            if (t == 0) wait_flag(ready, base + k + 1, bound, PHASE_CHAIN_DATA, base + k + 1, &abort_flag);
+            if (t == 0 && wait_flag(ready, base + k + 1, bound, PHASE_CHAIN_DATA, base + k + 1,
+                                    &abort_flag) && k == 0) {
+                claimed = lease_claim(lease, base + count);
+                if (!claimed) {
+                    report_timeout(bound, PHASE_CANCELLED, base + count);
+                    abort_flag = 1;
+                }
+            }
             __syncthreads();
-            if (abort_flag) return;
+            if (abort_flag) break;
             const u64 lo = ((u64)k * blocks + b) * p.chunk;
             const u64 hi = lo + p.chunk < p.bytes ? lo + p.chunk : p.bytes;
             block_copy(p.from, p.dst, lo, hi, p.unit, p.head);
@@ -419,17 +521,26 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
         // Every thread's loads of the predecessor's buffer have returned.
         __syncthreads();
         if (t == 0) {
-            st_release(signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank,
-                       base + count);
+            if (!abort_flag) {
+                st_release(signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank,
+                           base + count);
+            }
+            if (claimed) lease_release(lease, base + count);
         }
     }
     if (!last) {
+        // Before this kernel ends, the successor is done with this rank's buffer, or never
+        // reads it again (also after a failure above: it may hold pieces already released).
         if (t == 0) {
-            wait_flag(mine + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + succ, base + count, bound,
-                      PHASE_CHAIN_DONE, base + count, &abort_flag);
+            const u32* done = mine + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + succ;
+            if (abort_flag || !wait_flag(done, base + count, bound, PHASE_CHAIN_DONE, base + count,
+                                         &abort_flag)) {
+                lease_settle(lease_of(signal_of(p, succ), GPUCAST_CHAIN_LEASE, b), base + count,
+                             done, base + count, bound);
+            }
         }
         __syncthreads();
-        if (abort_flag) return;
     }
+    if (abort_flag) return;
     if (t == 0) st_volatile(mine + GPUCAST_CHAIN_SEQ + b, base + count);
 }

@@ -350,20 +350,27 @@ impl P2p {
         Ok(p2p)
     }
 
-    /// Zeroes every signal area and waits for it (at creation and after a timeout).
+    /// Zeroes every signal area and waits for it (at creation and after a timeout), on a
+    /// stream of its own: the wait covers the memsets alone, not the caller's other work on
+    /// the context, and ends within [`ZERO_WITHIN`] ([`Error::StreamsBusy`] otherwise).
     fn zero_signals_sync(&self) -> Result<()> {
+        let start = std::time::Instant::now();
         for r in &self.ranks {
             r.ctx
                 .bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
-            // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context.
-            unsafe { result::memset_d8_sync(r.signal, 0, layout::TOTAL_BYTES) }
-                .map_err(Error::cuda("zeroing a signal area"))?;
-        }
-        for r in &self.ranks {
-            r.ctx
-                .synchronize()
-                .map_err(Error::cuda("synchronising after zeroing signals"))?;
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(Error::cuda("creating a stream to zero a signal area"))?;
+            // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context and `stream`
+            // a live stream of it.
+            let zeroed =
+                unsafe { result::memset_d8_async(r.signal, 0, layout::TOTAL_BYTES, stream) }
+                    .map_err(Error::cuda("zeroing a signal area"))
+                    .and_then(|()| wait_stream(stream, start));
+            // SAFETY: created above and not used again; work still queued (after a bounded
+            // wait that gave up) completes before the driver frees the stream.
+            let _ = unsafe { result::stream::destroy(stream) };
+            zeroed?;
         }
         Ok(())
     }
@@ -708,6 +715,8 @@ pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error
         4 => "root waiting for peers to finish reading",
         5 => "waiting for the predecessor's piece in the chain",
         6 => "waiting for the successor in the chain to finish reading",
+        7 => "waiting for a late reader to let go of this rank's buffer",
+        8 => "arrived after the rank it reads from had given up: nothing was read",
         _ => "unknown wait",
     };
     Error::Timeout {
@@ -736,6 +745,34 @@ impl Drop for P2p {
         // SAFETY: allocated by `malloc_host`; no kernel uses it any more.
         if let Err(e) = unsafe { result::free_host(self.errors.0.cast::<c_void>()) } {
             tracing::warn!(error = %e, "could not free the error slots");
+        }
+    }
+}
+
+/// Longest [`P2p::zero_signals_sync`] waits for its memsets.
+const ZERO_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Waits, by polling, until `stream` is idle or [`ZERO_WITHIN`] has passed since `start`.
+fn wait_stream(stream: sys::CUstream, start: std::time::Instant) -> Result<()> {
+    let mut backoff = crate::wait::Backoff::new();
+    loop {
+        // SAFETY: `stream` is a live stream of the current context.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < ZERO_WITHIN => {
+                backoff.pause();
+            }
+            sys::CUresult::CUDA_ERROR_NOT_READY => {
+                return Err(Error::StreamsBusy {
+                    waited_ms: crate::nccl::millis(start.elapsed()),
+                })
+            }
+            e => {
+                return Err(Error::Cuda {
+                    during: "zeroing a signal area".into(),
+                    source: result::DriverError(e),
+                })
+            }
         }
     }
 }

@@ -1,0 +1,473 @@
+//! The promises of README's "Ordering", "Threads" and "Failure model", each tried where it
+//! was once broken: work on the context's default and per-thread streams right after a call;
+//! threads sharing a clique whose ranks share a GPU; allocations and calls inside a capture
+//! closure; two captures swapped; a late reader after its root gave up; a recovery beside a
+//! caller's busy stream; forgotten graphs; stream handles that are names, not streams.
+//!
+//! Every test adapts to the GPUs present: two ranks on GPUs 0 and 1 where there are two, two
+//! ranks sharing GPU 0 otherwise (NCCL is then tried on a clique of one GPU). Run with
+//! `cargo test --release --test promises -- --include-ignored --test-threads 1`.
+
+mod common;
+
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gpucast::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use gpucast::{BroadcastOptions, Clique, Error, Path};
+use rand::{Rng, RngCore};
+
+/// Two ranks: on two GPUs where there are two, else sharing GPU 0.
+fn pair_with(timeout: Duration) -> Clique {
+    let two = gpucast::device_count().expect("a CUDA driver") >= 2;
+    let devices: &[usize] = if two { &[0, 1] } else { &[0, 0] };
+    Clique::builder()
+        .devices(devices)
+        .shared_devices(!two)
+        .timeout(timeout)
+        .build()
+        .expect("a clique")
+}
+
+/// Two ranks sharing GPU 0, whatever the machine has.
+fn shared_pair(timeout: Duration) -> Clique {
+    Clique::builder()
+        .devices(&[0, 0])
+        .shared_devices(true)
+        .timeout(timeout)
+        .build()
+        .expect("a clique of two ranks on GPU 0")
+}
+
+/// The cliques and paths the ordering tests run on: P2P and the copy engines on a pair; NCCL
+/// on the pair where its ranks have GPUs of their own, else on a clique of one GPU.
+fn ordering_cases() -> Vec<(Clique, Path, usize)> {
+    let two = gpucast::device_count().expect("a CUDA driver") >= 2;
+    let mut cases = vec![
+        (pair_with(Duration::from_secs(10)), Path::P2p, 4096),
+        (pair_with(Duration::from_secs(10)), Path::P2p, 1 << 20),
+        (
+            pair_with(Duration::from_secs(10)),
+            Path::CopyEngine,
+            1 << 20,
+        ),
+    ];
+    let nccl = if two {
+        pair_with(Duration::from_secs(10))
+    } else {
+        eprintln!("one GPU: NCCL is tried on a clique of one rank");
+        Clique::new(&[0]).expect("a clique of GPU 0")
+    };
+    cases.push((nccl, Path::Nccl, 1 << 20));
+    cases
+}
+
+/// What runs on the other stream right after the call returns.
+#[derive(Debug, Clone, Copy)]
+enum After {
+    /// Zero the last rank's output.
+    ZeroOutput,
+    /// Zero the input.
+    ZeroInput,
+    /// Read the last rank's output.
+    ReadOutput,
+}
+
+/// Which stream a caller names.
+#[derive(Debug, Clone, Copy)]
+enum Named {
+    Default,
+    PerThread,
+}
+
+fn named(ctx: &Arc<CudaContext>, which: Named) -> Arc<CudaStream> {
+    match which {
+        Named::Default => ctx.default_stream(),
+        Named::PerThread => ctx.per_thread_stream(),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_default_and_per_thread_streams_are_ordered_with_every_path() {
+    let mut rng = rng();
+    let mut failures = Vec::new();
+    for (clique, path, n) in ordering_cases() {
+        let last = clique.len() - 1;
+        for which in [Named::Default, Named::PerThread] {
+            for after in [After::ZeroOutput, After::ZeroInput, After::ReadOutput] {
+                let data: Vec<u8> = random_vec(n, &mut rng);
+                let input = clique.stream(0).clone_htod(&data).unwrap();
+                let mut input = input;
+                let mut outputs: Vec<CudaSlice<u8>> = poisoned_outputs(&clique, n, &mut rng);
+                clique.synchronize().unwrap();
+                // The clique's streams start the broadcast 200 ms late.
+                for r in 0..clique.len() {
+                    stall(&clique, r, 200);
+                }
+                let opts = BroadcastOptions::path(path);
+                clique
+                    .broadcast_with(0, &input, &mut outputs, &opts)
+                    .unwrap();
+                let out_stream = named(clique.context(last), which);
+                let in_stream = named(clique.context(0), which);
+                let (want, got): (Vec<u8>, Vec<u8>) = match after {
+                    After::ZeroOutput => {
+                        out_stream.memset_zeros(&mut outputs[last]).unwrap();
+                        out_stream.synchronize().unwrap();
+                        clique.synchronize().unwrap();
+                        let got = clique.stream(last).clone_dtoh(&outputs[last]).unwrap();
+                        (vec![0; n], got)
+                    }
+                    After::ZeroInput => {
+                        in_stream.memset_zeros(&mut input).unwrap();
+                        in_stream.synchronize().unwrap();
+                        clique.synchronize().unwrap();
+                        let got = clique.stream(last).clone_dtoh(&outputs[last]).unwrap();
+                        (data.clone(), got)
+                    }
+                    After::ReadOutput => {
+                        let got = out_stream.clone_dtoh(&outputs[last]).unwrap();
+                        clique.synchronize().unwrap();
+                        (data.clone(), got)
+                    }
+                };
+                if got != want {
+                    let bad = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+                    failures.push(format!(
+                        "{path:?} {n} B, {which:?} stream, {after:?}: {bad} of {n} bytes wrong"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "unordered:\n{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_share_a_clique_whose_ranks_share_a_gpu() {
+    let clique = shared_pair(Duration::from_secs(3));
+    assert!(clique.parallel_launch().unwrap(), "launch threads on");
+    if std::env::var_os("GPUCAST_TEST_POOL_DEPENDENCIES").is_some() {
+        eprintln!("memory pool reuse through stream dependencies turned back on");
+        allow_pool_dependencies(clique.context(0));
+    }
+    let seed: u64 = rng().random();
+    for run in 0..3 {
+        std::thread::scope(|s| {
+            for thread in 0..4u64 {
+                let clique = &clique;
+                s.spawn(move || {
+                    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
+                        seed ^ (run << 8) ^ thread,
+                    );
+                    for call in 0..150 {
+                        let n = match rng.random_range(0..3) {
+                            0 => rng.random_range(1..=64 << 10),
+                            1 => rng.random_range(64 << 10..=4 << 20),
+                            _ => rng.random_range(1..=16),
+                        };
+                        let root = rng.random_range(0..2);
+                        let data: Vec<u8> = random_vec(n, &mut rng);
+                        let input = clique.stream(root).clone_htod(&data).unwrap();
+                        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+                        let opts = BroadcastOptions::path(Path::P2p);
+                        clique
+                            .broadcast_with(root, &input, &mut outputs, &opts)
+                            .unwrap_or_else(|e| {
+                                panic!("run {run} thread {thread} call {call} ({n} B): {e}")
+                            });
+                        drop(input);
+                        let rank = rng.random_range(0..2);
+                        let got = clique.stream(rank).clone_dtoh(&outputs[rank]).unwrap();
+                        assert!(
+                            got == data,
+                            "run {run} thread {thread} call {call}: wrong data"
+                        );
+                    }
+                });
+            }
+        });
+        clique.synchronize().unwrap();
+    }
+}
+
+/// Puts back the memory pool's default reuse policy on `ctx`'s device (to show what it costs).
+fn allow_pool_dependencies(ctx: &Arc<CudaContext>) {
+    use gpucast::cudarc::driver::sys;
+    ctx.bind_to_thread().unwrap();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut on: i32 = 1;
+    // SAFETY: out pointer and an int attribute of the device's live pool.
+    unsafe {
+        sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .unwrap();
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            (&raw mut on).cast(),
+        )
+        .result()
+        .unwrap();
+    }
+}
+
+/// Runs `f` on another thread and fails the test if it does not end within `limit` (a hang).
+fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn allocations_and_call_counts_inside_a_capture_closure() {
+    let clique = Arc::new(shared_pair(Duration::from_secs(5)));
+    let c = clique.clone();
+    within(
+        Duration::from_secs(30),
+        "a capture that allocates",
+        move || {
+            let clique = c;
+            let mut rng = rng();
+            let n = 100_000;
+            let data: Vec<u8> = random_vec(n, &mut rng);
+            let input = clique.stream(0).clone_htod(&data).unwrap();
+            let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+            let mut made = None;
+            let mut counted = None;
+            let graph = clique
+                .capture(|cap| {
+                    made = Some(clique.alloc_outputs::<u8>(n)?);
+                    counted = Some(clique.calls());
+                    cap.broadcast(0, &input, &mut outputs)
+                })
+                .unwrap();
+            assert!(counted.is_some());
+            drop(graph);
+            // Buffers allocated inside the closure are ordinary buffers.
+            let mut made = made.unwrap();
+            clique.broadcast(0, &input, &mut made).unwrap();
+            clique.synchronize().unwrap();
+            for (rank, out) in made.iter().enumerate() {
+                assert_bytes_eq(clique.stream(rank), out, &data, &format!("rank {rank}"));
+            }
+        },
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_swapped_capture_keeps_its_graph_with_its_own_clique() {
+    let a = shared_pair(Duration::from_secs(3));
+    let b = shared_pair(Duration::from_secs(3));
+    let mut rng = rng();
+    let n = 1 << 20;
+    let pull = BroadcastOptions {
+        packet_threshold: Some(0),
+        ..BroadcastOptions::path(Path::P2p)
+    };
+    let data: Vec<u8> = random_vec(n, &mut rng);
+    let input = a.stream(0).clone_htod(&data).unwrap();
+    let mut outs_b = b.alloc_outputs::<u8>(n).unwrap();
+    std::thread::scope(|s| {
+        let (a, b) = (&a, &b);
+        let (input, outs_b, pull) = (&input, &mut outs_b, &pull);
+        let replays = s.spawn(move || {
+            let mut inner = None;
+            let mut outer = a
+                .capture(|ca| {
+                    inner = Some(b.capture(|cb| {
+                        std::mem::swap(ca, cb);
+                        Ok(())
+                    })?);
+                    // `ca` now records on `b`'s streams.
+                    ca.broadcast_with(0, input, outs_b, pull)
+                })
+                .unwrap();
+            let mut inner = inner.unwrap();
+            for _ in 0..200 {
+                outer.launch().unwrap();
+                inner.launch().unwrap();
+            }
+        });
+        // Meanwhile `b` broadcasts on its own: its P2P state must never see two calls at once.
+        let mut outs = b.alloc_outputs::<u8>(n).unwrap();
+        let other: Vec<u8> = random_vec(n, &mut rng);
+        let from = b.stream(0).clone_htod(&other).unwrap();
+        for call in 0..200 {
+            b.broadcast_with(0, &from, &mut outs, pull)
+                .unwrap_or_else(|e| panic!("b's call {call}: {e}"));
+        }
+        b.synchronize().unwrap();
+        assert_bytes_eq(b.stream(1), &outs[1], &other, "b's own broadcast");
+        replays.join().unwrap();
+    });
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    assert_bytes_eq(
+        b.stream(1),
+        &outs_b[1],
+        &data,
+        "the swapped capture's broadcast",
+    );
+}
+
+/// One late-reader case: `rank 1` is held back past the timeout, the root gives up, and the
+/// caller overwrites the input at once on the root's stream. Rank 1 must then read nothing.
+fn late_reader(options: &BroadcastOptions, what: &str) {
+    let clique = shared_pair(Duration::from_millis(300));
+    let mut rng = rng();
+    let n = 4 << 20;
+    let data: Vec<u8> = random_vec(n, &mut rng);
+    let mut input = clique.stream(0).clone_htod(&data).unwrap();
+    let poison: Vec<u8> = random_vec(n, &mut rng);
+    let mut outputs = vec![
+        clique.alloc_outputs::<u8>(n).unwrap().remove(0),
+        clique.stream(1).clone_htod(&poison).unwrap(),
+    ];
+    clique.synchronize().unwrap();
+    stall(&clique, 1, 1500);
+    clique
+        .broadcast_with(0, &input, &mut outputs, options)
+        .unwrap();
+    // The root's call has ended (it gave up) long before rank 1 starts: the input is the
+    // caller's again.
+    let after = vec![0xa5u8; n];
+    clique.stream(0).memcpy_htod(&after, &mut input).unwrap();
+    let outcome = clique.synchronize();
+    assert!(
+        matches!(outcome, Err(Error::Timeout { .. })),
+        "{what}: a timeout, got {outcome:?}"
+    );
+    clique.recover().unwrap();
+    let got = clique.stream(1).clone_dtoh(&outputs[1]).unwrap();
+    let from_after = got
+        .iter()
+        .zip(&poison)
+        .filter(|(g, p)| g != p && **g == 0xa5)
+        .count();
+    assert_eq!(
+        from_after, 0,
+        "{what}: rank 1 read {from_after} bytes of the root's buffer after the root's call ended"
+    );
+    assert!(got == poison, "{what}: rank 1's output changed");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_late_pull_reader_never_reads_after_the_root_gave_up() {
+    let pull = BroadcastOptions {
+        packet_threshold: Some(0),
+        ..BroadcastOptions::path(Path::P2p)
+    };
+    late_reader(&pull, "pull");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_late_chain_reader_never_reads_after_its_predecessor_gave_up() {
+    late_reader(&p2p_chain(), "chain");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn stream_handles_that_are_names_are_refused() {
+    let ctx = CudaContext::new(0).unwrap();
+    let own = ctx.new_stream().unwrap();
+    for (name, s) in [
+        ("default", ctx.default_stream()),
+        ("per-thread", ctx.per_thread_stream()),
+    ] {
+        let built = Clique::builder()
+            .shared_devices(true)
+            .streams(vec![s, own.clone()])
+            .build();
+        assert!(
+            matches!(built, Err(Error::InvalidArgument(ref m)) if m.contains("default")),
+            "{name}: {:?}",
+            built.err()
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forgetting_a_graph_never_hangs_the_clique_s_drop() {
+    let mut cases: Vec<(&str, Clique, Path)> = vec![(
+        "P2P on a shared pair",
+        shared_pair(Duration::from_secs(2)),
+        Path::P2p,
+    )];
+    cases.push((
+        "NCCL on one GPU",
+        Clique::builder()
+            .devices(&[0])
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap(),
+        Path::Nccl,
+    ));
+    for (what, clique, path) in cases {
+        let clique = Arc::new(clique);
+        let c = clique.clone();
+        within(Duration::from_secs(60), what, move || {
+            let n = 1 << 16;
+            let input = c.stream(0).clone_htod(&vec![7u8; n]).unwrap();
+            let mut outputs = c.alloc_outputs::<u8>(n).unwrap();
+            let opts = BroadcastOptions::path(path);
+            let mut graph = c
+                .capture(|cap| cap.broadcast_with(0, &input, &mut outputs, &opts))
+                .unwrap();
+            graph.launch().unwrap();
+            std::mem::forget(graph);
+            c.synchronize().unwrap();
+            drop(c);
+        });
+        within(Duration::from_secs(60), what, move || drop(clique));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn recovery_does_not_wait_for_the_callers_unrelated_work() {
+    let clique = shared_pair(Duration::from_millis(200));
+    let busy = clique.context(0).new_stream().unwrap();
+    let mut rng = rng();
+    let n = 1 << 20;
+    let input = clique
+        .stream(0)
+        .clone_htod(&random_vec::<u8>(n, &mut rng))
+        .unwrap();
+    let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+    stall(&clique, 1, 600);
+    clique
+        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+        .unwrap();
+    assert!(
+        clique.synchronize().is_err(),
+        "the held-back rank times out"
+    );
+    // Unrelated work on the same context, queued before the reset.
+    stall_stream(&busy, 5000);
+    let start = Instant::now();
+    clique.recover().unwrap();
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(2500),
+        "recovery took {took:?} behind 5 s of unrelated work"
+    );
+    check_in_place::<u8>(&clique, 1, 5000, Path::P2p, &mut rng);
+    busy.synchronize().unwrap();
+    let _ = rng.next_u32();
+}
