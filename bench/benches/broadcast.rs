@@ -727,6 +727,10 @@ fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel)
             ("p2p", 1 << 20),
             ("launch-floor", 0),
         ] {
+            // NCCL is off where ranks share a GPU (--shared).
+            if path == "nccl" && clique.route(bytes, &options_for(path)?).is_err() {
+                continue;
+            }
             run_op(clique, pools, path, root, bytes.max(1), i % 4, floor)?;
         }
         i += 1;
