@@ -1,8 +1,10 @@
 //! One process per GPU (ignored without a GPU): each test starts this binary once per rank,
 //! with the environment torchrun would set, and every rank checks its own data bit for bit.
-//! All ranks draw the data from one shared seed, so each knows what the root sent. With one GPU,
-//! the tests of ranks that play separate nodes run with both ranks on it; the others, which need
-//! a GPU per process, are skipped with a printed reason.
+//! All ranks draw the data from one shared seed, so each knows what the root sent. With fewer
+//! GPUs than ranks, every rank runs on GPU 0: the ranks of one host with the communicator's
+//! `shared_devices` (NCCL off, everything else as with a GPU each: the rendezvous, the
+//! descriptor exchange, the P2P kernel over shared memory and its faults), the ranks that play
+//! separate nodes as nodes of their own to NCCL.
 //!
 //! `cargo test --release --test procs -- --include-ignored --test-threads 1`
 
@@ -104,7 +106,23 @@ fn child() {
         return;
     };
     let seed: u64 = std::env::var("PROCS_SEED").unwrap().parse().unwrap();
-    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("joining the job: {e}"));
+    let comm = if shared_gpu() {
+        Communicator::builder()
+            .shared_devices(true)
+            .device(0)
+            .build()
+    } else {
+        Communicator::from_env()
+    }
+    .unwrap_or_else(|e| panic!("joining the job: {e}"));
+    if shared_gpu() {
+        // NCCL is off: a forced NCCL call says so, and the cases below leave NCCL out.
+        let mut b = comm.alloc::<u8>(16).unwrap();
+        let e = comm
+            .broadcast_with(0, &mut b, &BroadcastOptions::path(Path::Nccl))
+            .expect_err("NCCL is off where ranks share a GPU");
+        assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
+    }
     println!(
         "RANK {} of {}: device {}, host {}, single host {}, P2P {:?}, init {:.0} ms",
         comm.rank(),
@@ -129,6 +147,35 @@ fn child() {
     }
     comm.synchronize().unwrap();
     println!("RANK {} done", comm.rank());
+}
+
+/// Whether this rank shares GPU 0 with the others (`PROCS_SHARED`, set where there are fewer
+/// GPUs than ranks).
+fn shared_gpu() -> bool {
+    std::env::var_os("PROCS_SHARED").is_some()
+}
+
+/// `paths` without NCCL where it is off (ranks sharing a GPU).
+fn paths_here(paths: &[Path]) -> Vec<Path> {
+    paths
+        .iter()
+        .copied()
+        .filter(|&p| !(shared_gpu() && p == Path::Nccl))
+        .collect()
+}
+
+/// The variables of a rank of one host: with fewer GPUs than ranks, every rank shares GPU 0.
+fn host_env(rank: usize) -> Vec<(String, String)> {
+    if gpus() >= WORLD {
+        return Vec::new();
+    }
+    if rank == 0 {
+        eprintln!(
+            "{} GPU(s) visible: every rank on GPU 0 with shared_devices (NCCL off)",
+            gpus()
+        );
+    }
+    vec![("PROCS_SHARED".into(), "1".into())]
 }
 
 /// The same random data on every rank.
@@ -178,7 +225,7 @@ fn paths(comm: &Communicator, seed: u64) {
     // chunks.
     for n in [0usize, 1, 3, 4095, 70_000, 300_001, 10 << 20] {
         for root in 0..comm.world_size() {
-            for path in [Path::Auto, Path::P2p, Path::Nccl] {
+            for path in paths_here(&[Path::Auto, Path::P2p, Path::Nccl]) {
                 for in_place in [false, true] {
                     k += 1;
                     let s = seed ^ k;
@@ -245,7 +292,10 @@ fn many_small(comm: &Communicator, seed: u64) {
 
 fn fused(comm: &Communicator, seed: u64) {
     let s = comm.stream();
-    for (k, path) in [Path::Auto, Path::P2p, Path::Nccl].into_iter().enumerate() {
+    for (k, path) in paths_here(&[Path::Auto, Path::P2p, Path::Nccl])
+        .into_iter()
+        .enumerate()
+    {
         for root in 0..comm.world_size() {
             let sizes = [1usize, 0, 999, 70_000, 500_000, 17];
             let datas: Vec<Vec<u32>> = sizes
@@ -287,7 +337,7 @@ fn fused(comm: &Communicator, seed: u64) {
 /// capture whose graph borrows its buffer.
 fn graphs(comm: &Communicator, seed: u64) {
     let s = comm.stream();
-    for path in [Path::P2p, Path::Nccl] {
+    for path in paths_here(&[Path::P2p, Path::Nccl]) {
         for n in [1000usize, 300_000] {
             let mut buf: CudaSlice<u8> = poison(s, n, comm.rank());
             // SAFETY: `buf` outlives the graph and is only written on this rank's stream.
@@ -358,7 +408,7 @@ fn nodes(comm: &Communicator, seed: u64) {
     ));
 }
 
-/// Why the tests of two processes on one host need two GPUs.
+/// Why NCCL between two processes of one host needs two GPUs.
 const ONE_GPU_PER_PROCESS: &str =
     "two processes of one host on one GPU cannot form an NCCL communicator";
 
@@ -420,6 +470,18 @@ fn faulty(comm: Communicator) {
                 took <= Duration::from_millis(FAULT_TIMEOUT_MS + bound),
                 "detected after {took:?}"
             );
+            if path == Path::P2p {
+                // The next call closes the P2P path of this communicator (across processes
+                // the signal areas cannot be reset together): it is then no longer available
+                // and Auto stops choosing it.
+                let _ = comm.synchronize();
+                assert!(
+                    comm.p2p_available().is_err(),
+                    "P2P still reported available"
+                );
+                let route = comm.route(1024, &BroadcastOptions::default()).unwrap();
+                assert_eq!(route, gpucast::Route::Nccl, "Auto after P2P closed");
+            }
             let t1 = Instant::now();
             drop(buf);
             drop(comm);
@@ -471,12 +533,14 @@ fn faults(paths: &[&str], extra: impl Fn(usize) -> Vec<(String, String)>) {
 /// A rank killed with SIGKILL, or stalled on the host, in the middle of a run, on each path:
 /// every rank still running gets its error within the timeout plus 100 ms, and nothing hangs.
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn a_killed_or_stalled_rank_is_detected_on_every_path() {
-    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
-        return;
+    if gpus() >= WORLD {
+        faults(&["nccl", "p2p"], host_env);
+    } else {
+        eprintln!("NCCL between processes left out: {ONE_GPU_PER_PROCESS}");
+        faults(&["p2p"], host_env);
     }
-    faults(&["nccl", "p2p"], |_| Vec::new());
 }
 
 /// The same across "nodes" (NCCL over sockets on loopback, as between hosts). Both ranks may
@@ -518,39 +582,27 @@ fn the_rendezvous_host_missing_is_an_error() {
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn two_processes_every_path_type_root_and_size() {
-    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
-        return;
-    }
-    run_ranks("paths", Duration::from_secs(240), |_| Vec::new());
+    run_ranks("paths", Duration::from_secs(240), host_env);
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn two_processes_ten_thousand_small_broadcasts() {
-    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
-        return;
-    }
-    run_ranks("many_small", Duration::from_secs(240), |_| Vec::new());
+    run_ranks("many_small", Duration::from_secs(240), host_env);
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn two_processes_fused() {
-    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
-        return;
-    }
-    run_ranks("fused", Duration::from_secs(120), |_| Vec::new());
+    run_ranks("fused", Duration::from_secs(120), host_env);
 }
 
 #[test]
-#[ignore = "needs 2 CUDA GPUs"]
+#[ignore = "needs a CUDA GPU"]
 fn two_processes_graph_capture() {
-    if too_few_gpus(WORLD, ONE_GPU_PER_PROCESS) {
-        return;
-    }
-    run_ranks("graphs", Duration::from_secs(120), |_| Vec::new());
+    run_ranks("graphs", Duration::from_secs(120), host_env);
 }
 
 /// "Two nodes on one host": NCCL is told each process is its own host and uses sockets over

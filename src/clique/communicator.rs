@@ -33,6 +33,7 @@ pub struct CommunicatorBuilder {
     device: Option<usize>,
     exchange: Option<Box<dyn Exchange + Send + Sync>>,
     init_timeout: Option<Duration>,
+    shared_devices: bool,
     requested: Requested,
 }
 
@@ -43,6 +44,7 @@ impl std::fmt::Debug for CommunicatorBuilder {
             .field("device", &self.device)
             .field("exchange", &self.exchange.as_ref().map(|_| "caller's"))
             .field("init_timeout", &self.init_timeout)
+            .field("shared_devices", &self.shared_devices)
             .field("requested", &self.requested)
             .finish()
     }
@@ -72,6 +74,16 @@ impl CommunicatorBuilder {
     /// Bound on the whole initialisation: the rendezvous, NCCL's and P2P's setup (default 300 s).
     pub fn init_timeout(mut self, timeout: Duration) -> Self {
         self.init_timeout = Some(timeout);
+        self
+    }
+
+    /// Lets several ranks of the job use one GPU (every rank must choose alike): for testing
+    /// what runs across processes (the rendezvous, the descriptor exchange, the P2P kernel
+    /// over shared memory, its faults) with fewer GPUs. NCCL needs one GPU per rank, so the
+    /// NCCL path is off in such a job ([`Error::NcclUnavailable`]) and `Auto` never takes it;
+    /// ranks of one GPU share its bandwidth: do not benchmark it.
+    pub fn shared_devices(mut self, on: bool) -> Self {
+        self.shared_devices = on;
         self
     }
 
@@ -107,9 +119,9 @@ pub struct Communicator {
 }
 
 /// What every rank tells the others first: its host, its settings, its device.
-fn card(host: &str, settings: &Settings, ordinal: usize) -> Vec<u8> {
+fn card(host: &str, settings: &Settings, shared: bool, ordinal: usize) -> Vec<u8> {
     format!(
-        "{host}\n{:?}|{}|{}|{:?}\n{ordinal}",
+        "{host}\n{:?}|{}|{}|{:?}|shared devices {shared}\n{ordinal}",
         settings.path,
         settings.thresholds.p2p_max_bytes,
         settings.thresholds.packet_max_bytes,
@@ -185,8 +197,9 @@ impl Communicator {
 
         // Round 1: hosts, settings and devices.
         let host = host_id(crate::rendezvous::env_var);
-        let cards = exchange.all_gather(&card(&host, &settings, ordinal))?;
-        let mine = card(&host, &settings, ordinal);
+        let shared = b.shared_devices;
+        let cards = exchange.all_gather(&card(&host, &settings, shared, ordinal))?;
+        let mine = card(&host, &settings, shared, ordinal);
         let line = |c: &[u8], i: usize| {
             String::from_utf8_lossy(c)
                 .split('\n')
@@ -199,7 +212,7 @@ impl Communicator {
                 return Err(Error::InvalidSetting {
                     name: "settings",
                     reason: format!(
-                        "rank {r} uses {}, rank {rank} uses {}: every rank must choose the same path, thresholds and timeout",
+                        "rank {r} uses {}, rank {rank} uses {}: every rank must choose the same path, thresholds, timeout and shared_devices",
                         line(c, 1),
                         line(&mine, 1)
                     ),
@@ -216,18 +229,32 @@ impl Communicator {
                 .across_processes(limit_set, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS);
         }
 
-        // Round 2: NCCL's id from rank 0, then the communicator.
-        let id = if rank == 0 {
-            Comms::unique_id()?.0.to_vec()
+        // Round 2: NCCL's id from rank 0, then the communicator (none where ranks may share a
+        // GPU: NCCL refuses two ranks on one device).
+        let nccl = if shared {
+            Nccl::Off(
+                "the job lets ranks share a GPU (`shared_devices`), and NCCL needs one device \
+                 per rank"
+                    .into(),
+            )
         } else {
-            Vec::new()
+            let id = if rank == 0 {
+                Comms::unique_id()?.0.to_vec()
+            } else {
+                Vec::new()
+            };
+            let id = exchange.broadcast_from(0, &id)?;
+            let id =
+                UniqueId(id.try_into().map_err(|_| {
+                    Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into())
+                })?);
+            Nccl::Live(Comms::init_ranks(
+                &id,
+                world,
+                &[(rank, ctx.clone())],
+                init_timeout,
+            )?)
         };
-        let id = exchange.broadcast_from(0, &id)?;
-        let id = UniqueId(
-            id.try_into()
-                .map_err(|_| Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into()))?,
-        );
-        let comms = Comms::init_ranks(&id, world, &[(rank, ctx.clone())], init_timeout)?;
 
         // Rounds 3 and 4 (on one host): shared memory for the P2P kernel.
         let p2p = if !same_host {
@@ -251,12 +278,7 @@ impl Communicator {
             )
         };
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
-        let engine = Engine::new(
-            vec![Rank::new(rank, ctx, None)?],
-            settings,
-            Nccl::Live(comms),
-            p2p,
-        )?;
+        let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, nccl, p2p)?;
         let place = access::place_of(engine.stream(0));
         let init_time = started.elapsed();
         tracing::info!(
@@ -280,7 +302,7 @@ impl Communicator {
                      the buffers of another process"
                         .into(),
                 )),
-                nccl_on: true,
+                nccl_on: !shared,
                 one_process: world == 1,
             },
             job,
