@@ -24,21 +24,9 @@ const TIMEOUT: Duration = Duration::from_millis(200);
 const SLACK: Duration = Duration::from_millis(100);
 
 fn clique() -> Clique {
-    let two = gpucast::device_count().expect("a CUDA driver") >= 2;
-    let devices: &[usize] = if two { &[0, 1] } else { &[0, 0] };
-    Clique::builder()
-        .devices(devices)
-        .shared_devices(!two)
-        .timeout(TIMEOUT)
-        .build()
-        .expect("a clique")
+    two_ranks_with(Clique::builder().timeout(TIMEOUT))
 }
 
-fn nccl_on(clique: &Clique) -> bool {
-    clique.ordinals()[0] != clique.ordinals()[1]
-}
-
-/// One broadcast of `n` random bytes on `path`, checked bit for bit.
 fn check(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
     check_with(clique, root, n, &BroadcastOptions::path(path), rng);
 }

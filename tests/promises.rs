@@ -20,24 +20,12 @@ use rand::{Rng, RngCore};
 
 /// Two ranks: on two GPUs where there are two, else sharing GPU 0.
 fn pair_with(timeout: Duration) -> Clique {
-    let two = gpucast::device_count().expect("a CUDA driver") >= 2;
-    let devices: &[usize] = if two { &[0, 1] } else { &[0, 0] };
-    Clique::builder()
-        .devices(devices)
-        .shared_devices(!two)
-        .timeout(timeout)
-        .build()
-        .expect("a clique")
+    two_ranks_with(Clique::builder().timeout(timeout))
 }
 
 /// Two ranks sharing GPU 0, whatever the machine has.
 fn shared_pair(timeout: Duration) -> Clique {
-    Clique::builder()
-        .devices(&[0, 0])
-        .shared_devices(true)
-        .timeout(timeout)
-        .build()
-        .expect("a clique of two ranks on GPU 0")
+    clique_on(Clique::builder().timeout(timeout), &[0, 0])
 }
 
 /// The cliques and paths the ordering tests run on: P2P and the copy engines on a pair; NCCL
