@@ -8,8 +8,9 @@
 //!
 //! - when `S` is the rank's clique stream (the common case), the broadcast is simply queued
 //!   behind the buffer's earlier work on that stream, and the buffer's free and later work on
-//!   `S` queue behind the broadcast: no event is needed beyond cudarc's own (none at all while
-//!   the context has only the clique's stream, as cudarc then tracks nothing);
+//!   `S` queue behind the broadcast: no event is needed beyond cudarc's own (the clique's
+//!   streams are cudarc streams, so cudarc tracks every buffer of its contexts, and work on
+//!   any other stream, the default stream included, waits for the events recorded here);
 //! - otherwise the rank's stream waits for `S` before the broadcast, and `S` waits for the
 //!   rank's stream after it, before the guard records on `S`. The buffer's free (which cudarc
 //!   queues on `S`) and any later use ordered by cudarc's events thus come after the broadcast.

@@ -171,7 +171,9 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
         )?)
     } else {
         for (i, ctx) in ctxs.iter().enumerate() {
-            if !ordinals[..i].contains(&ordinals[i]) {
+            let (o, before, after) = (ordinals[i], &ordinals[..i], &ordinals[i + 1..]);
+            // Once per device that holds several ranks.
+            if after.contains(&o) && !before.contains(&o) {
                 no_pool_dependencies(ctx)?;
             }
         }
@@ -196,7 +198,7 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
 /// rank's kernel wait for the other's, which waits for it in turn, until the P2P timeout. So
 /// pools of such devices reuse memory only once a free is known complete (the other reuse
 /// policies stay on). This changes the device's current pool for the whole process, and
-/// applies only to `shared_devices` cliques.
+/// applies only to devices that hold several ranks of a clique.
 fn no_pool_dependencies(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(Error::cuda("binding a context"))?;

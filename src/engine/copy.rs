@@ -24,7 +24,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext};
 
-use super::{EngineGuard, Item};
+use super::{streams, EngineGuard, Item};
 use crate::error::{Error, Result};
 use crate::plan::{self, ChainOp, Chunk, Flag, WINDOW};
 
@@ -62,7 +62,11 @@ impl Flags {
                 .map_err(Error::cuda("allocating copy-engine flags"))?;
             flags.areas.push((ctx.clone(), ptr));
         }
-        flags.set(0)?;
+        if let Err(e) = flags.set(0) {
+            // A memset may still write them: leaked, never freed.
+            std::mem::forget(flags);
+            return Err(e);
+        }
         Ok(flags)
     }
 
@@ -75,20 +79,23 @@ impl Flags {
         self.areas[rank].1 + 4 * index as u64
     }
 
-    /// Sets every flag of every rank to `value`, from the host. With 0 after the streams are
-    /// drained: the reset before the next call. With 1 while streams may wait: releases every
-    /// wait, so that graphs launched on only some ranks cannot hang (their data is undefined).
+    /// Sets every flag of every rank to `value`, from the host, and waits for it (bounded,
+    /// see [`streams::memset_now`]; on [`Error::StreamsBusy`] the caller leaks the flags). With
+    /// 0 after the streams are drained: the reset before the next call. With 1 while streams
+    /// may wait: releases every wait, so that graphs launched on only some ranks cannot hang
+    /// (their data is undefined).
     pub(crate) fn set(&self, value: u32) -> Result<()> {
         for (ctx, ptr) in &self.areas {
-            ctx.bind_to_thread()
-                .map_err(Error::cuda("binding a context"))?;
-            // SAFETY: `ptr` is this context's live allocation of FLAG_BYTES bytes.
-            unsafe { sys::cuMemsetD32_v2(*ptr, value, FLAG_BYTES / 4).result() }
-                .map_err(Error::cuda("setting copy-engine flags"))?;
+            // SAFETY: `ptr` is this context's live allocation of FLAG_BYTES bytes, leaked by
+            // the caller on StreamsBusy.
+            unsafe { streams::memset_now(ctx, *ptr, value, FLAG_BYTES / 4, SET_WITHIN) }?;
         }
         Ok(())
     }
 }
+
+/// Longest [`Flags::set`] waits for one rank's memset.
+const SET_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Drop for Flags {
     fn drop(&mut self) {

@@ -105,6 +105,9 @@ struct State {
     ce_flags: Option<copy::Flags>,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
     desynced: bool,
+    /// A graph launch reached some ranks and not others: their copy-engine waits must be
+    /// released (set to 1) until the streams drain.
+    ce_release: bool,
     /// A capture is recording: work goes to the ranks' capture streams.
     recording: bool,
 }
@@ -182,6 +185,7 @@ impl Engine {
                 ce_aux_events,
                 ce_flags: None,
                 desynced: false,
+                ce_release: false,
                 recording: false,
             }),
             p2p_status,
@@ -247,13 +251,12 @@ impl Engine {
         let mut guard = self.guard()?;
         drop(self.fault());
         guard.drain(false)?;
-        if let Some(flags) = &guard.state.ce_flags {
-            flags.set(0)?;
-        }
+        guard.state.ce_release = false;
+        guard.set_ce_flags(0)?;
         if let Ok(p2p) = &guard.state.p2p {
             drop(p2p.first_error());
-            p2p.recover()?;
         }
+        guard.reset_p2p()?;
         guard.state.desynced = false;
         let mut nccl = guard.nccl()?;
         if matches!(*nccl, Nccl::Aborted(_)) {
@@ -338,6 +341,52 @@ impl EngineGuard<'_> {
         self.engine.ranks.len()
     }
 
+    /// Sets every copy-engine flag to `value` ([`copy::Flags::set`]). Flags whose memset did
+    /// not finish are leaked (a memset may still write them) and made anew when next needed.
+    fn set_ce_flags(&mut self, value: u32) -> Result<()> {
+        let Some(flags) = &self.state.ce_flags else {
+            return Ok(());
+        };
+        match flags.set(value) {
+            Err(e @ Error::StreamsBusy { .. }) => {
+                tracing::warn!("a reset of the copy-engine flags did not finish: they are leaked");
+                std::mem::forget(self.state.ce_flags.take());
+                Err(e)
+            }
+            r => r,
+        }
+    }
+
+    /// Closes the P2P path for good with `why`; its state is dropped, or leaked (`leak`) where
+    /// a reset may still write it.
+    fn close_p2p(&mut self, why: Error, leak: bool) {
+        *self
+            .engine
+            .p2p_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Err(why.clone());
+        let old = std::mem::replace(&mut self.state.p2p, Err(why));
+        if let (Ok(p2p), true) = (old, leak) {
+            p2p.abandon();
+        }
+    }
+
+    /// Resets the P2P signal areas (the streams drained). When the reset does not finish, the
+    /// path closes and its state is leaked.
+    fn reset_p2p(&mut self) -> Result<()> {
+        let reset = match &self.state.p2p {
+            Ok(p2p) => p2p.recover(),
+            Err(_) => return Ok(()),
+        };
+        if let Err(e @ Error::StreamsBusy { .. }) = &reset {
+            let why = Error::P2pUnavailable(format!(
+                "the P2P path closed: resetting its signal areas did not finish ({e})"
+            ));
+            self.close_p2p(why, true);
+        }
+        reset
+    }
+
     /// Counts a call; its number.
     fn next_call(&mut self) -> u64 {
         // Only under the lock: load and store cannot interleave with another writer.
@@ -375,9 +424,8 @@ impl EngineGuard<'_> {
             return Ok(());
         }
         self.drain(false)?;
-        if let Some(flags) = &self.state.ce_flags {
-            flags.set(0)?;
-        }
+        self.state.ce_release = false;
+        self.set_ce_flags(0)?;
         // Across processes every process would have to reset its signal area at the same
         // point: until a coordinated reset exists, the P2P path closes after a timeout.
         if self.state.p2p.as_ref().is_ok_and(P2p::across_processes) {
@@ -388,18 +436,11 @@ impl EngineGuard<'_> {
                 "the P2P path of this communicator closed after a failure across processes \
                  ({why}); NCCL still works, create a new communicator to use P2P again"
             ));
-            *self
-                .engine
-                .p2p_status
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Err(closed.clone());
-            self.state.p2p = Err(closed);
+            self.close_p2p(closed, false);
             self.state.desynced = false;
             return Err(why);
         }
-        if let Ok(p2p) = &self.state.p2p {
-            p2p.recover()?;
-        }
+        self.reset_p2p()?;
         let desynced = std::mem::take(&mut self.state.desynced);
         match error {
             // After a launch that reached only some ranks, that call already reported it.
@@ -421,13 +462,11 @@ impl EngineGuard<'_> {
             if self.engine.streams_idle()? {
                 return Ok(());
             }
-            // After a launch that reached only some ranks, copy-engine waits of the ranks
+            // After a graph launch that reached only some ranks, copy-engine waits of the ranks
             // launched wait for flags nobody will write: set them, again at every turn, as a
             // chain waits on each flag once per chunk of its window (reset to 0 by the reader).
-            if self.state.desynced {
-                if let Some(flags) = &self.state.ce_flags {
-                    flags.set(1)?;
-                }
+            if self.state.ce_release {
+                self.set_ce_flags(1)?;
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
             // the next call).
@@ -671,7 +710,7 @@ impl EngineGuard<'_> {
     pub(crate) fn abandon_capture(&mut self, begun: usize) {
         self.state.recording = false;
         for r in &self.engine.ranks[..begun] {
-            if r.ctx.bind_to_thread().is_ok() {
+            if make_current(&r.ctx).is_ok() {
                 // SAFETY: the stream is live and capturing (begun above).
                 if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
@@ -692,9 +731,7 @@ impl EngineGuard<'_> {
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
         for (rank, r) in self.engine.ranks.iter().enumerate() {
-            let ended = r
-                .ctx
-                .bind_to_thread()
+            let ended = make_current(&r.ctx)
                 // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
                 .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
             match ended {
@@ -777,9 +814,8 @@ impl EngineGuard<'_> {
             // The ranks whose graphs went out wait for this one.
             if results.iter().any(std::result::Result::is_ok) {
                 self.state.desynced = true;
-                if let Some(flags) = &self.state.ce_flags {
-                    flags.set(1)?;
-                }
+                self.state.ce_release = self.state.ce_flags.is_some();
+                self.set_ce_flags(1)?;
             }
             return Err(Error::Cuda {
                 during: format!("launching the graph of rank {rank}"),
@@ -805,6 +841,14 @@ impl EngineGuard<'_> {
         }
         Ok(())
     }
+}
+
+/// Makes `ctx` current on this thread. Unlike cudarc's `bind_to_thread`, it does not first
+/// report an error cudarc stored from an earlier operation on the context (a guard's wait that
+/// failed inside a capture, say): ending a capture must happen whatever came before.
+fn make_current(ctx: &CudaContext) -> std::result::Result<(), result::DriverError> {
+    // SAFETY: `ctx` holds a live context.
+    unsafe { sys::cuCtxSetCurrent(ctx.cu_ctx()) }.result()
 }
 
 /// Locks `m`, waiting at most `limit`.
@@ -891,12 +935,17 @@ impl Drop for GraphExec {
 }
 
 impl Drop for Engine {
-    /// Never hangs and never panics: waits for the streams at most the timeout plus a second;
+    /// Never hangs and never panics: waits for the streams at most twice the timeout plus a second;
     /// if work is still running then (an NCCL peer that will never come), aborts NCCL and waits
     /// a second more; if the streams are still busy, leaks the P2P memory rather than free it
     /// under a running kernel.
     fn drop(&mut self) {
-        let limit = self.settings.timeout.saturating_add(Duration::from_secs(1));
+        // A P2P kernel may wait up to twice the timeout (a wait, then a late reader's lease).
+        let limit = self
+            .settings
+            .timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(1));
         drop(self.watchdog.take());
         let mut idle = self.wait_idle(limit);
         let shared = self

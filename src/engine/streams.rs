@@ -9,9 +9,10 @@
 //! and work on the default stream would race with the clique's non-blocking streams.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::CUstream;
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::{result, CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
 
@@ -25,28 +26,97 @@ pub(crate) enum EngineStream {
 
 impl EngineStream {
     /// A new non-blocking stream of `ctx`, counted by cudarc (multi-stream mode), forked from
-    /// `parent` (a stream of `ctx`; the context's default stream when `None`): it starts after
-    /// the work queued there so far. Forking, unlike `new_stream`, never blocks the host (the
-    /// latter synchronises the whole context when it switches modes, waiting for any work the
-    /// caller has queued there, without bound).
+    /// `parent` (a stream of `ctx`): it starts after the work queued there so far. Without a
+    /// parent it is forked from a fresh, empty stream, so it depends on nothing: not on the
+    /// context's default stream (which waits for every blocking stream, and which another
+    /// thread's capture in global mode forbids touching). Forking, unlike `new_stream`, never
+    /// blocks the host (the latter synchronises the whole context when it switches modes,
+    /// waiting for any work the caller has queued there, without bound).
     pub(crate) fn create(
         ctx: &Arc<CudaContext>,
         parent: Option<&Arc<CudaStream>>,
     ) -> Result<EngineStream> {
-        let forked = match parent {
-            Some(p) => p.fork(),
-            None => ctx.default_stream().fork(),
-        };
-        forked.map(EngineStream::Owned).map_err(Error::cuda(format!(
-            "creating a stream on device {}",
-            ctx.ordinal()
-        )))
+        let failed = Error::cuda(format!("creating a stream on device {}", ctx.ordinal()));
+        if let Some(p) = parent {
+            return p.fork().map(EngineStream::Owned).map_err(failed);
+        }
+        ctx.bind_to_thread()
+            .map_err(Error::cuda("binding a context"))?;
+        let raw = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(
+            Error::cuda(format!("creating a stream on device {}", ctx.ordinal())),
+        )?;
+        // SAFETY: `raw` is a live stream of `ctx`, used only through this wrapper, which is
+        // dropped (it does not destroy the stream) before `raw` is destroyed below.
+        let empty = unsafe { ctx.wrap_borrowed_stream(raw) };
+        let forked = empty.fork();
+        drop(empty);
+        // SAFETY: created above; nothing else holds it. The fork's join (an event recorded on
+        // it) is already queued, and the driver frees the stream once that is done.
+        if let Err(e) = unsafe { result::stream::destroy(raw) } {
+            tracing::warn!(error = %e, "could not destroy a stream");
+        }
+        forked.map(EngineStream::Owned).map_err(failed)
     }
 
     /// The stream.
     pub(crate) fn get(&self) -> &Arc<CudaStream> {
         match self {
             EngineStream::Owned(s) | EngineStream::Callers(s) => s,
+        }
+    }
+}
+
+/// Sets `words` 32-bit words at `ptr` (device memory of `ctx`) to `value` and waits until that
+/// is done, on a stream of its own: the wait covers the memset alone, not the caller's other
+/// work on the context nor the legacy stream, and it ends within `within`
+/// ([`Error::StreamsBusy`] otherwise, the memset then still pending: the caller must neither
+/// free nor reuse the memory).
+///
+/// # Safety
+/// `ptr` holds at least `words` 32-bit words of memory of `ctx`'s device, not freed before
+/// this returns (nor after it, on `StreamsBusy`).
+pub(crate) unsafe fn memset_now(
+    ctx: &CudaContext,
+    ptr: u64,
+    value: u32,
+    words: usize,
+    within: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    ctx.bind_to_thread()
+        .map_err(Error::cuda("binding a context"))?;
+    let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+        .map_err(Error::cuda("creating a stream for a memset"))?;
+    // SAFETY: per this function's contract; `stream` is a live stream of the current context.
+    let set = unsafe { sys::cuMemsetD32Async(ptr, value, words, stream) }
+        .result()
+        .map_err(Error::cuda("queueing a memset"))
+        .and_then(|()| wait_idle(stream, start, within));
+    // SAFETY: created above and used nowhere else; work still queued (after a wait that gave
+    // up) completes before the driver frees the stream.
+    let _ = unsafe { result::stream::destroy(stream) };
+    set
+}
+
+/// Waits, by polling, until `stream` is idle or `within` has passed since `start`.
+fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
+    let mut backoff = crate::wait::Backoff::new();
+    loop {
+        // SAFETY: `stream` is a live stream of the current context.
+        match unsafe { sys::cuStreamQuery(stream) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < within => backoff.pause(),
+            sys::CUresult::CUDA_ERROR_NOT_READY => {
+                return Err(Error::StreamsBusy {
+                    waited_ms: crate::nccl::millis(start.elapsed()),
+                })
+            }
+            e => {
+                return Err(Error::Cuda {
+                    during: "waiting for a memset".into(),
+                    source: result::DriverError(e),
+                })
+            }
         }
     }
 }

@@ -198,15 +198,18 @@ pub(crate) mod layout {
     pub const CHAIN_READY: usize = CHAIN_SEQ + B;
     /// `[block][succ]`: pieces the successor `succ` has finished reading (written by `succ`).
     pub const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
-    /// `[block]`, two words each (one 64-bit lease, 8-byte aligned): this GPU's claim on the
-    /// root's buffer for a pull op, {op, state}. The reader claims it before it reads and
-    /// releases it after; a root that gives up cancels it first (both by compare-and-swap), so
-    /// a late reader never touches a buffer whose owner's call has ended.
+    /// Words of one block's lease: claim, release and op count, then one cancel per owner,
+    /// 64-bit each.
+    pub const LEASE_WORDS: usize = 2 * (3 + MAX_GPUS);
+    /// `[block][LEASE_WORDS]`, 8-byte aligned: this GPU's lease on the root's buffer in a pull
+    /// op: the op it claimed (before its first read) and released (after its last), its count
+    /// of pull ops, and per root the last op that root gave up on (written by the root). See
+    /// the kernel's "Leases": a late reader never touches a buffer whose owner's call has ended.
     pub const PULL_LEASE: usize = (CHAIN_DONE + B * MAX_GPUS).next_multiple_of(2);
-    /// `[block]`, two words each: the same lease on the predecessor's buffer in a chain op.
-    pub const CHAIN_LEASE: usize = PULL_LEASE + 2 * B;
+    /// `[block][LEASE_WORDS]`: the same lease on the predecessor's buffer in a chain op.
+    pub const CHAIN_LEASE: usize = PULL_LEASE + LEASE_WORDS * B;
     /// Words of flags.
-    pub const SIGNAL_WORDS: usize = CHAIN_LEASE + 2 * B;
+    pub const SIGNAL_WORDS: usize = CHAIN_LEASE + LEASE_WORDS * B;
     /// Byte offset of the packet inbox, after the flags.
     pub const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
     /// Bytes of inbox: a ring of slots per block, each twice a block's data region.
@@ -417,16 +420,19 @@ mod tests {
             assert!(ARRIVE < DONE && DONE < CHAIN_SEQ && CHAIN_SEQ < CHAIN_READY);
             assert!(CHAIN_READY < CHAIN_DONE && CHAIN_DONE < PULL_LEASE);
             assert!(PULL_LEASE.is_multiple_of(2) && CHAIN_LEASE.is_multiple_of(2));
-            assert!(PULL_LEASE + 2 * MAX_BLOCKS as usize <= CHAIN_LEASE);
-            assert!(CHAIN_LEASE + 2 * MAX_BLOCKS as usize <= SIGNAL_WORDS);
+            assert!(PULL_LEASE + LEASE_WORDS * (MAX_BLOCKS as usize) <= CHAIN_LEASE);
+            assert!(CHAIN_LEASE + LEASE_WORDS * (MAX_BLOCKS as usize) <= SIGNAL_WORDS);
             assert!(INBOX_OFFSET >= SIGNAL_WORDS * 4 && INBOX_OFFSET.is_multiple_of(4096));
             assert!(TOTAL_BYTES < 4 << 20, "signal area should stay small");
             assert!(PACKET_MAX_BLOCKS <= MAX_BLOCKS);
         }
         assert_eq!(CHAIN_SEQ - DONE, MAX_BLOCKS as usize * MAX_GPUS);
         assert_eq!(CHAIN_READY - CHAIN_SEQ, MAX_BLOCKS as usize);
-        assert!(CHAIN_DONE + (MAX_BLOCKS as usize - 1) * MAX_GPUS + MAX_GPUS - 1 < PULL_LEASE);
-        assert_eq!(CHAIN_LEASE + 2 * MAX_BLOCKS as usize, SIGNAL_WORDS);
+        assert!(CHAIN_DONE + MAX_BLOCKS as usize * MAX_GPUS <= PULL_LEASE);
+        assert_eq!(
+            CHAIN_LEASE + LEASE_WORDS * MAX_BLOCKS as usize,
+            SIGNAL_WORDS
+        );
     }
 
     #[test]

@@ -20,10 +20,6 @@
 #define PHASE_LEASE 7u        // owner that gave up waits for a reader holding its lease
 #define PHASE_CANCELLED 8u    // reader found its owner gave up on the op: nothing read
 
-// States of a reader's lease on its owner's buffer, {op << 32 | state}.
-#define LEASE_READING 1u
-#define LEASE_RELEASED 2u
-#define LEASE_CANCELLED 3u
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
@@ -104,18 +100,43 @@ __device__ bool wait_flag(const u32* flag, u32 target, const Bound& p, u32 phase
 
 // ---------------------------------------------------------------------------------------------
 // Leases. A reader (a pull peer, a chain successor) reads its owner's buffer (the root's input,
-// the predecessor's output) only under a lease: a 64-bit word in the reader's signal area that
-// names the op and a state. The reader claims it (READING) before its first read and releases
-// it (RELEASED) after its last; an owner that did not see the reader finish (it timed out, or
-// gave up for another reason) settles it before its kernel ends: it cancels the lease
-// (CANCELLED), or, if the reader holds it, waits for the release. Both change the word by
-// compare-and-swap, so exactly one wins: once an owner's kernel has ended, no reader of that op
-// touches its buffer, and the caller may free it.
+// the predecessor's output) only under a lease: 64-bit words of the reader's signal area, per
+// block. Ops are numbered by a 64-bit count per block and protocol that every rank advances on
+// every op, failed or not, so the ranks agree on op numbers as long as each runs every op (the
+// host resets the areas after a failure before the next call, or closes the path), and numbers
+// never wrap. Before its first read the reader stores the op in CLAIM, then looks at its
+// owner's CANCEL; after its last read it stores the op in RELEASE. An owner that did not see
+// the reader finish (it timed out, or gave up for another reason) stores the op in its CANCEL
+// (one per owner, so each only grows), then looks at CLAIM, and waits for RELEASE if the reader
+// claimed. A sequentially consistent fence sits between the store and the load on both sides
+// (Dekker's protocol: plain loads and stores, no atomics over the link), so at least one side
+// sees the other's store: the reader sees the cancel and reads nothing, or the owner sees the
+// claim and waits for the release. Once an owner's kernel has ended, no reader of that op
+// touches its buffer, and the caller may free it. A cancel holds for its op and every earlier
+// one of that owner.
 
-__device__ __forceinline__ u64 lease_word(u32 op, u32 state) { return ((u64)op << 32) | state; }
+#define LEASE_CLAIM 0
+#define LEASE_RELEASE 1
+#define LEASE_COUNT 2   // this rank's ops of this block so far (written by itself)
+#define LEASE_CANCEL 3  // [owner]: the last op that owner gave up on
+#define LEASE_U64S (3 + GPUCAST_MAX_GPUS)
 
 __device__ __forceinline__ u64* lease_of(u32* area, u32 offset, u32 block) {
-    return (u64*)(area + offset) + block;
+    return (u64*)(area + offset) + (u64)block * LEASE_U64S;
+}
+
+__device__ __forceinline__ void st_relaxed64(u64* p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_relaxed64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release64(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ u64 ld_acquire64(const u64* p) {
@@ -124,56 +145,36 @@ __device__ __forceinline__ u64 ld_acquire64(const u64* p) {
     return v;
 }
 
-__device__ __forceinline__ void st_release64(u64* p, u64 v) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+__device__ __forceinline__ void fence_sc() { asm volatile("fence.sc.sys;" ::: "memory"); }
 
-__device__ __forceinline__ u64 cas_acq_rel64(u64* p, u64 expected, u64 desired) {
-    u64 seen;
-    asm volatile("atom.acq_rel.sys.global.cas.b64 %0, [%1], %2, %3;"
-                 : "=l"(seen)
-                 : "l"(p), "l"(expected), "l"(desired)
-                 : "memory");
-    return seen;
-}
-
-// Reader: claims op `op` before reading the owner's buffer; false if the owner cancelled it.
-__device__ bool lease_claim(u64* lease, u32 op) {
-    u64 v = ld_acquire64(lease);
-    while (true) {
-        if ((u32)(v >> 32) == op && (u32)v == LEASE_CANCELLED) return false;
-        const u64 seen = cas_acq_rel64(lease, v, lease_word(op, LEASE_READING));
-        if (seen == v) return true;
-        v = seen;
-    }
+// Reader: claims op `op` of owner `owner` before reading its buffer; false if the owner gave up
+// on it.
+__device__ bool lease_claim(u64* lease, u32 owner, u64 op) {
+    st_relaxed64(lease + LEASE_CLAIM, op);
+    fence_sc();
+    return ld_relaxed64(lease + LEASE_CANCEL + owner) < op;
 }
 
 // Reader: gives the lease back once every thread's reads of the owner's buffer have returned
 // (the caller synchronises the block first).
-__device__ __forceinline__ void lease_release(u64* lease, u32 op) {
-    st_release64(lease, lease_word(op, LEASE_RELEASED));
+__device__ __forceinline__ void lease_release(u64* lease, u64 op) {
+    st_release64(lease + LEASE_RELEASE, op);
 }
 
-// Owner that did not see `done` reach `target`: after this returns, the reader never reads op
-// `op` of its buffer. Cancels the lease, or waits for the reader holding it to release it (or
-// to report done), at most twice the timeout (then reports PHASE_LEASE and returns).
-__device__ void lease_settle(u64* lease, u32 op, const u32* done, u32 target, const Bound& p) {
-    u64 v = ld_acquire64(lease);
-    u64 start = 0;
-    while (true) {
-        if ((u32)(v >> 32) == op) {
-            if ((u32)v != LEASE_READING || reached(ld_acquire(done), target)) return;
-            if (start == 0) start = now_ns();
-            if (now_ns() - start > 2 * p.timeout_ns) {
-                report_timeout(p, PHASE_LEASE, op);
-                return;
-            }
-            v = ld_acquire64(lease);
-            continue;
+// Owner `owner` that did not see `done` reach `target`: after this returns, the reader never
+// reads op `op` of its buffer. Cancels the op; if the reader had claimed it, waits for its
+// release (or for `done`), at most the timeout (then reports PHASE_LEASE and returns).
+__device__ void lease_settle(u64* lease, u32 owner, u64 op, const u32* done, u32 target,
+                             const Bound& p, u32 seq) {
+    st_relaxed64(lease + LEASE_CANCEL + owner, op);
+    fence_sc();
+    if (ld_relaxed64(lease + LEASE_CLAIM) != op) return;
+    const u64 start = now_ns();
+    while (ld_acquire64(lease + LEASE_RELEASE) < op && !reached(ld_acquire(done), target)) {
+        if (now_ns() - start > p.timeout_ns) {
+            report_timeout(p, PHASE_LEASE, seq);
+            return;
         }
-        const u64 seen = cas_acq_rel64(lease, v, lease_word(op, LEASE_CANCELLED));
-        if (seen == v) return;
-        v = seen;
     }
 }
 
@@ -263,8 +264,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
                       bound, PHASE_PACKET_SLOT, seq, &abort_flag);
         }
         __syncthreads();
-        if (abort_flag) return;
-        for (u64 off = lo + 16ull * t; off < hi; off += 16ull * blockDim.x) {
+        for (u64 off = lo + 16ull * t; !abort_flag && off < hi; off += 16ull * blockDim.x) {
             uint4 v = load16(src + off, hi - off);
             u64 pk = region + (off - lo) * 2;  // 32 bytes of packets per 16 data bytes
             for (u32 q = 0; q < p.nranks; q++) {
@@ -302,12 +302,12 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
         }
     }
     __syncthreads();
-    if (abort_flag) return;
     // Every GPU (the root too) tells every other GPU it is done with this op, so whichever GPU
     // is root GPUCAST_PACKET_SLOTS ops later may reuse the slot.
-    if (t < p.nranks && t != p.rank) {
+    if (!abort_flag && t < p.nranks && t != p.rank) {
         st_release(signal_of(p, t) + GPUCAST_PACKET_ACK + b * GPUCAST_MAX_GPUS + p.rank, seq);
     }
+    // Counted even when it failed, so that the ranks agree on op numbers.
     if (t == 0) st_volatile(mine + GPUCAST_PACKET_SEQ + b, seq);
 }
 
@@ -367,16 +367,20 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
                                               u32 nranks, u32 root, Copy copy) {
     __shared__ int abort_flag;
     __shared__ u32 s_seq;
+    __shared__ u64 s_op;
     const u32 b = blockIdx.x;
     const u32 t = threadIdx.x;
     u32* mine = (u32*)signal[rank];
+    u64* lease = lease_of(mine, GPUCAST_PULL_LEASE, b);
     const Bound p = {error_slot, timeout_ns};
     if (t == 0) {
         abort_flag = 0;
         s_seq = ld_volatile(mine + GPUCAST_PULL_SEQ + b) + 1;
+        s_op = ld_relaxed64(lease + LEASE_COUNT) + 1;
     }
     __syncthreads();
     const u32 seq = s_seq;
+    const u64 op = s_op;
 
     if (rank == root) {
         if (t < nranks && t != rank) {
@@ -386,30 +390,34 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
         if (t < nranks && t != rank) {
             const u32* done = mine + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + t;
             if (!wait_flag(done, seq, p, PHASE_PULL_DONE, seq, &abort_flag)) {
-                lease_settle(lease_of((u32*)signal[t], GPUCAST_PULL_LEASE, b), seq, done, seq, p);
+                lease_settle(lease_of((u32*)signal[t], GPUCAST_PULL_LEASE, b), rank, op, done, seq,
+                             p, seq);
             }
         }
     } else {
-        u64* lease = lease_of(mine, GPUCAST_PULL_LEASE, b);
         if (t == 0 && wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + root, seq, p,
                                 PHASE_PULL_ARRIVE, seq, &abort_flag)) {
-            if (!lease_claim(lease, seq)) {
+            if (!lease_claim(lease, root, op)) {
                 report_timeout(p, PHASE_CANCELLED, seq);
                 abort_flag = 1;
             }
         }
         __syncthreads();
-        if (abort_flag) return;
-        copy(false);
-        __syncthreads();
-        if (t == 0) {
-            st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
-            lease_release(lease, seq);
+        if (!abort_flag) {
+            copy(false);
+            __syncthreads();
+            if (t == 0) {
+                st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
+                lease_release(lease, op);
+            }
         }
     }
     __syncthreads();
-    if (abort_flag) return;
-    if (t == 0) st_volatile(mine + GPUCAST_PULL_SEQ + b, seq);
+    // Counted even when it failed, so that the ranks agree on op numbers.
+    if (t == 0) {
+        st_volatile(mine + GPUCAST_PULL_SEQ + b, seq);
+        st_relaxed64(lease + LEASE_COUNT, op);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const Params p) {
@@ -461,6 +469,7 @@ __device__ void block_copy(u64 src_addr, u64 dst_addr, u64 lo, u64 hi, u32 unit,
 extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(const Params p) {
     __shared__ int abort_flag;
     __shared__ u32 s_base;
+    __shared__ u64 s_op;
     const u32 b = blockIdx.x;
     const u32 t = threadIdx.x;
     const u32 blocks = gridDim.x;
@@ -474,12 +483,15 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
     const u64 pieces = (p.bytes + p.chunk - 1) / p.chunk;
     const u32 count = pieces > b ? (u32)((pieces - b + blocks - 1) / blocks) : 0u;
     u32* to_succ = signal_of(p, succ) + GPUCAST_CHAIN_READY + b * GPUCAST_MAX_GPUS + p.rank;
+    u64* lease = lease_of(mine, GPUCAST_CHAIN_LEASE, b);
     if (t == 0) {
         abort_flag = 0;
         s_base = ld_volatile(mine + GPUCAST_CHAIN_SEQ + b);
+        s_op = ld_relaxed64(lease + LEASE_COUNT) + 1;
     }
     __syncthreads();
     const u32 base = s_base;
+    const u64 op = s_op;
 
     if (pos == 0) {
         // The root's stream reached this kernel, so its input is ready: every piece at once.
@@ -493,14 +505,13 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
         }
     } else {
         const u32* ready = mine + GPUCAST_CHAIN_READY + b * GPUCAST_MAX_GPUS + pred;
-        u64* lease = lease_of(mine, GPUCAST_CHAIN_LEASE, b);
         bool claimed = false;  // thread 0's view
         for (u32 k = 0; k < count; k++) {
             if (t == 0 && wait_flag(ready, base + k + 1, bound, PHASE_CHAIN_DATA, base + k + 1,
                                     &abort_flag) && k == 0) {
-                claimed = lease_claim(lease, base + count);
+                claimed = lease_claim(lease, pred, op);
                 if (!claimed) {
-                    report_timeout(bound, PHASE_CANCELLED, base + count);
+                    report_timeout(bound, PHASE_CANCELLED, base + 1);
                     abort_flag = 1;
                 }
             }
@@ -525,7 +536,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
                 st_release(signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank,
                            base + count);
             }
-            if (claimed) lease_release(lease, base + count);
+            if (claimed) lease_release(lease, op);
         }
     }
     if (!last) {
@@ -535,12 +546,15 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
             const u32* done = mine + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + succ;
             if (abort_flag || !wait_flag(done, base + count, bound, PHASE_CHAIN_DONE, base + count,
                                          &abort_flag)) {
-                lease_settle(lease_of(signal_of(p, succ), GPUCAST_CHAIN_LEASE, b), base + count,
-                             done, base + count, bound);
+                lease_settle(lease_of(signal_of(p, succ), GPUCAST_CHAIN_LEASE, b), p.rank, op,
+                             done, base + count, bound, base + count);
             }
         }
         __syncthreads();
     }
-    if (abort_flag) return;
-    if (t == 0) st_volatile(mine + GPUCAST_CHAIN_SEQ + b, base + count);
+    // Counted even when it failed, so that the ranks agree on op numbers.
+    if (t == 0) {
+        st_volatile(mine + GPUCAST_CHAIN_SEQ + b, base + count);
+        st_relaxed64(lease + LEASE_COUNT, op);
+    }
 }

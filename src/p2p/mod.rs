@@ -149,7 +149,10 @@ impl P2p {
             }
         }
         p2p.set_parallel_launch(parallel);
-        p2p.zero_signals_sync()?;
+        if let Err(e) = p2p.zero_signals_sync() {
+            p2p.abandon();
+            return Err(e);
+        }
         Ok(p2p)
     }
 
@@ -246,6 +249,14 @@ impl P2p {
             p2p.ranks[0].signal = own;
             p2p.zero_signals_sync()
         });
+        if matches!(outcome, Err(Error::StreamsBusy { .. })) {
+            // A memset may still write the mapping: leak it rather than unmap it.
+            std::mem::forget(mapped);
+            p2p.abandon();
+            let why = Error::P2pUnavailable("zeroing the signal area did not finish".into());
+            let _ = peers.all_gather(&[0]);
+            return Err(why);
+        }
         // Round 2: everyone mapped everything (and zeroed its own area) before any kernel runs.
         let flags = peers.all_gather(&[u8::from(outcome.is_ok())])?;
         outcome?;
@@ -352,27 +363,32 @@ impl P2p {
 
     /// Zeroes every signal area and waits for it (at creation and after a timeout), on a
     /// stream of its own: the wait covers the memsets alone, not the caller's other work on
-    /// the context, and ends within [`ZERO_WITHIN`] ([`Error::StreamsBusy`] otherwise).
+    /// the context, and ends within [`ZERO_WITHIN`] per rank. On [`Error::StreamsBusy`] a
+    /// memset is still pending: the areas must then be neither used nor freed (see
+    /// [`P2p::abandon`]).
     fn zero_signals_sync(&self) -> Result<()> {
-        let start = std::time::Instant::now();
         for r in &self.ranks {
-            r.ctx
-                .bind_to_thread()
-                .map_err(Error::cuda("binding a context"))?;
-            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(Error::cuda("creating a stream to zero a signal area"))?;
-            // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context and `stream`
-            // a live stream of it.
-            let zeroed =
-                unsafe { result::memset_d8_async(r.signal, 0, layout::TOTAL_BYTES, stream) }
-                    .map_err(Error::cuda("zeroing a signal area"))
-                    .and_then(|()| wait_stream(stream, start));
-            // SAFETY: created above and not used again; work still queued (after a bounded
-            // wait that gave up) completes before the driver frees the stream.
-            let _ = unsafe { result::stream::destroy(stream) };
-            zeroed?;
+            // SAFETY: `signal` is a live allocation of TOTAL_BYTES (a multiple of 4) on this
+            // context, kept (leaked) on StreamsBusy by every caller.
+            unsafe {
+                crate::engine::streams::memset_now(
+                    &r.ctx,
+                    r.signal,
+                    0,
+                    layout::TOTAL_BYTES / 4,
+                    ZERO_WITHIN,
+                )
+            }?;
         }
         Ok(())
+    }
+
+    /// Leaks this P2P state (signal areas, shared mappings, error slots, launch threads) after a
+    /// reset that did not finish: a memset may still write the areas, so they are never freed
+    /// or reused.
+    pub(crate) fn abandon(self) {
+        tracing::warn!("a reset of the P2P signal areas did not finish: they are leaked");
+        std::mem::forget(self);
     }
 
     fn base_params(&self, root: usize, src: u64, bytes: usize, chunk: u32) -> Params {
@@ -749,33 +765,8 @@ impl Drop for P2p {
     }
 }
 
-/// Longest [`P2p::zero_signals_sync`] waits for its memsets.
+/// Longest [`P2p::zero_signals_sync`] waits for one rank's memset.
 const ZERO_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Waits, by polling, until `stream` is idle or [`ZERO_WITHIN`] has passed since `start`.
-fn wait_stream(stream: sys::CUstream, start: std::time::Instant) -> Result<()> {
-    let mut backoff = crate::wait::Backoff::new();
-    loop {
-        // SAFETY: `stream` is a live stream of the current context.
-        match unsafe { sys::cuStreamQuery(stream) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(()),
-            sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < ZERO_WITHIN => {
-                backoff.pause();
-            }
-            sys::CUresult::CUDA_ERROR_NOT_READY => {
-                return Err(Error::StreamsBusy {
-                    waited_ms: crate::nccl::millis(start.elapsed()),
-                })
-            }
-            e => {
-                return Err(Error::Cuda {
-                    during: "zeroing a signal area".into(),
-                    source: result::DriverError(e),
-                })
-            }
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
