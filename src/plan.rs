@@ -177,6 +177,16 @@ pub(crate) enum ChainOp {
     },
 }
 
+impl ChainOp {
+    /// Whether the op still goes out after an earlier op of the same call failed: records and
+    /// waits do, so that each rank's stream still waits for the copies into its buffers that did
+    /// go out (its caller may free them once the stream moves on); copies and flag operations
+    /// do not.
+    pub(crate) fn after_failure(&self) -> bool {
+        matches!(self, ChainOp::Record { .. } | ChainOp::Wait { .. })
+    }
+}
+
 /// The operations of an eager chained copy of `chunks` chunks along `order` (see [`chain`]),
 /// ordered by one event per rank. Each rank pushes every chunk to its successor with its own
 /// copy engine, so a buffer is only ever read on its own stream:
@@ -373,6 +383,52 @@ mod tests {
     use super::*;
     use crate::error::Error;
     use std::sync::OnceLock;
+
+    /// After a failed copy, every copy that went out is still waited for by the stream of the
+    /// rank it writes into: a record of the copying rank after the copy, then a wait of the
+    /// receiving rank for that record, both among the ops that still go out.
+    #[test]
+    fn a_failed_copy_still_leaves_every_earlier_copy_waited_for() {
+        for n in 2..=8 {
+            for root in [0, n - 1] {
+                let order = chain(root, n);
+                for chunks in 1..=3 {
+                    let ops = eager_ops(&order, chunks);
+                    for (f, _) in ops
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, o)| matches!(o, ChainOp::Copy { .. }))
+                    {
+                        let queued: Vec<(usize, &ChainOp)> = ops
+                            .iter()
+                            .enumerate()
+                            .filter(|&(i, o)| i < f || (i > f && o.after_failure()))
+                            .collect();
+                        for &(j, op) in &queued {
+                            let ChainOp::Copy { rank, into, .. } = *op else {
+                                continue;
+                            };
+                            let record = queued.iter().find(|&&(i, o)| {
+                                i > j && matches!(*o, ChainOp::Record { rank: r } if r == rank)
+                            });
+                            let waited = record.is_some_and(|&(ri, _)| {
+                                queued.iter().any(|&(i, o)| {
+                                    i > ri
+                                        && matches!(*o, ChainOp::Wait { rank: r, of }
+                                            if r == into && of == rank)
+                                })
+                            });
+                            assert!(
+                                waited,
+                                "{n} ranks, root {root}, {chunks} chunks, copy {j} by {rank} \
+                                 into {into} not waited for after op {f} failed"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     fn no_ce() -> &'static Error {
         static E: OnceLock<Error> = OnceLock::new();

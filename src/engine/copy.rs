@@ -257,8 +257,7 @@ impl EngineGuard<'_> {
         // stream moves past a copy still writing a buffer its caller may free.
         let mut failed: Option<Error> = None;
         for op in ops {
-            let ordering = matches!(op, ChainOp::Record { .. } | ChainOp::Wait { .. });
-            if failed.is_some() && !ordering {
+            if failed.is_some() && !op.after_failure() {
                 continue;
             }
             // SAFETY: per this function's contract.
