@@ -19,7 +19,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The path a broadcast takes, as a caller asks for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Path {
+#[non_exhaustive]
+pub enum BroadcastPath {
     /// Pick per call from the size and the topology (the default).
     #[default]
     Auto,
@@ -32,14 +33,14 @@ pub enum Path {
     CopyEngine,
 }
 
-impl Path {
+impl BroadcastPath {
     /// Parses `auto`, `nccl`, `p2p` or `copy-engine` (also `ce`; case-insensitive).
-    pub fn parse(s: &str) -> Option<Path> {
+    pub fn parse(s: &str) -> Option<BroadcastPath> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Some(Path::Auto),
-            "nccl" => Some(Path::Nccl),
-            "p2p" => Some(Path::P2p),
-            "copy-engine" | "copy_engine" | "ce" => Some(Path::CopyEngine),
+            "auto" => Some(BroadcastPath::Auto),
+            "nccl" => Some(BroadcastPath::Nccl),
+            "p2p" => Some(BroadcastPath::P2p),
+            "copy-engine" | "copy_engine" | "ce" => Some(BroadcastPath::CopyEngine),
             _ => None,
         }
     }
@@ -47,16 +48,37 @@ impl Path {
     /// Lowercase name.
     pub fn name(self) -> &'static str {
         match self {
-            Path::Auto => "auto",
-            Path::Nccl => "nccl",
-            Path::P2p => "p2p",
-            Path::CopyEngine => "copy-engine",
+            BroadcastPath::Auto => "auto",
+            BroadcastPath::Nccl => "nccl",
+            BroadcastPath::P2p => "p2p",
+            BroadcastPath::CopyEngine => "copy-engine",
         }
     }
 }
 
-/// What actually runs for one broadcast: the resolved form of a [`Path`].
+impl std::str::FromStr for BroadcastPath {
+    type Err = Error;
+
+    /// As [`BroadcastPath::parse`], with an error that lists the names.
+    fn from_str(s: &str) -> Result<BroadcastPath> {
+        BroadcastPath::parse(s).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "unknown path `{s}`: one of auto, nccl, p2p, copy-engine"
+            ))
+        })
+    }
+}
+
+impl std::fmt::Display for BroadcastPath {
+    /// The name [`BroadcastPath::parse`] reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What actually runs for one broadcast: the resolved form of a [`BroadcastPath`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Route {
     /// Nothing to move (zero length).
     Empty,
@@ -97,6 +119,13 @@ impl Route {
     }
 }
 
+impl std::fmt::Display for Route {
+    /// [`Route::name`].
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Byte sizes at which `Auto`'s choice changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Thresholds {
@@ -121,7 +150,7 @@ pub struct Thresholds {
 ///   P2P kernel was at least as fast as NCCL at every size from 1 KiB to 1 GiB, eager and in
 ///   graphs, so it has no limit of its own; the packet protocol beat pull at every size it can
 ///   carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
-/// - 3 to 8 GPUs, from the cost model of [`model_crossover`] (every peer pulls from the root, so
+/// - 3 to 8 GPUs, from the cost model of `model_crossover` (in the tests) (every peer pulls from the root, so
 ///   the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
 ///   first 4-GPU run confirmed (P2P at 124 GB/s = 372/3 at 1 GiB; NCCL ahead from 4 MiB). The
 ///   packet protocol's root writes twice the payload to each of N-1 peers, so its switch point
@@ -168,12 +197,15 @@ pub fn chain_min_bytes(n: usize, copy_engine_min: usize) -> usize {
     }
 }
 
+#[cfg(test)]
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
 /// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
 pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
+#[cfg(test)]
 /// Bandwidth of one GPU's NVLink egress, bytes per second (H200, measured 364-396 GB/s).
 pub const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
 
+#[cfg(test)]
 /// The message size above which NCCL's ring beats P2P fan-out from the root on `n` GPUs, by the
 /// model `t_p2p = a + (n-1) S / B` against `t_nccl = a + gap + S / B`: `S* = gap B / (n - 2)`.
 /// `None` for 1 or 2 GPUs, where fan-out is never slower.
@@ -213,7 +245,7 @@ impl Thresholds {
         self
     }
 
-    /// Defaults for a clique of `n` GPUs linked by NVLink (see [`DEFAULT_THRESHOLDS`]).
+    /// Defaults for a clique of `n` GPUs linked by NVLink (the table measured on H200s).
     pub fn for_gpus(n: usize) -> Thresholds {
         let row = DEFAULT_THRESHOLDS
             .iter()
@@ -232,8 +264,8 @@ impl Thresholds {
 /// Per-call choices of a broadcast.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BroadcastOptions {
-    /// Path for this call; `None` takes the clique's default.
-    pub path: Option<Path>,
+    /// BroadcastPath for this call; `None` takes the clique's default.
+    pub path: Option<BroadcastPath>,
     /// `Auto`'s P2P limit in bytes for this call; `None` takes the clique's.
     pub p2p_threshold: Option<usize>,
     /// The P2P kernel's packet/pull switch point for this call; `None` takes the clique's.
@@ -246,7 +278,7 @@ pub struct BroadcastOptions {
 
 impl BroadcastOptions {
     /// Options that force `path`.
-    pub fn path(path: Path) -> BroadcastOptions {
+    pub fn path(path: BroadcastPath) -> BroadcastOptions {
         BroadcastOptions {
             path: Some(path),
             ..BroadcastOptions::default()
@@ -268,7 +300,7 @@ pub(crate) struct Available<'a> {
 
 /// Resolves `path` for a message of `bytes` bytes, given which routes can run.
 pub(crate) fn choose(
-    path: Path,
+    path: BroadcastPath,
     bytes: usize,
     available: Available<'_>,
     thresholds: &Thresholds,
@@ -286,16 +318,16 @@ pub(crate) fn choose(
         }
     };
     match path {
-        Path::Nccl => Ok(Route::Nccl),
-        Path::P2p => match available.p2p {
+        BroadcastPath::Nccl => Ok(Route::Nccl),
+        BroadcastPath::P2p => match available.p2p {
             Ok(()) => Ok(p2p_route()),
             Err(why) => Err(why.clone()),
         },
-        Path::CopyEngine => match available.copy_engine {
+        BroadcastPath::CopyEngine => match available.copy_engine {
             Ok(()) => Ok(Route::CopyEngine),
             Err(why) => Err(why.clone()),
         },
-        Path::Auto => Ok(
+        BroadcastPath::Auto => Ok(
             if available.copy_engine.is_ok() && bytes >= thresholds.copy_engine_min_bytes {
                 Route::CopyEngine
             } else if available.p2p.is_ok() && bytes <= thresholds.p2p_max_bytes {
@@ -384,16 +416,10 @@ pub const ENV_VARS: [(&str, &str); 13] = [
     ),
 ];
 
-/// The process environment as gpucast reads it: `name`'s value, `None` when unset or not
-/// UTF-8. Every environment read of the crate goes through this file.
-pub fn env_var(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
 /// The settings found in the environment; `None` where a variable is unset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Env {
-    pub path: Option<Path>,
+    pub path: Option<BroadcastPath>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
     pub copy_engine_threshold: Option<usize>,
@@ -433,7 +459,7 @@ impl Env {
         };
         let path = text(PATH_ENV)?
             .map(|v| {
-                Path::parse(&v).ok_or_else(|| {
+                BroadcastPath::parse(&v).ok_or_else(|| {
                     invalid(
                         PATH_ENV,
                         format!("{v:?} is not auto, nccl, p2p or copy-engine"),
@@ -535,7 +561,7 @@ pub fn parse_bytes(s: &str) -> Option<usize> {
 /// The settings of one clique, resolved from the builder, then the environment, then defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Settings {
-    pub path: Path,
+    pub path: BroadcastPath,
     pub thresholds: Thresholds,
     /// `Auto`'s thresholds for calls queued inside a capture.
     pub graph_thresholds: Thresholds,
@@ -546,7 +572,7 @@ pub(crate) struct Settings {
 /// What a builder asked for; `None` defers to the environment, then to the defaults.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Requested {
-    pub path: Option<Path>,
+    pub path: Option<BroadcastPath>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
     pub copy_engine_threshold: Option<usize>,
@@ -644,7 +670,7 @@ mod tests {
             (PARALLEL_LAUNCH_ENV, "off"),
         ])
         .unwrap();
-        assert_eq!(e.path, Some(Path::P2p));
+        assert_eq!(e.path, Some(BroadcastPath::P2p));
         assert_eq!(e.p2p_threshold, Some(4 << 20));
         assert_eq!(e.packet_threshold, Some(64 << 10));
         assert_eq!(e.timeout, Some(Duration::from_millis(250)));
@@ -700,7 +726,7 @@ mod tests {
         );
         assert_eq!(s.timeout, Duration::from_millis(5));
         assert!(!s.parallel_launch);
-        assert_eq!(s.path, Path::Auto);
+        assert_eq!(s.path, BroadcastPath::Auto);
         let d = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
         assert_eq!(d.timeout, DEFAULT_TIMEOUT);
         assert!(d.parallel_launch);
@@ -829,16 +855,34 @@ mod tests {
                 &t,
             )
         };
-        assert_eq!(c(Path::Auto, 0, true).unwrap(), Route::Empty);
-        assert_eq!(c(Path::Auto, 1024, true).unwrap(), Route::P2pPacket);
-        assert_eq!(c(Path::Auto, 64 << 10, true).unwrap(), Route::P2pPacket);
-        assert_eq!(c(Path::Auto, (64 << 10) + 1, true).unwrap(), Route::P2pPull);
-        assert_eq!(c(Path::Auto, 1 << 20, true).unwrap(), Route::P2pPull);
-        assert_eq!(c(Path::Auto, (1 << 20) + 1, true).unwrap(), Route::Nccl);
-        assert_eq!(c(Path::Auto, 1024, false).unwrap(), Route::Nccl);
-        assert_eq!(c(Path::Nccl, 1024, true).unwrap(), Route::Nccl);
-        assert_eq!(c(Path::P2p, 1 << 30, true).unwrap(), Route::P2pPull);
-        let e = c(Path::P2p, 1024, false).unwrap_err();
+        assert_eq!(c(BroadcastPath::Auto, 0, true).unwrap(), Route::Empty);
+        assert_eq!(
+            c(BroadcastPath::Auto, 1024, true).unwrap(),
+            Route::P2pPacket
+        );
+        assert_eq!(
+            c(BroadcastPath::Auto, 64 << 10, true).unwrap(),
+            Route::P2pPacket
+        );
+        assert_eq!(
+            c(BroadcastPath::Auto, (64 << 10) + 1, true).unwrap(),
+            Route::P2pPull
+        );
+        assert_eq!(
+            c(BroadcastPath::Auto, 1 << 20, true).unwrap(),
+            Route::P2pPull
+        );
+        assert_eq!(
+            c(BroadcastPath::Auto, (1 << 20) + 1, true).unwrap(),
+            Route::Nccl
+        );
+        assert_eq!(c(BroadcastPath::Auto, 1024, false).unwrap(), Route::Nccl);
+        assert_eq!(c(BroadcastPath::Nccl, 1024, true).unwrap(), Route::Nccl);
+        assert_eq!(
+            c(BroadcastPath::P2p, 1 << 30, true).unwrap(),
+            Route::P2pPull
+        );
+        let e = c(BroadcastPath::P2p, 1024, false).unwrap_err();
         assert!(matches!(e, Error::P2pUnavailable(ref m) if m.contains("peer access")));
         // A forced P2P call without NVRTC returns the library error itself.
         let lib = Error::LibraryMissing {
@@ -847,7 +891,7 @@ mod tests {
             hint: "install it",
         };
         assert!(matches!(
-            choose(Path::P2p, 8, p2p_only(Err(&lib)), &t),
+            choose(BroadcastPath::P2p, 8, p2p_only(Err(&lib)), &t),
             Err(Error::LibraryMissing {
                 library: "libnvrtc",
                 ..
@@ -861,7 +905,13 @@ mod tests {
             p2p_chain_min_bytes: usize::MAX,
         };
         assert_eq!(
-            choose(Path::P2p, PACKET_MAX_BYTES + 1, p2p_only(Ok(())), &big).unwrap(),
+            choose(
+                BroadcastPath::P2p,
+                PACKET_MAX_BYTES + 1,
+                p2p_only(Ok(())),
+                &big
+            )
+            .unwrap(),
             Route::P2pPull
         );
         // With the copy engines, Auto takes them from their threshold on, P2P or not.
@@ -872,11 +922,11 @@ mod tests {
             p2p_chain: false,
         };
         assert_eq!(
-            choose(Path::Auto, (64 << 20) - 1, all, &t).unwrap(),
+            choose(BroadcastPath::Auto, (64 << 20) - 1, all, &t).unwrap(),
             Route::Nccl
         );
         assert_eq!(
-            choose(Path::Auto, 64 << 20, all, &t).unwrap(),
+            choose(BroadcastPath::Auto, 64 << 20, all, &t).unwrap(),
             Route::CopyEngine
         );
         let ce_only = Available {
@@ -886,13 +936,13 @@ mod tests {
             p2p_chain: false,
         };
         assert_eq!(
-            choose(Path::Auto, 1 << 30, ce_only, &t).unwrap(),
+            choose(BroadcastPath::Auto, 1 << 30, ce_only, &t).unwrap(),
             Route::CopyEngine
         );
         // Without NCCL (several ranks on one device), Auto takes what can run.
         let no_nccl = Available { nccl: false, ..all };
         assert_eq!(
-            choose(Path::Auto, 2 << 20, no_nccl, &t).unwrap(),
+            choose(BroadcastPath::Auto, 2 << 20, no_nccl, &t).unwrap(),
             Route::CopyEngine
         );
         let p2p_no_nccl = Available {
@@ -900,15 +950,15 @@ mod tests {
             ..no_nccl
         };
         assert_eq!(
-            choose(Path::Auto, 2 << 20, p2p_no_nccl, &t).unwrap(),
+            choose(BroadcastPath::Auto, 2 << 20, p2p_no_nccl, &t).unwrap(),
             Route::P2pPull
         );
         assert_eq!(
-            choose(Path::CopyEngine, 1, all, &t).unwrap(),
+            choose(BroadcastPath::CopyEngine, 1, all, &t).unwrap(),
             Route::CopyEngine
         );
         assert!(matches!(
-            choose(Path::CopyEngine, 1, p2p_only(Ok(())), &t),
+            choose(BroadcastPath::CopyEngine, 1, p2p_only(Ok(())), &t),
             Err(Error::CopyEngineUnavailable(_))
         ));
     }
@@ -960,7 +1010,7 @@ mod tests {
             nccl: true,
             p2p_chain: true,
         };
-        let c = |bytes, available| choose(Path::P2p, bytes, available, &t).unwrap();
+        let c = |bytes, available| choose(BroadcastPath::P2p, bytes, available, &t).unwrap();
         assert_eq!(c(t.p2p_chain_min_bytes, here), Route::P2pChain);
         assert_eq!(c(t.p2p_chain_min_bytes - 1, here), Route::P2pPull);
         assert_eq!(c(1024, here), Route::P2pPacket);
@@ -971,7 +1021,7 @@ mod tests {
         assert_eq!(c(1 << 30, apart), Route::P2pPull);
         // Auto prefers the copy engines there: no SM, the same one copy per link.
         assert_eq!(
-            choose(Path::Auto, 1 << 30, here, &t).unwrap(),
+            choose(BroadcastPath::Auto, 1 << 30, here, &t).unwrap(),
             Route::CopyEngine
         );
         // The threshold follows builder, environment and call, like the others.
@@ -995,11 +1045,27 @@ mod tests {
 
     #[test]
     fn paths_parse() {
-        assert_eq!(Path::parse("CE"), Some(Path::CopyEngine));
-        for p in [Path::Auto, Path::Nccl, Path::P2p, Path::CopyEngine] {
-            assert_eq!(Path::parse(p.name()), Some(p));
+        assert_eq!(BroadcastPath::parse("CE"), Some(BroadcastPath::CopyEngine));
+        for p in [
+            BroadcastPath::Auto,
+            BroadcastPath::Nccl,
+            BroadcastPath::P2p,
+            BroadcastPath::CopyEngine,
+        ] {
+            assert_eq!(BroadcastPath::parse(p.name()), Some(p));
         }
-        assert_eq!(Path::parse(" NCCL "), Some(Path::Nccl));
-        assert_eq!(Path::parse("ring"), None);
+        assert_eq!(BroadcastPath::parse(" NCCL "), Some(BroadcastPath::Nccl));
+        assert_eq!(BroadcastPath::parse("ring"), None);
+        for p in [
+            BroadcastPath::Auto,
+            BroadcastPath::Nccl,
+            BroadcastPath::P2p,
+            BroadcastPath::CopyEngine,
+        ] {
+            assert_eq!(p.to_string().parse::<BroadcastPath>().unwrap(), p);
+        }
+        let e = "ring".parse::<BroadcastPath>().unwrap_err().to_string();
+        assert!(e.contains("ring") && e.contains("copy-engine"), "{e}");
+        assert_eq!(Route::P2pPull.to_string(), "p2p-pull");
     }
 }

@@ -109,6 +109,19 @@ impl DType {
     }
 }
 
+impl std::str::FromStr for DType {
+    type Err = crate::error::Error;
+
+    /// As [`DType::parse`], with an error that lists the names.
+    fn from_str(s: &str) -> crate::error::Result<DType> {
+        DType::parse(s).ok_or_else(|| {
+            crate::error::Error::InvalidArgument(format!(
+                "unknown element type `{s}`: one of f32, f64, f16, bf16, i8, u8, i32, u32, i64, u64"
+            ))
+        })
+    }
+}
+
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -175,5 +188,10 @@ mod tests {
         }
         assert_eq!(DType::parse("bfloat16"), Some(DType::BF16));
         assert_eq!(DType::parse("complex64"), None);
+        for d in DType::ALL {
+            assert_eq!(d.to_string().parse::<DType>().unwrap(), d);
+        }
+        let e = "complex64".parse::<DType>().unwrap_err().to_string();
+        assert!(e.contains("complex64") && e.contains("bf16"), "{e}");
     }
 }

@@ -24,7 +24,7 @@
 //! torchrun's own store or a TCP store that rank 0 hosts, which admit only processes that know
 //! the job's secret token ([`rendezvous`]); ranks on one host share P2P memory.
 //!
-//! [`Path::Auto`] (the default) takes the copy engines for large messages, P2P for smaller ones
+//! [`BroadcastPath::Auto`] (the default) takes the copy engines for large messages, P2P for smaller ones
 //! when every pair of GPUs has peer access, and NCCL otherwise, at thresholds measured on H200s.
 //! The caller can force a path or move the thresholds per clique, per call, or by environment
 //! variable.
@@ -40,7 +40,7 @@
 //! ## Example
 //!
 //! ```no_run
-//! use gpucast::{Clique, Path, BroadcastOptions};
+//! use gpucast::{Clique, BroadcastPath, BroadcastOptions};
 //!
 //! let clique = Clique::new(&[0, 1])?;
 //! let n = 1 << 20;
@@ -49,7 +49,7 @@
 //! let mut outputs = clique.alloc_outputs::<f32>(n)?;
 //! clique.broadcast(0, &input, &mut outputs)?;
 //! // Or force a path for one call:
-//! clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl))?;
+//! clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(BroadcastPath::Nccl))?;
 //! clique.synchronize()?;
 //! assert_eq!(clique.stream(1).clone_dtoh(&outputs[1])?, vec![1.5f32; n]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -100,12 +100,11 @@ pub use clique::{
     device_count, Capture, Clique, CliqueBuilder, CliqueGraph, Communicator, CommunicatorBuilder,
     OutputLists, RawBroadcast, UncheckedCapture, DEFAULT_INIT_TIMEOUT,
 };
+#[doc(hidden)]
+pub use config::parse_bytes;
 pub use config::{
-    chain_min_bytes, env_var, model_crossover, parse_bytes, BroadcastOptions, Path, Route,
-    Thresholds, COPY_ENGINE_MIN_2_GPUS, COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS,
-    DEFAULT_THRESHOLDS, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS, MODEL_FIXED_GAP_S,
-    MODEL_LINK_BYTES_PER_S, PACKET_MAX_BYTES,
+    BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS,
+    PACKET_MAX_BYTES,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@
 //! alone, or fused launches of at most [`LIST_MAX`] copies; NCCL tensors go in groups of at most
 //! [`NCCL_GROUP_MAX_OPS`] operations.
 
-use crate::config::{self, Available, Path, Route, Thresholds};
+use crate::config::{self, Available, BroadcastPath, Route, Thresholds};
 use crate::error::Result;
 use crate::p2p::abi::LIST_MAX;
 
@@ -31,7 +31,7 @@ pub(crate) enum Step {
 /// gets a launch of its own.
 pub(crate) fn plan(
     bytes: &[usize],
-    path: Path,
+    path: BroadcastPath,
     available: Available<'_>,
     thresholds: &Thresholds,
     nranks: usize,
@@ -466,7 +466,7 @@ mod tests {
             p2p_chain_min_bytes: usize::MAX,
         };
         let sizes = [10usize, 0, 5000, 1000, 1001, 3];
-        let steps = plan(&sizes, Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
+        let steps = plan(&sizes, BroadcastPath::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert_eq!(
             steps,
             vec![
@@ -484,17 +484,21 @@ mod tests {
         assert_eq!((r.nccl_tensors, r.nccl_bytes, r.nccl_groups), (2, 6001, 1));
 
         let no = Error::P2pUnavailable("no NVRTC".into());
-        let all_nccl = plan(&sizes, Path::Auto, p2p_only(Err(&no)), &t, 2, true).unwrap();
+        let all_nccl = plan(&sizes, BroadcastPath::Auto, p2p_only(Err(&no)), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&all_nccl), (vec![], vec![0, 2, 3, 4, 5]));
-        let forced = plan(&sizes, Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap();
+        let forced = plan(&sizes, BroadcastPath::P2p, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert_eq!(tensors_of(&forced), (vec![0, 2, 3, 4, 5], vec![]));
-        assert!(plan(&sizes, Path::P2p, p2p_only(Err(&no)), &t, 2, true).is_err());
-        assert!(plan(&[], Path::Auto, p2p_only(Ok(())), &t, 2, true)
-            .unwrap()
-            .is_empty());
-        assert!(plan(&[0, 0], Path::P2p, p2p_only(Ok(())), &t, 2, true)
-            .unwrap()
-            .is_empty());
+        assert!(plan(&sizes, BroadcastPath::P2p, p2p_only(Err(&no)), &t, 2, true).is_err());
+        assert!(
+            plan(&[], BroadcastPath::Auto, p2p_only(Ok(())), &t, 2, true)
+                .unwrap()
+                .is_empty()
+        );
+        assert!(
+            plan(&[0, 0], BroadcastPath::P2p, p2p_only(Ok(())), &t, 2, true)
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[test]
@@ -506,21 +510,21 @@ mod tests {
             p2p_chain_min_bytes: usize::MAX,
         };
         assert_eq!(
-            plan(&[64], Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap(),
+            plan(&[64], BroadcastPath::Auto, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 0,
                 route: Route::P2pPacket
             }]
         );
         assert_eq!(
-            plan(&[0, 101], Path::P2p, p2p_only(Ok(())), &t, 2, true).unwrap(),
+            plan(&[0, 101], BroadcastPath::P2p, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 1,
                 route: Route::P2pPull
             }]
         );
         assert_eq!(
-            plan(&[101], Path::Nccl, p2p_only(Ok(())), &t, 2, true).unwrap(),
+            plan(&[101], BroadcastPath::Nccl, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::NcclGroup { tensors: vec![0] }]
         );
     }
@@ -529,14 +533,14 @@ mod tests {
     fn launches_respect_list_and_group_limits() {
         let t = Thresholds::for_gpus(8);
         let many = vec![8usize; 1000];
-        let p = plan(&many, Path::P2p, p2p_only(Ok(())), &t, 8, true).unwrap();
+        let p = plan(&many, BroadcastPath::P2p, p2p_only(Ok(())), &t, 8, true).unwrap();
         assert_eq!(p.len(), 1000usize.div_ceil(LIST_MAX));
         for s in &p {
             assert!(matches!(s, Step::P2pList { tensors } if tensors.len() <= LIST_MAX));
         }
         assert_eq!(tensors_of(&p).0, (0..1000).collect::<Vec<_>>());
         // 1000 = 8 lists of 120 and one of 40: no lone list.
-        let n = plan(&many, Path::Nccl, p2p_only(Ok(())), &t, 8, true).unwrap();
+        let n = plan(&many, BroadcastPath::Nccl, p2p_only(Ok(())), &t, 8, true).unwrap();
         for s in &n {
             assert!(
                 matches!(s, Step::NcclGroup { tensors } if tensors.len() * 8 <= NCCL_GROUP_MAX_OPS)
@@ -550,7 +554,15 @@ mod tests {
             copy_engine_min_bytes: usize::MAX,
             p2p_chain_min_bytes: usize::MAX,
         };
-        let unfused = plan(&[10, 500, 0], Path::P2p, p2p_only(Ok(())), &t, 2, false).unwrap();
+        let unfused = plan(
+            &[10, 500, 0],
+            BroadcastPath::P2p,
+            p2p_only(Ok(())),
+            &t,
+            2,
+            false,
+        )
+        .unwrap();
         assert_eq!(
             unfused,
             vec![
@@ -568,7 +580,7 @@ mod tests {
         // A last chunk of one P2P tensor becomes a single launch.
         let p = plan(
             &vec![8usize; LIST_MAX + 1],
-            Path::P2p,
+            BroadcastPath::P2p,
             p2p_only(Ok(())),
             &t,
             2,
@@ -593,7 +605,7 @@ mod tests {
             p2p_chain: false,
         };
         let sizes = [10usize, 6000, 2000, 0, 5000];
-        let steps = plan(&sizes, Path::Auto, both, &t, 2, true).unwrap();
+        let steps = plan(&sizes, BroadcastPath::Auto, both, &t, 2, true).unwrap();
         assert_eq!(
             steps,
             vec![
@@ -611,13 +623,20 @@ mod tests {
         assert_eq!((r.copy_engine_tensors, r.copy_engine_bytes), (2, 11000));
         assert_eq!((r.p2p_tensors, r.nccl_tensors), (1, 1));
         // Without the copy engines, Auto falls back; forcing them is the reason's error.
-        let steps = plan(&sizes, Path::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
+        let steps = plan(&sizes, BroadcastPath::Auto, p2p_only(Ok(())), &t, 2, true).unwrap();
         assert!(!steps.iter().any(|s| matches!(s, Step::CopyEngine { .. })));
         assert!(matches!(
-            plan(&sizes, Path::CopyEngine, p2p_only(Ok(())), &t, 2, true),
+            plan(
+                &sizes,
+                BroadcastPath::CopyEngine,
+                p2p_only(Ok(())),
+                &t,
+                2,
+                true
+            ),
             Err(Error::CopyEngineUnavailable(_))
         ));
-        let forced = plan(&sizes, Path::CopyEngine, both, &t, 2, true).unwrap();
+        let forced = plan(&sizes, BroadcastPath::CopyEngine, both, &t, 2, true).unwrap();
         assert_eq!(
             forced,
             vec![Step::CopyEngine {
@@ -641,7 +660,7 @@ mod tests {
             p2p_chain: true,
         };
         let sizes = [5000usize, 200, 3000, 2999, 10];
-        let steps = plan(&sizes, Path::P2p, chained, &t, 4, true).unwrap();
+        let steps = plan(&sizes, BroadcastPath::P2p, chained, &t, 4, true).unwrap();
         assert_eq!(
             steps,
             vec![
@@ -663,7 +682,7 @@ mod tests {
             p2p_chain: false,
             ..chained
         };
-        let steps = plan(&sizes, Path::P2p, apart, &t, 4, false).unwrap();
+        let steps = plan(&sizes, BroadcastPath::P2p, apart, &t, 4, false).unwrap();
         assert!(steps.iter().all(|s| matches!(
             s,
             Step::P2pOne { route, .. } if *route != Route::P2pChain

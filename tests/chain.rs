@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
-use gpucast::{BroadcastOptions, Clique, Element, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, Element};
 use rand::RngCore;
 
 /// A clique of four ranks spread over the visible GPUs from GPU `first` ([`spread`]): on two
@@ -20,7 +20,13 @@ fn four_ranks(first: usize) -> Clique {
     clique_on(Clique::builder(), &spread(4, first))
 }
 
-fn check<T: Element>(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+fn check<T: Element>(
+    clique: &Clique,
+    root: usize,
+    n: usize,
+    path: BroadcastPath,
+    rng: &mut impl RngCore,
+) {
     check_with::<T>(clique, root, n, &BroadcastOptions::path(path), rng);
 }
 
@@ -61,7 +67,12 @@ fn four_ranks_on_two_gpus_every_root_and_path() {
     // `paths_to_test` checks that a call forced onto it is refused with its reason.
     let paths = paths_to_test(
         &clique,
-        &[Path::CopyEngine, Path::P2p, Path::Auto, Path::Nccl],
+        &[
+            BroadcastPath::CopyEngine,
+            BroadcastPath::P2p,
+            BroadcastPath::Auto,
+            BroadcastPath::Nccl,
+        ],
     );
     let mut rng = rng();
     for root in 0..4 {
@@ -71,8 +82,8 @@ fn four_ranks_on_two_gpus_every_root_and_path() {
             }
         }
     }
-    check::<f32>(&clique, 3, 3_000_001, Path::CopyEngine, &mut rng);
-    check::<u64>(&clique, 1, 2_000_003, Path::CopyEngine, &mut rng);
+    check::<f32>(&clique, 3, 3_000_001, BroadcastPath::CopyEngine, &mut rng);
+    check::<u64>(&clique, 1, 2_000_003, BroadcastPath::CopyEngine, &mut rng);
 }
 
 #[test]
@@ -82,7 +93,7 @@ fn three_ranks_on_one_gpu() {
     let mut rng = rng();
     for root in 0..3 {
         for &bytes in &SIZES {
-            for path in [Path::CopyEngine, Path::P2p] {
+            for path in [BroadcastPath::CopyEngine, BroadcastPath::P2p] {
                 check::<u8>(&clique, root, bytes, path, &mut rng);
             }
         }
@@ -96,9 +107,15 @@ fn chain_in_place_and_fused() {
     let clique = four_ranks(1);
     let mut rng = rng();
     for root in [0usize, 2, 3] {
-        check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::CopyEngine, &mut rng);
+        check_in_place::<u8>(
+            &clique,
+            root,
+            (9 << 20) + 11,
+            BroadcastPath::CopyEngine,
+            &mut rng,
+        );
         // Beyond 2 MiB on 4 ranks, the P2P kernel chains.
-        check_in_place::<u8>(&clique, root, (9 << 20) + 11, Path::P2p, &mut rng);
+        check_in_place::<u8>(&clique, root, (9 << 20) + 11, BroadcastPath::P2p, &mut rng);
     }
     let sizes = [5usize, 0, (6 << 20) + 1, 4096, 3 << 20];
     let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, &mut rng)).collect();
@@ -106,14 +123,14 @@ fn chain_in_place_and_fused() {
         .iter()
         .map(|d| clique.stream(2).clone_htod(d).unwrap())
         .collect();
-    for path in [Path::CopyEngine, Path::P2p] {
+    for path in [BroadcastPath::CopyEngine, BroadcastPath::P2p] {
         let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
         let (ins, mut outs) = as_tensors(&inputs, &mut lists);
         let report = clique
             .broadcast_many_with(2, &ins, &mut outs, &BroadcastOptions::path(path))
             .unwrap();
         match path {
-            Path::CopyEngine => assert_eq!(report.copy_engine_tensors, 4),
+            BroadcastPath::CopyEngine => assert_eq!(report.copy_engine_tensors, 4),
             // Two chained launches, one fused launch of the two small tensors.
             _ => assert_eq!((report.p2p_tensors, report.p2p_launches), (4, 3)),
         }
@@ -160,7 +177,12 @@ fn p2p_chain_back_to_back_from_every_root() {
     clique.synchronize().unwrap();
     for (i, (input, outs)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
         clique
-            .broadcast_with(i % 4, input, outs, &BroadcastOptions::path(Path::P2p))
+            .broadcast_with(
+                i % 4,
+                input,
+                outs,
+                &BroadcastOptions::path(BroadcastPath::P2p),
+            )
             .unwrap();
     }
     // The same outputs twice in a row from different roots: the second call's data wins.
@@ -170,10 +192,20 @@ fn p2p_chain_back_to_back_from_every_root() {
     let a = clique.stream(1).clone_htod(&first).unwrap();
     let b = clique.stream(3).clone_htod(&second).unwrap();
     clique
-        .broadcast_with(1, &a, &mut shared_outs, &BroadcastOptions::path(Path::P2p))
+        .broadcast_with(
+            1,
+            &a,
+            &mut shared_outs,
+            &BroadcastOptions::path(BroadcastPath::P2p),
+        )
         .unwrap();
     clique
-        .broadcast_with(3, &b, &mut shared_outs, &BroadcastOptions::path(Path::P2p))
+        .broadcast_with(
+            3,
+            &b,
+            &mut shared_outs,
+            &BroadcastOptions::path(BroadcastPath::P2p),
+        )
         .unwrap();
     drop((a, b));
     clique.synchronize().unwrap();
@@ -227,12 +259,12 @@ fn p2p_chain_between_two_gpus() {
 fn captured_chain_replays() {
     let clique = four_ranks(0);
     let mut rng = rng();
-    for path in [Path::CopyEngine, Path::P2p] {
+    for path in [BroadcastPath::CopyEngine, BroadcastPath::P2p] {
         captured_replays(&clique, path, &mut rng);
     }
 }
 
-fn captured_replays(clique: &Clique, path: Path, rng: &mut impl RngCore) {
+fn captured_replays(clique: &Clique, path: BroadcastPath, rng: &mut impl RngCore) {
     let cases = [(0usize, (10 << 20) + 3), (3, 1000), (1, 5 << 20)];
     let mut inputs: Vec<CudaSlice<u8>> = cases
         .iter()
@@ -299,7 +331,7 @@ fn a_graph_of_many_copy_engine_broadcasts() {
                     0,
                     &input,
                     &mut outputs,
-                    &BroadcastOptions::path(Path::CopyEngine),
+                    &BroadcastOptions::path(BroadcastPath::CopyEngine),
                 )?;
             }
             Ok(())

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use common::*;
 use gpucast::cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtrMut};
-use gpucast::{BroadcastOptions, Clique, DeviceTensor, DeviceTensorMut, Error, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, DeviceTensor, DeviceTensorMut, Error};
 
 /// How long the clique's streams are held back around each call.
 const HOLD_MS: u64 = 150;
@@ -95,7 +95,7 @@ fn pattern(n: usize, byte: u8) -> Vec<u32> {
 fn single_cases(
     clique: &Clique,
     source: Source,
-    path: Path,
+    path: BroadcastPath,
     n: usize,
     rng: &mut impl rand::RngCore,
 ) {
@@ -275,7 +275,7 @@ fn single_cases(
 }
 
 /// Fused calls: inputs dropped and reused; in place with the root's buffers overwritten.
-fn fused_cases(clique: &Clique, source: Source, path: Path, rng: &mut impl rand::RngCore) {
+fn fused_cases(clique: &Clique, source: Source, path: BroadcastPath, rng: &mut impl rand::RngCore) {
     let streams = streams_of(clique, source);
     let opts = BroadcastOptions::path(path);
     let tag = format!("fused {source:?} {path:?}");
@@ -411,7 +411,14 @@ fn buffers_may_be_dropped_reused_or_overwritten_right_after_a_call() {
         // A fresh clique per source: a second stream turns cudarc's event tracking on for the
         // clique's contexts, and the first source must be tested without it.
         let clique = two_ranks();
-        for path in paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]) {
+        for path in paths_to_test(
+            &clique,
+            &[
+                BroadcastPath::P2p,
+                BroadcastPath::Nccl,
+                BroadcastPath::CopyEngine,
+            ],
+        ) {
             for n in [4096usize, 4 << 20] {
                 single_cases(&clique, source, path, n, &mut rng);
             }
@@ -429,7 +436,14 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
     for source in [Source::CliqueStreams, Source::SecondStream] {
         let clique = two_ranks();
         let streams = streams_of(&clique, source);
-        for path in paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]) {
+        for path in paths_to_test(
+            &clique,
+            &[
+                BroadcastPath::P2p,
+                BroadcastPath::Nccl,
+                BroadcastPath::CopyEngine,
+            ],
+        ) {
             let n = 1 << 20;
             let data: Vec<u32> = random_vec(n, &mut rng);
             let input = upload(&streams[0], &data);
@@ -539,10 +553,15 @@ fn a_call_inside_the_capture_closure_is_an_error() {
 fn threads_share_a_clique_and_captures_swallow_nothing() {
     let clique = two_ranks();
     // The capturing thread alternates these; the eager threads cycle through `eager_paths`.
-    let capture_paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl]);
+    let capture_paths = paths_to_test(&clique, &[BroadcastPath::P2p, BroadcastPath::Nccl]);
     let eager_paths = paths_to_test(
         &clique,
-        &[Path::Auto, Path::P2p, Path::Nccl, Path::CopyEngine],
+        &[
+            BroadcastPath::Auto,
+            BroadcastPath::P2p,
+            BroadcastPath::Nccl,
+            BroadcastPath::CopyEngine,
+        ],
     );
     let seed_rng = &mut rng();
     let seeds: Vec<u64> = (0..4).map(|_| rand::Rng::random(seed_rng)).collect();
@@ -624,12 +643,19 @@ fn raw_pointers_on_the_callers_streams() {
     let clique = two_ranks();
     let mut rng = rng();
     let streams = streams_of(&clique, Source::SecondStream);
-    let paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine]);
+    let paths = paths_to_test(
+        &clique,
+        &[
+            BroadcastPath::P2p,
+            BroadcastPath::Nccl,
+            BroadcastPath::CopyEngine,
+        ],
+    );
     for (n, path) in [
-        (3000usize, Path::P2p),
-        (3 << 20, Path::P2p),
-        (5000, Path::Nccl),
-        (3 << 20, Path::CopyEngine),
+        (3000usize, BroadcastPath::P2p),
+        (3 << 20, BroadcastPath::P2p),
+        (5000, BroadcastPath::Nccl),
+        (3 << 20, BroadcastPath::CopyEngine),
     ]
     .into_iter()
     .filter(|(_, path)| paths.contains(path))
@@ -702,7 +728,12 @@ fn dropping_a_busy_clique_does_not_hang() {
     clique.synchronize().unwrap();
     stall(&clique, 1, 1500);
     clique
-        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+        .broadcast_with(
+            0,
+            &input,
+            &mut outputs,
+            &BroadcastOptions::path(BroadcastPath::P2p),
+        )
         .unwrap();
     drop((input, outputs));
     let t0 = std::time::Instant::now();
@@ -741,16 +772,26 @@ fn a_failed_nccl_group_aborts_instead_of_hanging() {
             streams: &streams,
         };
         // SAFETY: NCCL_CHECK_POINTERS makes NCCL reject the host pointer before it is used.
-        let first = unsafe { clique.broadcast_raw(&b, &BroadcastOptions::path(Path::Nccl)) };
+        let first =
+            unsafe { clique.broadcast_raw(&b, &BroadcastOptions::path(BroadcastPath::Nccl)) };
         assert!(matches!(first, Err(Error::Nccl { .. })), "{first:?}");
-        let second =
-            clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::Nccl));
+        let second = clique.broadcast_with(
+            0,
+            &input,
+            &mut outputs,
+            &BroadcastOptions::path(BroadcastPath::Nccl),
+        );
         assert!(
             matches!(second, Err(Error::CommunicatorsAborted { .. })),
             "{second:?}"
         );
         clique
-            .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+            .broadcast_with(
+                0,
+                &input,
+                &mut outputs,
+                &BroadcastOptions::path(BroadcastPath::P2p),
+            )
             .unwrap();
         clique.synchronize().unwrap();
         assert_bytes_eq(

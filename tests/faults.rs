@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
-use gpucast::{BroadcastOptions, Clique, Error, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, Error};
 use rand::RngCore;
 
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -27,7 +27,7 @@ fn clique() -> Clique {
     two_ranks_with(Clique::builder().timeout(TIMEOUT))
 }
 
-fn check(clique: &Clique, root: usize, n: usize, path: Path, rng: &mut impl RngCore) {
+fn check(clique: &Clique, root: usize, n: usize, path: BroadcastPath, rng: &mut impl RngCore) {
     check_with(clique, root, n, &BroadcastOptions::path(path), rng);
 }
 
@@ -59,11 +59,11 @@ fn check_with(
 /// Everything runs after a fault and recovery.
 fn all_paths_work(clique: &Clique, rng: &mut impl RngCore) {
     for n in [100usize, 300_000, 9 << 20] {
-        check(clique, 0, n, Path::P2p, rng);
-        check(clique, 1, n, Path::CopyEngine, rng);
+        check(clique, 0, n, BroadcastPath::P2p, rng);
+        check(clique, 1, n, BroadcastPath::CopyEngine, rng);
         check_with(clique, 1, n, &p2p_chain(), rng);
         if nccl_on(clique) {
-            check(clique, 1, n, Path::Nccl, rng);
+            check(clique, 1, n, BroadcastPath::Nccl, rng);
         }
     }
 }
@@ -72,7 +72,7 @@ fn all_paths_work(clique: &Clique, rng: &mut impl RngCore) {
 /// `synchronize`.
 fn held_back(
     clique: &Clique,
-    path: Path,
+    path: BroadcastPath,
     n: usize,
     held: usize,
     hold: Duration,
@@ -146,7 +146,7 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         // The P2P kernel: a peer waits for a root held back (packet and pull protocols), and
         // the root of a pull waits for a peer held back.
         for (n, held) in [(4096usize, 0usize), (1 << 20, 0), (1 << 20, 1)] {
-            let (r, took) = held_back(&clique, Path::P2p, n, held, hold);
+            let (r, took) = held_back(&clique, BroadcastPath::P2p, n, held, hold);
             counts.timed_out(&format!("P2P {n} B, rank {held} held back"), r, took);
             clique.recover().unwrap();
             all_paths_work(&clique, &mut rng);
@@ -165,7 +165,12 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
         let mut graph = clique
             .capture(|c| {
-                c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+                c.broadcast_with(
+                    0,
+                    &input,
+                    &mut outputs,
+                    &BroadcastOptions::path(BroadcastPath::P2p),
+                )
             })
             .unwrap();
         graph.launch().unwrap();
@@ -184,7 +189,7 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         // watchdog aborts the communicators, and recovery makes new ones.
         if nccl_on(&clique) {
             for (n, held) in [(4096usize, 1usize), (1 << 20, 0)] {
-                let (r, took) = held_back(&clique, Path::Nccl, n, held, hold);
+                let (r, took) = held_back(&clique, BroadcastPath::Nccl, n, held, hold);
                 counts.timed_out(&format!("NCCL {n} B, rank {held} held back"), r, took);
                 clique.recover().unwrap();
                 all_paths_work(&clique, &mut rng);
@@ -193,7 +198,10 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         // Nothing waits for a rank held back on its own stream here: a packet receiver (the
         // root does not wait for it) and the copy engines (ordered by events, no kernel). The
         // call completes late and right, with no error.
-        for (path, n) in [(Path::P2p, 4096usize), (Path::CopyEngine, 1 << 20)] {
+        for (path, n) in [
+            (BroadcastPath::P2p, 4096usize),
+            (BroadcastPath::CopyEngine, 1 << 20),
+        ] {
             let held = TIMEOUT * 2;
             let (r, took) = held_back(&clique, path, n, 1, held);
             r.unwrap_or_else(|e| panic!("{path:?} with rank 1 held back: {e}"));

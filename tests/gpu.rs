@@ -17,10 +17,15 @@ use std::time::Duration;
 use common::*;
 use gpucast::cudarc::driver::{result, CudaSlice, DevicePtrMut};
 use gpucast::half::{bf16, f16};
-use gpucast::{BroadcastOptions, Clique, Element, Error, Path, Route};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, Element, Error, Route};
 use rand::{Rng, RngCore};
 
-const PATHS: [Path; 4] = [Path::Nccl, Path::P2p, Path::CopyEngine, Path::Auto];
+const PATHS: [BroadcastPath; 4] = [
+    BroadcastPath::Nccl,
+    BroadcastPath::P2p,
+    BroadcastPath::CopyEngine,
+    BroadcastPath::Auto,
+];
 
 /// Runs `$f::<T>(args)` for each of the ten element types.
 macro_rules! for_each_type {
@@ -42,7 +47,7 @@ fn check_broadcast<T: Element>(
     clique: &Clique,
     root: usize,
     n: usize,
-    path: Path,
+    path: BroadcastPath,
     rng: &mut impl RngCore,
 ) {
     let data: Vec<T> = random_vec(n, rng);
@@ -60,7 +65,11 @@ fn check_broadcast<T: Element>(
     assert_bytes_eq(clique.stream(root), &input, &data, "input after broadcast");
 }
 
-fn every_root_length_path<T: Element>(clique: &Clique, paths: &[Path], rng: &mut impl RngCore) {
+fn every_root_length_path<T: Element>(
+    clique: &Clique,
+    paths: &[BroadcastPath],
+    rng: &mut impl RngCore,
+) {
     for root in 0..clique.len() {
         for n in [0usize, 1, 3, 4095, (1 << 20) + 7] {
             for &path in paths {
@@ -80,7 +89,7 @@ fn every_type_root_length_and_path() {
 }
 
 /// 256 MiB per type, every root and path. Outputs are poisoned on the device with a random byte.
-fn large<T: Element>(clique: &Clique, paths: &[Path], rng: &mut impl RngCore) {
+fn large<T: Element>(clique: &Clique, paths: &[BroadcastPath], rng: &mut impl RngCore) {
     let n = (256usize << 20) / std::mem::size_of::<T>();
     let data: Vec<T> = random_vec(n, rng);
     for root in 0..clique.len() {
@@ -130,11 +139,17 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
     let offsets = [0usize, 1, 2, 3, 5, 8, 13, 16];
     // The P2P kernel's chain, which two ranks take only when told (pieces of 32 KiB and up).
     let chain = p2p_chain();
-    let options: Vec<BroadcastOptions> =
-        paths_to_test(&clique, &[Path::P2p, Path::Nccl, Path::CopyEngine])
-            .into_iter()
-            .map(BroadcastOptions::path)
-            .collect();
+    let options: Vec<BroadcastOptions> = paths_to_test(
+        &clique,
+        &[
+            BroadcastPath::P2p,
+            BroadcastPath::Nccl,
+            BroadcastPath::CopyEngine,
+        ],
+    )
+    .into_iter()
+    .map(BroadcastOptions::path)
+    .collect();
     for len in [1usize, 17, 1000, 70_000, 300_000, (3 << 20) + 5] {
         for (i, &src_off) in offsets.iter().enumerate() {
             let dst_off = offsets[(i * 3 + len) % offsets.len()];
@@ -300,9 +315,9 @@ fn hundred_thousand_mixed_small_broadcasts() {
         let k = rng.random_range(0..K);
         let len = sizes[rng.random_range(0..sizes.len())];
         let path = match rng.random_range(0..20) {
-            0 if nccl => Path::Nccl,
-            0..=9 => Path::Auto,
-            _ => Path::P2p,
+            0 if nccl => BroadcastPath::Nccl,
+            0..=9 => BroadcastPath::Auto,
+            _ => BroadcastPath::P2p,
         };
         let slot = i % R;
         let opts = BroadcastOptions::path(path);
@@ -350,17 +365,22 @@ fn graph_capture_replays_correctly() {
     let clique = two_ranks();
     let mut rng = rng();
     let mut cases = vec![
-        (0usize, 1000usize, Path::P2p),
-        (1, 50_000, Path::P2p),
-        (0, 300_000, Path::P2p),
-        (1, 4096, Path::Nccl),
-        (1, 7, Path::Auto),
-        (0, 5_000_001, Path::CopyEngine),
-        (1, 3, Path::CopyEngine),
+        (0usize, 1000usize, BroadcastPath::P2p),
+        (1, 50_000, BroadcastPath::P2p),
+        (0, 300_000, BroadcastPath::P2p),
+        (1, 4096, BroadcastPath::Nccl),
+        (1, 7, BroadcastPath::Auto),
+        (0, 5_000_001, BroadcastPath::CopyEngine),
+        (1, 3, BroadcastPath::CopyEngine),
     ];
     let paths = paths_to_test(
         &clique,
-        &[Path::P2p, Path::Nccl, Path::Auto, Path::CopyEngine],
+        &[
+            BroadcastPath::P2p,
+            BroadcastPath::Nccl,
+            BroadcastPath::Auto,
+            BroadcastPath::CopyEngine,
+        ],
     );
     cases.retain(|case| paths.contains(&case.2));
     let mut inputs: Vec<CudaSlice<u8>> = cases
@@ -412,8 +432,8 @@ fn graph_capture_replays_correctly() {
     }
     drop(graph);
     // Eager calls after the graph still line up with the device counters.
-    check_broadcast::<u8>(&clique, 1, 3000, Path::P2p, &mut rng);
-    check_broadcast::<u8>(&clique, 0, 200_000, Path::P2p, &mut rng);
+    check_broadcast::<u8>(&clique, 1, 3000, BroadcastPath::P2p, &mut rng);
+    check_broadcast::<u8>(&clique, 0, 200_000, BroadcastPath::P2p, &mut rng);
 }
 
 /// The safe capture: the graph borrows its buffers; replays interleave with eager calls, and
@@ -425,9 +445,9 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
     let clique = two_ranks();
     // The single broadcast goes through NCCL, or the copy engines where NCCL is off.
     let single_path = if nccl_to_test(&clique) {
-        Path::Nccl
+        BroadcastPath::Nccl
     } else {
-        Path::CopyEngine
+        BroadcastPath::CopyEngine
     };
     let mut rng = rng();
     let sizes = [3usize, 5000, 300_000];
@@ -456,14 +476,15 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
                         .collect()
                 })
                 .collect();
-            let report = c.broadcast_many(1, &ins, outs, &BroadcastOptions::path(Path::P2p))?;
+            let report =
+                c.broadcast_many(1, &ins, outs, &BroadcastOptions::path(BroadcastPath::P2p))?;
             assert_eq!((report.p2p_tensors, report.p2p_launches), (3, 1));
             Ok(())
         })
         .unwrap();
     for _ in 0..3 {
         graph.launch().unwrap();
-        check_broadcast::<u32>(&clique, 0, 4096, Path::P2p, &mut rng);
+        check_broadcast::<u32>(&clique, 0, 4096, BroadcastPath::P2p, &mut rng);
     }
     drop(graph);
     clique.synchronize().unwrap();
@@ -486,7 +507,7 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
 #[ignore = "needs a CUDA GPU"]
 fn timeouts_are_reported_and_the_clique_recovers() {
     let clique = two_ranks_with(Clique::builder().timeout(Duration::from_millis(300)));
-    let paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl]);
+    let paths = paths_to_test(&clique, &[BroadcastPath::P2p, BroadcastPath::Nccl]);
     let mut rng = rng();
     // (bytes, which rank stalls): pull with a late peer makes the root time out waiting for
     // "done"; packets with a late root make the peer time out waiting for data.
@@ -500,7 +521,12 @@ fn timeouts_are_reported_and_the_clique_recovers() {
         clique.synchronize().unwrap();
         stall(&clique, late, 1500);
         clique
-            .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+            .broadcast_with(
+                0,
+                &input,
+                &mut outputs,
+                &BroadcastOptions::path(BroadcastPath::P2p),
+            )
             .unwrap();
         let started = std::time::Instant::now();
         match clique.synchronize() {
@@ -523,7 +549,7 @@ fn timeouts_are_reported_and_the_clique_recovers() {
 #[ignore = "needs a CUDA GPU"]
 fn pool_and_plain_allocations() {
     let clique = two_ranks();
-    let paths = paths_to_test(&clique, &[Path::P2p, Path::Nccl]);
+    let paths = paths_to_test(&clique, &[BroadcastPath::P2p, BroadcastPath::Nccl]);
     let mut rng = rng();
     for n in [3000usize, 500_000] {
         for plain_input in [false, true] {
@@ -731,8 +757,8 @@ fn fused_mixed_types_and_sizes() {
                     "the empty tensor is skipped"
                 );
                 match path {
-                    Path::Nccl => assert_eq!(report.p2p_tensors, 0),
-                    Path::P2p => {
+                    BroadcastPath::Nccl => assert_eq!(report.p2p_tensors, 0),
+                    BroadcastPath::P2p => {
                         assert_eq!(report.nccl_tensors, 0);
                         assert!(
                             report.p2p_launches >= 2,

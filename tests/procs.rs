@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use gpucast::cudarc::driver::{CudaSlice, CudaStream};
 use gpucast::half::bf16;
-use gpucast::{BroadcastOptions, Communicator, DeviceTensorMut, Element, Error, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Communicator, DeviceTensorMut, Element, Error};
 use rand::{Rng, SeedableRng};
 
 const WORLD: usize = 2;
@@ -119,7 +119,7 @@ fn child() {
         // NCCL is off: a forced NCCL call says so, and the cases below leave NCCL out.
         let mut b = comm.alloc::<u8>(16).unwrap();
         let e = comm
-            .broadcast_with(0, &mut b, &BroadcastOptions::path(Path::Nccl))
+            .broadcast_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::Nccl))
             .expect_err("NCCL is off where ranks share a GPU");
         assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
     }
@@ -156,11 +156,11 @@ fn shared_gpu() -> bool {
 }
 
 /// `paths` without NCCL where it is off (ranks sharing a GPU).
-fn paths_here(paths: &[Path]) -> Vec<Path> {
+fn paths_here(paths: &[BroadcastPath]) -> Vec<BroadcastPath> {
     paths
         .iter()
         .copied()
-        .filter(|&p| !(shared_gpu() && p == Path::Nccl))
+        .filter(|&p| !(shared_gpu() && p == BroadcastPath::Nccl))
         .collect()
 }
 
@@ -192,7 +192,7 @@ fn one<T: Element>(
     comm: &Communicator,
     root: usize,
     n: usize,
-    path: Path,
+    path: BroadcastPath,
     in_place: bool,
     seed: u64,
 ) {
@@ -225,7 +225,8 @@ fn paths(comm: &Communicator, seed: u64) {
     // chunks.
     for n in [0usize, 1, 3, 4095, 70_000, 300_001, 10 << 20] {
         for root in 0..comm.world_size() {
-            for path in paths_here(&[Path::Auto, Path::P2p, Path::Nccl]) {
+            for path in paths_here(&[BroadcastPath::Auto, BroadcastPath::P2p, BroadcastPath::Nccl])
+            {
                 for in_place in [false, true] {
                     k += 1;
                     let s = seed ^ k;
@@ -240,8 +241,22 @@ fn paths(comm: &Communicator, seed: u64) {
         }
     }
     // The chunked staging path on a size that is not a multiple of the chunk.
-    one::<u8>(comm, 1, (40 << 20) + 3, Path::P2p, false, seed ^ 0xc0ffee);
-    one::<u8>(comm, 0, (40 << 20) + 3, Path::P2p, true, seed ^ 0xc0ffef);
+    one::<u8>(
+        comm,
+        1,
+        (40 << 20) + 3,
+        BroadcastPath::P2p,
+        false,
+        seed ^ 0xc0ffee,
+    );
+    one::<u8>(
+        comm,
+        0,
+        (40 << 20) + 3,
+        BroadcastPath::P2p,
+        true,
+        seed ^ 0xc0ffef,
+    );
 }
 
 /// 10,000 back-to-back small broadcasts, roots and sizes varying, into a ring of outputs that is
@@ -258,9 +273,9 @@ fn many_small(comm: &Communicator, seed: u64) {
         let root = rng.random_range(0..comm.world_size());
         let len = rng.random_range(1..=max);
         let path = if rng.random_bool(0.5) {
-            Path::P2p
+            BroadcastPath::P2p
         } else {
-            Path::Auto
+            BroadcastPath::Auto
         };
         let data: Vec<u8> = random_vec(len, &mut rng);
         let slot = i % RING;
@@ -292,7 +307,7 @@ fn many_small(comm: &Communicator, seed: u64) {
 
 fn fused(comm: &Communicator, seed: u64) {
     let s = comm.stream();
-    for (k, path) in paths_here(&[Path::Auto, Path::P2p, Path::Nccl])
+    for (k, path) in paths_here(&[BroadcastPath::Auto, BroadcastPath::P2p, BroadcastPath::Nccl])
         .into_iter()
         .enumerate()
     {
@@ -337,7 +352,7 @@ fn fused(comm: &Communicator, seed: u64) {
 /// capture whose graph borrows its buffer.
 fn graphs(comm: &Communicator, seed: u64) {
     let s = comm.stream();
-    for path in paths_here(&[Path::P2p, Path::Nccl]) {
+    for path in paths_here(&[BroadcastPath::P2p, BroadcastPath::Nccl]) {
         for n in [1000usize, 300_000] {
             let mut buf: CudaSlice<u8> = poison(s, n, comm.rank());
             // SAFETY: `buf` outlives the graph and is only written on this rank's stream.
@@ -398,12 +413,12 @@ fn nodes(comm: &Communicator, seed: u64) {
     for n in [1usize, 4097, 1 << 20] {
         for root in 0..comm.world_size() {
             k += 1;
-            one::<f32>(comm, root, n, Path::Auto, k % 2 == 0, seed ^ k);
+            one::<f32>(comm, root, n, BroadcastPath::Auto, k % 2 == 0, seed ^ k);
         }
     }
     let mut b = comm.alloc::<u8>(10).unwrap();
     assert!(matches!(
-        comm.broadcast_with(0, &mut b, &BroadcastOptions::path(Path::P2p)),
+        comm.broadcast_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::P2p)),
         Err(Error::P2pUnavailable(_))
     ));
 }
@@ -421,7 +436,7 @@ const FAULT_TIMEOUT_MS: u64 = 300;
 /// ms of the call, and that dropping the communicator returns.
 fn faulty(comm: Communicator) {
     let victim: usize = std::env::var("PROCS_VICTIM").unwrap().parse().unwrap();
-    let path = Path::parse(&std::env::var("PROCS_PATH").unwrap()).unwrap();
+    let path = BroadcastPath::parse(&std::env::var("PROCS_PATH").unwrap()).unwrap();
     let fault = std::env::var("PROCS_FAULT").unwrap();
     let me = comm.rank();
     let mut buf = comm.alloc::<u8>(4096).unwrap();
@@ -453,7 +468,7 @@ fn faulty(comm: Communicator) {
             // connection itself while the call is queued.
             let resumed = me == victim;
             match path {
-                Path::P2p => assert!(matches!(e, Error::Timeout { .. }), "{e}"),
+                BroadcastPath::P2p => assert!(matches!(e, Error::Timeout { .. }), "{e}"),
                 _ if resumed => assert!(
                     matches!(
                         e,
@@ -470,7 +485,7 @@ fn faulty(comm: Communicator) {
                 took <= Duration::from_millis(FAULT_TIMEOUT_MS + bound),
                 "detected after {took:?}"
             );
-            if path == Path::P2p {
+            if path == BroadcastPath::P2p {
                 // The next call closes the P2P path of this communicator (across processes
                 // the signal areas cannot be reset together): it is then no longer available
                 // and Auto stops choosing it.

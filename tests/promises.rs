@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use gpucast::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use gpucast::{BroadcastOptions, Clique, Error, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, Error};
 use rand::{Rng, RngCore};
 
 /// Two ranks: on two GPUs where there are two, else sharing GPU 0.
@@ -30,14 +30,18 @@ fn shared_pair(timeout: Duration) -> Clique {
 
 /// The cliques and paths the ordering tests run on: P2P and the copy engines on a pair; NCCL
 /// on the pair where its ranks have GPUs of their own, else on a clique of one GPU.
-fn ordering_cases() -> Vec<(Clique, Path, usize)> {
+fn ordering_cases() -> Vec<(Clique, BroadcastPath, usize)> {
     let two = gpucast::device_count().expect("a CUDA driver") >= 2;
     let mut cases = vec![
-        (pair_with(Duration::from_secs(10)), Path::P2p, 4096),
-        (pair_with(Duration::from_secs(10)), Path::P2p, 1 << 20),
+        (pair_with(Duration::from_secs(10)), BroadcastPath::P2p, 4096),
         (
             pair_with(Duration::from_secs(10)),
-            Path::CopyEngine,
+            BroadcastPath::P2p,
+            1 << 20,
+        ),
+        (
+            pair_with(Duration::from_secs(10)),
+            BroadcastPath::CopyEngine,
             1 << 20,
         ),
     ];
@@ -47,7 +51,7 @@ fn ordering_cases() -> Vec<(Clique, Path, usize)> {
         eprintln!("one GPU: NCCL is tried on a clique of one rank");
         Clique::new(&[0]).expect("a clique of GPU 0")
     };
-    cases.push((nccl, Path::Nccl, 1 << 20));
+    cases.push((nccl, BroadcastPath::Nccl, 1 << 20));
     cases
 }
 
@@ -161,7 +165,7 @@ fn threads_share_a_clique_whose_ranks_share_a_gpu() {
                         let data: Vec<u8> = random_vec(n, &mut rng);
                         let input = clique.stream(root).clone_htod(&data).unwrap();
                         let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
-                        let opts = BroadcastOptions::path(Path::P2p);
+                        let opts = BroadcastOptions::path(BroadcastPath::P2p);
                         clique
                             .broadcast_with(root, &input, &mut outputs, &opts)
                             .unwrap_or_else(|e| {
@@ -263,7 +267,7 @@ fn a_swapped_capture_keeps_its_graph_with_its_own_clique() {
     let n = 1 << 20;
     let pull = BroadcastOptions {
         packet_threshold: Some(0),
-        ..BroadcastOptions::path(Path::P2p)
+        ..BroadcastOptions::path(BroadcastPath::P2p)
     };
     let data: Vec<u8> = random_vec(n, &mut rng);
     let input = a.stream(0).clone_htod(&data).unwrap();
@@ -357,7 +361,7 @@ fn late_reader(options: &BroadcastOptions, what: &str) {
 fn a_late_pull_reader_never_reads_after_the_root_gave_up() {
     let pull = BroadcastOptions {
         packet_threshold: Some(0),
-        ..BroadcastOptions::path(Path::P2p)
+        ..BroadcastOptions::path(BroadcastPath::P2p)
     };
     late_reader(&pull, "pull");
 }
@@ -392,10 +396,10 @@ fn stream_handles_that_are_names_are_refused() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forgetting_a_graph_never_hangs_the_clique_s_drop() {
-    let mut cases: Vec<(&str, Clique, Path)> = vec![(
+    let mut cases: Vec<(&str, Clique, BroadcastPath)> = vec![(
         "P2P on a shared pair",
         shared_pair(Duration::from_secs(2)),
-        Path::P2p,
+        BroadcastPath::P2p,
     )];
     cases.push((
         "NCCL on one GPU",
@@ -404,7 +408,7 @@ fn forgetting_a_graph_never_hangs_the_clique_s_drop() {
             .timeout(Duration::from_secs(2))
             .build()
             .unwrap(),
-        Path::Nccl,
+        BroadcastPath::Nccl,
     ));
     for (what, clique, path) in cases {
         let clique = Arc::new(clique);
@@ -440,7 +444,12 @@ fn recovery_does_not_wait_for_the_callers_unrelated_work() {
     let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
     stall(&clique, 1, 600);
     clique
-        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(Path::P2p))
+        .broadcast_with(
+            0,
+            &input,
+            &mut outputs,
+            &BroadcastOptions::path(BroadcastPath::P2p),
+        )
         .unwrap();
     assert!(
         clique.synchronize().is_err(),
@@ -455,7 +464,7 @@ fn recovery_does_not_wait_for_the_callers_unrelated_work() {
         took < Duration::from_millis(2500),
         "recovery took {took:?} behind 5 s of unrelated work"
     );
-    check_in_place::<u8>(&clique, 1, 5000, Path::P2p, &mut rng);
+    check_in_place::<u8>(&clique, 1, 5000, BroadcastPath::P2p, &mut rng);
     busy.synchronize().unwrap();
     let _ = rng.next_u32();
 }

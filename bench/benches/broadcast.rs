@@ -36,7 +36,7 @@ use clap::Parser;
 use gpucast::cudarc::driver::{
     result, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
 };
-use gpucast::{BroadcastOptions, Clique, DType, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique, DType};
 use indicatif::{ProgressBar, ProgressStyle};
 use report::{Mode, Row};
 
@@ -594,24 +594,26 @@ impl EmptyKernel {
 fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
         "p2p-packet" => BroadcastOptions {
-            path: Some(Path::P2p),
+            path: Some(BroadcastPath::P2p),
             packet_threshold: Some(gpucast::PACKET_MAX_BYTES),
             ..Default::default()
         },
-        "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(Path::P2p),
+        "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
         "p2p-pull" => BroadcastOptions {
-            path: Some(Path::P2p),
+            path: Some(BroadcastPath::P2p),
             packet_threshold: Some(0),
             p2p_chain_threshold: Some(usize::MAX),
             ..Default::default()
         },
         "p2p-chain" => BroadcastOptions {
-            path: Some(Path::P2p),
+            path: Some(BroadcastPath::P2p),
             packet_threshold: Some(0),
             p2p_chain_threshold: Some(0),
             ..Default::default()
         },
-        p => BroadcastOptions::path(Path::parse(p).with_context(|| format!("unknown path {p}"))?),
+        p => BroadcastOptions::path(
+            BroadcastPath::parse(p).with_context(|| format!("unknown path {p}"))?,
+        ),
     })
 }
 

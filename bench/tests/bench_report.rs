@@ -304,7 +304,7 @@ fn table() {
     // nccl is the baseline: no "vs nccl" column under nccl, one under each other path.
     let eager = t.split("mode: graph").next().unwrap();
     assert_eq!(eager.matches("vs nccl").count(), 4, "{eager}");
-    // Path order: nccl, p2p, auto, torch-comm, launch-floor.
+    // BroadcastPath order: nccl, p2p, auto, torch-comm, launch-floor.
     let group = eager.lines().nth(1).unwrap();
     let pos = |p: &str| {
         group

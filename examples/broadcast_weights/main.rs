@@ -36,7 +36,9 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Parser;
 use gpucast::cudarc::driver::{result, CudaSlice, CudaStream};
 use gpucast::half::{bf16, f16};
-use gpucast::{BroadcastOptions, Clique, DType, DeviceTensor, DeviceTensorMut, FusedReport, Path};
+use gpucast::{
+    BroadcastOptions, BroadcastPath, Clique, DType, DeviceTensor, DeviceTensorMut, FusedReport,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use model::{human_bytes, HostTensor, ModelSpec};
 
@@ -64,7 +66,7 @@ struct Args {
     /// Root rank (the GPU the weights are loaded on).
     #[arg(long, default_value_t = 0)]
     root: usize,
-    /// Path: auto, nccl or p2p.
+    /// BroadcastPath: auto, nccl or p2p.
     #[arg(long, default_value = "auto")]
     path: String,
     /// Timed repeats (the median is reported).
@@ -240,7 +242,8 @@ fn main() -> Result<()> {
         .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .init();
     let args = Args::parse();
-    let path = Path::parse(&args.path).with_context(|| format!("unknown --path {}", args.path))?;
+    let path = BroadcastPath::parse(&args.path)
+        .with_context(|| format!("unknown --path {}", args.path))?;
     let opts = BroadcastOptions::path(path);
     // A rank of a job (started by --procs or torchrun), or the launcher of one.
     if job::in_job() {

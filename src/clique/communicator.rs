@@ -7,7 +7,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use super::{access, setup, CliqueGraph, Core, UncheckedCapture};
 use crate::config::{
-    BroadcastOptions, Env, Path, Requested, Route, Settings, Thresholds,
+    BroadcastOptions, BroadcastPath, Env, Requested, Route, Settings, Thresholds,
     DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;

@@ -5,7 +5,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
-use crate::config::{Available, BroadcastOptions, Path, Route, MAX_GPUS};
+use crate::config::{Available, BroadcastOptions, BroadcastPath, Route, MAX_GPUS};
 use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
@@ -51,7 +51,7 @@ impl Core {
         self.engine.stream(local)
     }
 
-    pub(crate) fn path(&self) -> Path {
+    pub(crate) fn path(&self) -> BroadcastPath {
         self.engine.settings().path
     }
 

@@ -19,7 +19,7 @@ use std::time::Duration;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::config::{BroadcastOptions, Path, Requested, Route, Thresholds};
+use crate::config::{BroadcastOptions, BroadcastPath, Requested, Route, Thresholds};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::topology::Topology;
@@ -34,8 +34,8 @@ pub use setup::device_count;
 /// timeout.
 macro_rules! settings_setters {
     () => {
-        /// Default path of every broadcast (default [`Path::Auto`]).
-        pub fn path(mut self, path: Path) -> Self {
+        /// Default path of every broadcast (default [`BroadcastPath::Auto`]).
+        pub fn path(mut self, path: BroadcastPath) -> Self {
             self.requested.path = Some(path);
             self
         }
@@ -280,7 +280,7 @@ impl Clique {
     }
 
     /// The default path of this clique's broadcasts.
-    pub fn path(&self) -> Path {
+    pub fn path(&self) -> BroadcastPath {
         self.core.path()
     }
 
@@ -324,7 +324,7 @@ impl Clique {
     ///
     /// The copy runs asynchronously on the clique's streams; every buffer may be dropped or
     /// reused as soon as this returns (see the type's "Ordering" section). The path is the
-    /// clique's default ([`Path::Auto`] unless the builder set another).
+    /// clique's default ([`BroadcastPath::Auto`] unless the builder set another).
     pub fn broadcast<T, I, O>(&self, root: usize, input: &I, outputs: &mut [O]) -> Result<()>
     where
         T: Element,

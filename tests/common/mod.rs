@@ -149,7 +149,7 @@ pub fn nccl_to_test(clique: &Clique) -> bool {
     }
     let input = clique.stream(0).clone_htod(&[7u8; 64]).expect("upload");
     let mut outputs = clique.alloc_outputs::<u8>(64).expect("outputs");
-    let forced = gpucast::BroadcastOptions::path(gpucast::Path::Nccl);
+    let forced = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::Nccl);
     match clique.broadcast_with(0, &input, &mut outputs, &forced) {
         Err(gpucast::Error::NcclUnavailable(why)) => {
             eprintln!("NCCL not tested on devices {:?}: {why}", clique.ordinals());
@@ -159,15 +159,18 @@ pub fn nccl_to_test(clique: &Clique) -> bool {
     false
 }
 
-/// `paths` less [`Path::Nccl`] where [`nccl_to_test`] says NCCL is off in `clique`.
+/// `paths` less [`BroadcastPath::Nccl`] where [`nccl_to_test`] says NCCL is off in `clique`.
 ///
-/// [`Path::Nccl`]: gpucast::Path::Nccl
-pub fn paths_to_test(clique: &Clique, paths: &[gpucast::Path]) -> Vec<gpucast::Path> {
-    let nccl = !paths.contains(&gpucast::Path::Nccl) || nccl_to_test(clique);
+/// [`BroadcastPath::Nccl`]: gpucast::BroadcastPath::Nccl
+pub fn paths_to_test(
+    clique: &Clique,
+    paths: &[gpucast::BroadcastPath],
+) -> Vec<gpucast::BroadcastPath> {
+    let nccl = !paths.contains(&gpucast::BroadcastPath::Nccl) || nccl_to_test(clique);
     paths
         .iter()
         .copied()
-        .filter(|&p| nccl || p != gpucast::Path::Nccl)
+        .filter(|&p| nccl || p != gpucast::BroadcastPath::Nccl)
         .collect()
 }
 
@@ -243,7 +246,7 @@ pub fn p2p_chain() -> gpucast::BroadcastOptions {
     gpucast::BroadcastOptions {
         packet_threshold: Some(0),
         p2p_chain_threshold: Some(0),
-        ..gpucast::BroadcastOptions::path(gpucast::Path::P2p)
+        ..gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p)
     }
 }
 
@@ -253,7 +256,7 @@ pub fn check_in_place<T: Element>(
     clique: &Clique,
     root: usize,
     n: usize,
-    path: gpucast::Path,
+    path: gpucast::BroadcastPath,
     rng: &mut impl RngCore,
 ) {
     check_in_place_with::<T>(clique, root, n, &gpucast::BroadcastOptions::path(path), rng);

@@ -35,7 +35,7 @@ use gpucast::cudarc::driver::{
     result, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig,
     PushKernelArg,
 };
-use gpucast::{BroadcastOptions, Clique, Path};
+use gpucast::{BroadcastOptions, BroadcastPath, Clique};
 
 use crate::report::interference::{self as ireport, median, InterferenceRow};
 use crate::report::{self};
@@ -202,7 +202,7 @@ fn how_for(clique: &Clique, name: &str) -> Result<Option<How>> {
     if name == "copy-engine-raw" {
         return Ok(Some(How::CopyEngineRaw));
     }
-    let Some(path) = Path::parse(name) else {
+    let Some(path) = BroadcastPath::parse(name) else {
         if name == "copy-engine" {
             // The copy-engine path is being added to gpucast on another branch.
             println!("# copy-engine: skipped, this build of gpucast has no such path");
@@ -210,7 +210,7 @@ fn how_for(clique: &Clique, name: &str) -> Result<Option<How>> {
         }
         bail!("unknown path {name} (nccl, p2p, auto, copy-engine, copy-engine-raw)");
     };
-    if path == Path::P2p {
+    if path == BroadcastPath::P2p {
         if let Err(e) = clique.p2p_available() {
             println!("# {name}: skipped, P2P is unavailable: {e}");
             return Ok(None);
