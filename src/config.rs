@@ -150,8 +150,8 @@ pub struct Thresholds {
 ///   P2P kernel was at least as fast as NCCL at every size from 1 KiB to 1 GiB, eager and in
 ///   graphs, so it has no limit of its own; the packet protocol beat pull at every size it can
 ///   carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
-/// - 3 to 8 GPUs, from the cost model of `model_crossover` (in the tests) (every peer pulls from the root, so
-///   the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
+/// - 3 to 8 GPUs, from a cost model (`model_crossover`, in the tests: every peer pulls from the
+///   root, so the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
 ///   first 4-GPU run confirmed (P2P at 124 GB/s = 372/3 at 1 GiB; NCCL ahead from 4 MiB). The
 ///   packet protocol's root writes twice the payload to each of N-1 peers, so its switch point
 ///   drops with N. Above the P2P limit the copy-engine chain takes over: like NCCL's ring it
@@ -264,7 +264,7 @@ impl Thresholds {
 /// Per-call choices of a broadcast.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BroadcastOptions {
-    /// BroadcastPath for this call; `None` takes the clique's default.
+    /// The path of this call; `None` takes the clique's default.
     pub path: Option<BroadcastPath>,
     /// `Auto`'s P2P limit in bytes for this call; `None` takes the clique's.
     pub p2p_threshold: Option<usize>,

@@ -24,8 +24,9 @@
 //! torchrun's own store or a TCP store that rank 0 hosts, which admit only processes that know
 //! the job's secret token ([`rendezvous`]); ranks on one host share P2P memory.
 //!
-//! [`BroadcastPath::Auto`] (the default) takes the copy engines for large messages, P2P for smaller ones
-//! when every pair of GPUs has peer access, and NCCL otherwise, at thresholds measured on H200s.
+//! [`BroadcastPath::Auto`] (the default) takes the copy engines for large messages, P2P for
+//! smaller ones when every pair of GPUs has peer access, and NCCL otherwise, at thresholds
+//! measured on H200s.
 //! The caller can force a path or move the thresholds per clique, per call, or by environment
 //! variable.
 //!

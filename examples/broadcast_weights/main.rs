@@ -66,7 +66,7 @@ struct Args {
     /// Root rank (the GPU the weights are loaded on).
     #[arg(long, default_value_t = 0)]
     root: usize,
-    /// BroadcastPath: auto, nccl or p2p.
+    /// Path: auto, nccl or p2p.
     #[arg(long, default_value = "auto")]
     path: String,
     /// Timed repeats (the median is reported).

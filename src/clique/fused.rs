@@ -17,8 +17,8 @@ impl Clique {
     /// each tensor's outputs must match its input's type and length. Everything is validated
     /// before anything is queued, and every buffer may be dropped or reused when this returns.
     ///
-    /// With [`crate::BroadcastPath::Auto`] each tensor takes the path a single broadcast of its size
-    /// would take; P2P tensors are copied by one kernel launch per 120 tensors (a table of
+    /// With [`crate::BroadcastPath::Auto`] each tensor takes the path a single broadcast of its
+    /// size would take; P2P tensors are copied by one kernel launch per 120 tensors (a table of
     /// source, destination and length; no staging copy), NCCL tensors are broadcast in groups.
     pub fn broadcast_many(
         &self,
