@@ -261,8 +261,18 @@ impl Thresholds {
     }
 }
 
-/// Per-call choices of a broadcast.
+/// Per-call choices of a broadcast: `BroadcastOptions::default()` (the clique's settings) or
+/// [`BroadcastOptions::path`], then any of the setters.
+///
+/// ```
+/// use gpucast::{BroadcastOptions, BroadcastPath};
+/// let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
+/// assert_eq!(pull.packet_threshold, Some(0));
+/// let auto = BroadcastOptions::default().p2p_threshold(1 << 20);
+/// assert_eq!(auto.path, None);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BroadcastOptions {
     /// The path of this call; `None` takes the clique's default.
     pub path: Option<BroadcastPath>,
@@ -283,6 +293,34 @@ impl BroadcastOptions {
             path: Some(path),
             ..BroadcastOptions::default()
         }
+    }
+
+    /// `Auto`'s P2P limit for this call, in bytes.
+    #[must_use]
+    pub fn p2p_threshold(mut self, bytes: usize) -> BroadcastOptions {
+        self.p2p_threshold = Some(bytes);
+        self
+    }
+
+    /// The P2P kernel's packet/pull switch point for this call, in bytes.
+    #[must_use]
+    pub fn packet_threshold(mut self, bytes: usize) -> BroadcastOptions {
+        self.packet_threshold = Some(bytes);
+        self
+    }
+
+    /// `Auto`'s copy-engine start for this call, in bytes.
+    #[must_use]
+    pub fn copy_engine_threshold(mut self, bytes: usize) -> BroadcastOptions {
+        self.copy_engine_threshold = Some(bytes);
+        self
+    }
+
+    /// The P2P kernel's chain start for this call, in bytes.
+    #[must_use]
+    pub fn p2p_chain_threshold(mut self, bytes: usize) -> BroadcastOptions {
+        self.p2p_chain_threshold = Some(bytes);
+        self
     }
 }
 

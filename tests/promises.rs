@@ -265,10 +265,7 @@ fn a_swapped_capture_keeps_its_graph_with_its_own_clique() {
     let b = shared_pair(Duration::from_secs(3));
     let mut rng = rng();
     let n = 1 << 20;
-    let pull = BroadcastOptions {
-        packet_threshold: Some(0),
-        ..BroadcastOptions::path(BroadcastPath::P2p)
-    };
+    let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
     let data: Vec<u8> = random_vec(n, &mut rng);
     let input = a.stream(0).clone_htod(&data).unwrap();
     let mut outs_b = b.alloc_outputs::<u8>(n).unwrap();
@@ -359,10 +356,7 @@ fn late_reader(options: &BroadcastOptions, what: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_late_pull_reader_never_reads_after_the_root_gave_up() {
-    let pull = BroadcastOptions {
-        packet_threshold: Some(0),
-        ..BroadcastOptions::path(BroadcastPath::P2p)
-    };
+    let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
     late_reader(&pull, "pull");
 }
 

@@ -593,24 +593,16 @@ impl EmptyKernel {
 /// kernel's protocol).
 fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
-        "p2p-packet" => BroadcastOptions {
-            path: Some(BroadcastPath::P2p),
-            packet_threshold: Some(gpucast::PACKET_MAX_BYTES),
-            ..Default::default()
-        },
+        "p2p-packet" => {
+            BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES)
+        }
         "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
-        "p2p-pull" => BroadcastOptions {
-            path: Some(BroadcastPath::P2p),
-            packet_threshold: Some(0),
-            p2p_chain_threshold: Some(usize::MAX),
-            ..Default::default()
-        },
-        "p2p-chain" => BroadcastOptions {
-            path: Some(BroadcastPath::P2p),
-            packet_threshold: Some(0),
-            p2p_chain_threshold: Some(0),
-            ..Default::default()
-        },
+        "p2p-pull" => BroadcastOptions::path(BroadcastPath::P2p)
+            .packet_threshold(0)
+            .p2p_chain_threshold(usize::MAX),
+        "p2p-chain" => BroadcastOptions::path(BroadcastPath::P2p)
+            .packet_threshold(0)
+            .p2p_chain_threshold(0),
         p => BroadcastOptions::path(
             BroadcastPath::parse(p).with_context(|| format!("unknown path {p}"))?,
         ),

@@ -243,11 +243,9 @@ pub fn as_tensors<'a, T: Element>(
 /// Options that make the P2P kernel use its chain protocol at any size (on two ranks the
 /// default thresholds never take it).
 pub fn p2p_chain() -> gpucast::BroadcastOptions {
-    gpucast::BroadcastOptions {
-        packet_threshold: Some(0),
-        p2p_chain_threshold: Some(0),
-        ..gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p)
-    }
+    gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p)
+        .packet_threshold(0)
+        .p2p_chain_threshold(0)
 }
 
 /// An in-place broadcast of `n` random elements from `root` on `path` (every other rank's
