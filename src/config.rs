@@ -8,11 +8,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// Most GPUs in one clique (and most ranks of one job that share a node through P2P).
-pub const MAX_GPUS: usize = 8;
-
-/// Largest message the P2P kernel's packet protocol can carry (its inbox capacity).
-pub const PACKET_MAX_BYTES: usize = crate::p2p::abi::PACKET_MAX_BYTES;
+pub(crate) use crate::limits::{MAX_GPUS, PACKET_MAX_BYTES};
 
 /// Default bound on every wait of a broadcast (a P2P kernel waiting for a peer).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);

@@ -89,6 +89,7 @@ mod config;
 mod dtype;
 mod engine;
 mod error;
+mod limits;
 mod nccl;
 mod p2p;
 mod plan;
@@ -103,12 +104,10 @@ pub use clique::{
 };
 #[doc(hidden)]
 pub use config::parse_bytes;
-pub use config::{
-    BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT, ENV_VARS, MAX_GPUS,
-    PACKET_MAX_BYTES,
-};
+pub use config::{BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT, ENV_VARS};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use limits::{MAX_GPUS, PACKET_MAX_BYTES};
 pub use nccl::nccl_version;
 pub use plan::FusedReport;
 pub use tensor::{DeviceTensor, DeviceTensorMut};

@@ -99,9 +99,9 @@ impl Topology {
 impl Topology {
     /// `Ok` when every pair has peer access, so that each rank's copy engines can read its
     /// predecessor's buffer directly; otherwise the reason, as the error a forced call returns.
-    pub(crate) fn copy_engine_support(&self) -> Result<(), crate::Error> {
+    pub(crate) fn copy_engine_support(&self) -> Result<(), crate::error::Error> {
         match self.missing_peer_access() {
-            Some(why) => Err(crate::Error::CopyEngineUnavailable(why)),
+            Some(why) => Err(crate::error::Error::CopyEngineUnavailable(why)),
             None => Ok(()),
         }
     }

@@ -10,7 +10,9 @@ use std::mem::{offset_of, size_of};
 
 use cudarc::driver::DeviceRepr;
 
-use crate::config::MAX_GPUS;
+pub(crate) use crate::limits::{
+    LIST_MAX, MAX_GPUS, PACKET_MAX_BLOCKS, PACKET_MAX_BYTES, PACKET_REGION_BYTES,
+};
 
 /// Threads per block of every P2P kernel.
 pub(crate) const THREADS: u32 = 512;
@@ -18,13 +20,6 @@ pub(crate) const THREADS: u32 = 512;
 pub(crate) const MAX_BLOCKS: u32 = 64;
 /// Slots in each block's packet ring (back-pressure depth: how many ops a root may run ahead).
 pub(crate) const PACKET_SLOTS: u32 = 4;
-/// Most blocks of a packet launch.
-pub(crate) const PACKET_MAX_BLOCKS: u32 = 32;
-/// Data bytes one block carries in one packet op (its inbox region holds twice this: each
-/// 16-byte packet carries 8 data bytes and two flags).
-pub(crate) const PACKET_REGION_BYTES: u32 = 8192;
-/// Largest message the packet protocol can carry.
-pub(crate) const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BYTES) as usize;
 /// Data bytes a packet block aims for (fewer bytes per block, more blocks polling in parallel).
 pub(crate) const PACKET_BYTES_PER_BLOCK: usize = 2048;
 /// Bytes a pull block aims for before the grid stops growing.
@@ -36,8 +31,6 @@ pub(crate) const CHAIN_PIECE_MAX: usize = 1 << 20;
 /// Pieces each block of a chained launch aims for: the chain fills in N-2 piece times, so a
 /// deep pipeline keeps that fill small (6/64 of the time on 8 GPUs).
 pub(crate) const CHAIN_PIECES_PER_BLOCK: usize = 64;
-/// Most copies in one fused P2P launch (the table travels in the 4 KiB parameter space).
-pub(crate) const LIST_MAX: usize = 120;
 
 /// Kernel parameters of one broadcast; `struct Params` in kernel.cu.
 #[repr(C)]
