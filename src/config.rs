@@ -124,6 +124,7 @@ impl std::fmt::Display for Route {
 
 /// Byte sizes at which `Auto`'s choice changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Thresholds {
     /// `Auto` uses P2P for messages of at most this many bytes, NCCL above.
     pub p2p_max_bytes: usize,
