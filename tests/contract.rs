@@ -373,7 +373,7 @@ fn fused_cases(clique: &Clique, source: Source, path: BroadcastPath, rng: &mut i
             })
             .collect();
         clique
-            .broadcast_many_in_place(root, &mut lists, &opts)
+            .broadcast_many_in_place_with(root, &mut lists, &opts)
             .unwrap();
     }
     for b in &mut bufs[root] {

@@ -477,7 +477,7 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
                 })
                 .collect();
             let report =
-                c.broadcast_many(1, &ins, outs, &BroadcastOptions::path(BroadcastPath::P2p))?;
+                c.broadcast_many_with(1, &ins, outs, &BroadcastOptions::path(BroadcastPath::P2p))?;
             assert_eq!((report.p2p_tensors, report.p2p_launches), (3, 1));
             Ok(())
         })
@@ -739,7 +739,7 @@ fn fused_mixed_types_and_sizes() {
                         .collect();
                     if in_place {
                         clique
-                            .broadcast_many_in_place(root, &mut lists, &opts)
+                            .broadcast_many_in_place_with(root, &mut lists, &opts)
                             .unwrap()
                     } else {
                         let ins: Vec<&dyn DeviceTensor> =

@@ -333,7 +333,7 @@ fn fused(comm: &Communicator, seed: u64) {
                 .map(|b| b as &mut dyn DeviceTensorMut)
                 .collect();
             let report = comm
-                .broadcast_many(root, list, &BroadcastOptions::path(path))
+                .broadcast_many_with(root, list, &BroadcastOptions::path(path))
                 .unwrap();
             assert_eq!(report.tensors, sizes.len());
             for (t, d) in datas.iter().enumerate() {

@@ -419,9 +419,19 @@ impl Communicator {
             .broadcast(root, input, std::slice::from_mut(output), options)
     }
 
-    /// Many tensors in place in one call: `buffers[t]` is tensor `t` (the root's are the
-    /// sources). Every rank passes the same list of lengths and types.
+    /// Many tensors in place in one call (as [`Communicator::broadcast`] is in place):
+    /// `buffers[t]` is tensor `t` (the root's are the sources). Every rank passes the same list
+    /// of lengths and types.
     pub fn broadcast_many(
+        &self,
+        root: usize,
+        buffers: Vec<&mut dyn DeviceTensorMut>,
+    ) -> Result<FusedReport> {
+        self.broadcast_many_with(root, buffers, &BroadcastOptions::default())
+    }
+
+    /// [`Communicator::broadcast_many`] with per-call options.
+    pub fn broadcast_many_with(
         &self,
         root: usize,
         buffers: Vec<&mut dyn DeviceTensorMut>,

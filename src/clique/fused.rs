@@ -46,6 +46,15 @@ impl Clique {
         &self,
         root: usize,
         buffers: &mut OutputLists<'_, '_>,
+    ) -> Result<FusedReport> {
+        self.broadcast_many_in_place_with(root, buffers, &BroadcastOptions::default())
+    }
+
+    /// [`Clique::broadcast_many_in_place`] with per-call options.
+    pub fn broadcast_many_in_place_with(
+        &self,
+        root: usize,
+        buffers: &mut OutputLists<'_, '_>,
         options: &BroadcastOptions,
     ) -> Result<FusedReport> {
         self.many(root, None, buffers, options)

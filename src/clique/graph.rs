@@ -179,8 +179,18 @@ impl<'c, 'buf> Capture<'c, 'buf> {
         self.keep(root, None, bufs, options, true).map(|_| ())
     }
 
-    /// Captures [`Clique::broadcast_many_with`]: `outputs[rank][tensor]`.
+    /// Captures [`Clique::broadcast_many`]: `outputs[rank][tensor]`.
     pub fn broadcast_many(
+        &mut self,
+        root: usize,
+        inputs: &[&'buf dyn DeviceTensor],
+        outputs: Vec<Vec<&'buf mut dyn DeviceTensorMut>>,
+    ) -> Result<FusedReport> {
+        self.broadcast_many_with(root, inputs, outputs, &BroadcastOptions::default())
+    }
+
+    /// Captures [`Clique::broadcast_many_with`].
+    pub fn broadcast_many_with(
         &mut self,
         root: usize,
         inputs: &[&'buf dyn DeviceTensor],
@@ -268,7 +278,7 @@ impl<'c> UncheckedCapture<'c> {
     }
 
     /// Captures [`Clique::broadcast_many_with`].
-    pub fn broadcast_many(
+    pub fn broadcast_many_with(
         &mut self,
         root: usize,
         inputs: &[&dyn DeviceTensor],
