@@ -186,6 +186,55 @@ fn threads_share_a_clique_whose_ranks_share_a_gpu() {
     }
 }
 
+/// The hazard behind the test above, made likely: while one thread broadcasts between two ranks
+/// of one GPU, another frees memory on rank 0's stream and allocates the same size on rank 1's.
+/// Where the pool may reuse that memory by making rank 1's stream wait for rank 0's (its default
+/// policy, `GPUCAST_TEST_POOL_DEPENDENCIES=1` puts it back), such a wait can land between the two
+/// ranks' launches of one call and hold rank 1's kernel behind rank 0's, which waits for it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn allocations_on_two_ranks_streams_never_hold_a_broadcast() {
+    let clique = shared_pair(Duration::from_secs(2));
+    if std::env::var_os("GPUCAST_TEST_POOL_DEPENDENCIES").is_some() {
+        eprintln!("memory pool reuse through stream dependencies turned back on");
+        allow_pool_dependencies(clique.context(0));
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let n = 1 << 20;
+    let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
+    std::thread::scope(|s| {
+        let (clique, stop) = (&clique, &stop);
+        s.spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let a = clique.stream(0).alloc_zeros::<u8>(n).unwrap();
+                drop(a);
+                let b = clique.stream(1).alloc_zeros::<u8>(n).unwrap();
+                drop(b);
+            }
+        });
+        let mut rng = rng();
+        let data: Vec<u8> = random_vec(n, &mut rng);
+        let input = clique.stream(0).clone_htod(&data).unwrap();
+        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+        let outcome = (0..2000).try_for_each(|call| {
+            clique
+                .broadcast_with(0, &input, &mut outputs, &pull)
+                .and_then(|()| {
+                    if call % 100 == 99 {
+                        clique.synchronize()
+                    } else {
+                        Ok(())
+                    }
+                })
+                .map_err(|e| format!("call {call}: {e}"))
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        outcome.unwrap();
+        clique.synchronize().unwrap();
+        assert_bytes_eq(clique.stream(1), &outputs[1], &data, "rank 1");
+    });
+}
+
 /// Puts back the memory pool's default reuse policy on `ctx`'s device (to show what it costs).
 fn allow_pool_dependencies(ctx: &Arc<CudaContext>) {
     use gpucast::cudarc::driver::sys;
