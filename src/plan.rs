@@ -25,6 +25,13 @@ pub(crate) enum Step {
     CopyEngine { tensors: Vec<usize> },
 }
 
+impl Step {
+    /// Whether the step runs the P2P kernel.
+    pub(crate) fn is_p2p(&self) -> bool {
+        matches!(self, Step::P2pOne { .. } | Step::P2pList { .. })
+    }
+}
+
 /// Plans a call of tensors of `bytes[i]` bytes on `nranks` ranks. Zero-length tensors are
 /// skipped; copy-engine tensors come first (one step: the copy engines start while the P2P
 /// kernel and NCCL run), then P2P steps, then NCCL groups. Without `fuse`, every P2P tensor

@@ -82,6 +82,18 @@ impl Core {
         })
     }
 
+    /// `step`, planned before the engine's lock was taken, or planned again if it takes the
+    /// P2P path and that path closed meanwhile (another thread's call found it broken): `Auto`
+    /// then takes another path, a call forced onto P2P gets the closed path's error, before
+    /// anything is queued.
+    fn replan_single(&self, step: Step, bytes: usize, options: &BroadcastOptions) -> Result<Step> {
+        if step.is_p2p() && self.p2p_available().is_err() {
+            Ok(self.single_step(bytes, options)?.unwrap_or(step))
+        } else {
+            Ok(step)
+        }
+    }
+
     /// The launch step of a single broadcast, `None` for nothing to do.
     fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
         Ok(match self.route(bytes, options)? {
@@ -135,6 +147,7 @@ impl Core {
         };
         let root_local = self.globals.iter().position(|&g| g == root);
         let mut engine = self.engine.lock()?;
+        let step = self.replan_single(step, shape.bytes, options)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
         let mut foreign = Foreign::default();
@@ -224,6 +237,7 @@ impl Core {
             return Ok(());
         };
         let mut engine = self.engine.lock()?;
+        let step = self.replan_single(step, bytes, options)?;
         let mut foreign = Foreign::default();
         for (local, &s) in b.streams.iter().enumerate() {
             foreign.note_raw(local, s, self.stream(local));
@@ -246,13 +260,18 @@ impl Core {
     ) -> Result<FusedReport> {
         let shapes = self.check_lists(root, inputs, outputs, false)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = self.plan(&bytes, options, false)?;
-        let report = FusedReport::of(&steps, &bytes);
+        let mut steps = self.plan(&bytes, options, false)?;
+        let mut report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
             return Ok(report);
         }
         let root_local = self.globals.iter().position(|&g| g == root);
         let mut engine = self.engine.lock()?;
+        // As in `replan_single`: the P2P path may have closed while this call waited.
+        if steps.iter().any(Step::is_p2p) && self.p2p_available().is_err() {
+            steps = self.plan(&bytes, options, false)?;
+            report = FusedReport::of(&steps, &bytes);
+        }
         let in_streams: Vec<_> = inputs
             .unwrap_or_default()
             .iter()
