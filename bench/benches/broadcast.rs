@@ -2,7 +2,9 @@
 //! bare-launch floor and (when python3 has torch) PyTorch side by side, nccl-tests style.
 //!
 //! `cargo bench --bench broadcast -- --help` lists the options. Every size's outputs are checked
-//! bit for bit once per path before it is timed.
+//! bit for bit once per path before it is timed. Each repeat (about 200 ms of work by default)
+//! is timed by CUDA events on every rank's stream, the slowest rank counting; the median of the
+//! repeats (7 by default) is reported with their minimum and maximum.
 //!
 //! ```text
 //! cargo bench --bench broadcast                          # one process, every GPU (a Clique)
@@ -34,7 +36,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpucast::cudarc::driver::{
-    result, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut,
 };
 use gpucast::{BroadcastOptions, BroadcastPath, Clique, DType};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -87,10 +90,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
     modes: Vec<String>,
     /// Timed repeats per point (the median is reported).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 7)]
     repeats: usize,
-    /// Target milliseconds of work per repeat (sets the iterations per repeat).
-    #[arg(long, default_value_t = 20.0)]
+    /// Target milliseconds of work per repeat (sets the iterations per repeat, and the graph
+    /// launches per repeat in graph mode). Each repeat is timed by CUDA events on every rank.
+    #[arg(long, default_value_t = 200.0)]
     target_ms: f64,
     /// Output folder for the CSV, the table and the plot.
     #[arg(long, default_value = "target/bench")]
@@ -780,6 +784,8 @@ struct Timer<'c> {
     iters: usize,
     sets: usize,
     graph: Option<gpucast::CliqueGraph<'c, 'static>>,
+    /// Graph mode: launches of the graph per repeat (each replays `iters` broadcasts).
+    launches: usize,
 }
 
 /// Warms `path` up at `bytes` (eager) or captures its graph; `None` for a point that does not
@@ -801,7 +807,7 @@ fn prepare<'c>(
     let sets = sets_for(bytes, pools.input.len());
     // Iterations so that a repeat holds about target_ms of work (estimate: 10 us + 300 GB/s).
     let est_us = 10.0 + bytes as f64 / 300e3;
-    let iters = ((args.target_ms * 1e3 / est_us) as usize).clamp(4, 2000);
+    let iters = ((args.target_ms * 1e3 / est_us) as usize).clamp(4, 200_000);
     let route = match options_for(path) {
         Ok(opts) => clique.route(bytes, &opts)?.name().to_string(),
         Err(_) => "-".to_string(),
@@ -820,9 +826,11 @@ fn prepare<'c>(
                 iters,
                 sets,
                 graph: None,
+                launches: 1,
             }))
         }
         Mode::Graph => {
+            let launches = iters.div_ceil(500);
             let iters = iters.min(500);
             clique.synchronize()?;
             // SAFETY: the pools outlive the graph (dropped before them), and the only other
@@ -851,12 +859,15 @@ fn prepare<'c>(
                 iters,
                 sets,
                 graph: Some(graph),
+                launches,
             }))
         }
     }
 }
 
-/// One repeat of a prepared point: microseconds per broadcast.
+/// One repeat of a prepared point: microseconds per broadcast, timed by CUDA events on every
+/// rank's stream (from a mark queued on the idle stream before the first broadcast to one
+/// queued after the last; the slowest rank counts), so the wait for the end adds nothing.
 fn sample(
     clique: &Clique,
     pools: &mut Pools,
@@ -867,15 +878,38 @@ fn sample(
     floor: &EmptyKernel,
 ) -> Result<f64> {
     clique.synchronize()?;
-    let t0 = Instant::now();
+    let starts = mark(clique)?;
+    let mut ops = timer.iters;
     match &mut timer.graph {
-        Some(graph) => graph.launch()?,
+        Some(graph) => {
+            for _ in 0..timer.launches {
+                graph.launch()?;
+            }
+            ops *= timer.launches;
+        }
         None => {
             for i in 0..timer.iters {
                 run_op(clique, pools, path, root, bytes, i % timer.sets, floor)?;
             }
         }
     }
+    let ends = mark(clique)?;
     clique.synchronize()?;
-    Ok(t0.elapsed().as_secs_f64() * 1e6 / timer.iters as f64)
+    let mut ms = 0f32;
+    for (start, end) in starts.iter().zip(&ends) {
+        ms = ms.max(start.elapsed_ms(end)?);
+    }
+    Ok(f64::from(ms) * 1e3 / ops as f64)
+}
+
+/// A timing event on every rank's stream, after the work queued there so far.
+fn mark(clique: &Clique) -> Result<Vec<CudaEvent>> {
+    (0..clique.len())
+        .map(|r| {
+            clique
+                .stream(r)
+                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| anyhow::anyhow!("recording a timing event on rank {r}: {e}"))
+        })
+        .collect()
 }
