@@ -93,6 +93,52 @@ impl Foreign {
     }
 }
 
+/// What a check of cudarc's stored errors guards.
+#[derive(Clone, Copy)]
+pub(crate) enum Check {
+    /// Before the buffers' guards are taken: an error left by earlier work.
+    Before,
+    /// After the guards' waits, before anything is queued.
+    Waits,
+    /// After the call was queued and the guards dropped (their records).
+    Records,
+}
+
+/// An error cudarc stored on the context of any of `streams`, reported now. cudarc keeps a
+/// failed wait or record of a buffer guard as an error of the context, and while one is stored
+/// every later guard of that context skips its waits and records (its first step, binding the
+/// context, fails on it), which would leave buffers unordered without a word. So a call takes
+/// the stored error first, fails if the guards' own waits failed (nothing is queued then), and
+/// reports a failed record after it was queued.
+pub(crate) fn stored_error<'s>(
+    streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
+    check: Check,
+) -> Result<()> {
+    for s in streams {
+        if let Err(e) = s.context().check_err() {
+            let during = match check {
+                Check::Before => {
+                    "an earlier cudarc operation on a buffer's context (reported by \
+                                  this call, which queued nothing)"
+                }
+                Check::Waits => {
+                    "ordering a buffer's earlier work before this call (nothing was \
+                                 queued)"
+                }
+                Check::Records => {
+                    "recording a buffer's events after this call (it is queued: \
+                                   synchronize before touching its buffers on other streams)"
+                }
+            };
+            return Err(crate::error::Error::Cuda {
+                during: during.into(),
+                source: e,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Clones of the buffers' streams, so that guards can borrow them while the buffers are
 /// borrowed mutably.
 pub(crate) fn streams_of<'t>(

@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::access::{self, Foreign};
+use super::access::{self, Check, Foreign};
 use super::args::{self, Place, Ranks};
 use crate::config::{Available, BroadcastOptions, BroadcastPath, Route, MAX_GPUS};
 use crate::dtype::Element;
@@ -157,6 +157,8 @@ impl Core {
         for (local, s) in out_streams.iter().enumerate() {
             foreign.note(local, s, self.stream(local));
         }
+        let guarded = || in_stream.iter().chain(&out_streams);
+        access::stored_error(guarded(), Check::Before)?;
         let read = match (input, &in_stream) {
             (Some(i), Some(s)) => Some(i.device_ptr(s)),
             _ => None,
@@ -174,13 +176,16 @@ impl Core {
             (None, None) => 0,
         };
         let item = access::item(src, &dsts[..self.len()], shape.count, shape.dtype);
+        access::stored_error(guarded(), Check::Waits)?;
         // SAFETY: validation proved every buffer is on its rank's device and context and
         // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
         // guards (dropped after the work is queued) keep them alive for the queued work. In
         // place, the root's buffer is both source and destination, which every path handles.
         foreign.around(&mut engine, |e| unsafe {
             e.run(root, &[item], std::slice::from_ref(&step))
-        })
+        })?;
+        drop((read, writes));
+        access::stored_error(guarded(), Check::Records)
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -292,6 +297,8 @@ impl Core {
                 foreign.note(local, s, self.stream(local));
             }
         }
+        let guarded = || in_streams.iter().chain(out_streams.iter().flatten());
+        access::stored_error(guarded(), Check::Before)?;
         let count = shapes.len();
         let mut srcs = vec![0u64; count];
         let mut reads = Vec::with_capacity(in_streams.len());
@@ -326,9 +333,12 @@ impl Core {
                 dtype: shapes[t].dtype,
             })
             .collect();
+        access::stored_error(guarded(), Check::Waits)?;
         // SAFETY: validated against the ranks; the borrows and guards keep every buffer alive
         // and ordered for the queued work (see `access`).
         foreign.around(&mut engine, |e| unsafe { e.run(root, &items, &steps) })?;
+        drop((reads, writes));
+        access::stored_error(guarded(), Check::Records)?;
         Ok(report)
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::access::Foreign;
+use super::access::{self, Check, Foreign};
 use super::{Clique, Core};
 use crate::config::{BroadcastOptions, MAX_GPUS};
 use crate::engine::{EngineGuard, GraphExec, Item};
@@ -426,20 +426,25 @@ impl CliqueGraph<'_, '_> {
         for ((local, _), s) in self.writes.iter().zip(&write_streams) {
             foreign.note(*local, s, core.stream(*local));
         }
-        let _reads: Vec<_> = self
+        let guarded = || read_streams.iter().chain(&write_streams);
+        access::stored_error(guarded(), Check::Before)?;
+        let reads: Vec<_> = self
             .reads
             .iter()
             .zip(&read_streams)
             .map(|((_, t), s)| t.read_ptr(s).1)
             .collect();
-        let _writes: Vec<_> = self
+        let writes: Vec<_> = self
             .writes
             .iter_mut()
             .zip(&write_streams)
             .map(|((_, t), s)| t.write_ptr(s).1)
             .collect();
+        access::stored_error(guarded(), Check::Waits)?;
         let execs = &self.execs;
-        foreign.around(&mut engine, |e| e.launch_graphs(execs))
+        foreign.around(&mut engine, |e| e.launch_graphs(execs))?;
+        drop((reads, writes));
+        access::stored_error(guarded(), Check::Records)
     }
 
     /// Uploads each graph to its device ahead of the first launch.

@@ -94,6 +94,12 @@ struct State {
     captured_nccl: bool,
     /// A copy-engine step was queued inside the capture in progress.
     captured_ce: bool,
+    /// A P2P step was queued inside the capture in progress.
+    captured_p2p: bool,
+    /// Bumped whenever the P2P state closes: a graph captured before holds its addresses.
+    p2p_gen: u64,
+    /// Bumped whenever the copy-engine flags are replaced (leaked): the same for graphs.
+    ce_gen: u64,
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
@@ -179,6 +185,9 @@ impl Engine {
                 nccl,
                 captured_nccl: false,
                 captured_ce: false,
+                captured_p2p: false,
+                p2p_gen: 0,
+                ce_gen: 0,
                 p2p,
                 events,
                 ce_events,
@@ -351,6 +360,7 @@ impl EngineGuard<'_> {
             Err(e @ Error::StreamsBusy { .. }) => {
                 tracing::warn!("a reset of the copy-engine flags did not finish: they are leaked");
                 std::mem::forget(self.state.ce_flags.take());
+                self.state.ce_gen += 1;
                 Err(e)
             }
             r => r,
@@ -366,6 +376,7 @@ impl EngineGuard<'_> {
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Err(why.clone());
         let old = std::mem::replace(&mut self.state.p2p, Err(why));
+        self.state.p2p_gen += 1;
         if let (Ok(p2p), true) = (old, leak) {
             p2p.abandon();
         }
@@ -517,6 +528,7 @@ impl EngineGuard<'_> {
         for step in steps {
             match step {
                 Step::P2pOne { tensor, route } => {
+                    self.state.captured_p2p |= self.state.recording;
                     let it = &items[*tensor];
                     let p2p = self.p2p()?;
                     // SAFETY: per this function's contract.
@@ -533,6 +545,7 @@ impl EngineGuard<'_> {
                     self.note_p2p(r)?;
                 }
                 Step::P2pList { tensors } => {
+                    self.state.captured_p2p |= self.state.recording;
                     let copies: Vec<Vec<(u64, u64, usize)>> = (0..n)
                         .map(|rank| {
                             tensors
@@ -639,7 +652,9 @@ impl EngineGuard<'_> {
         later: CUstream,
     ) -> std::result::Result<(), result::DriverError> {
         let event = self.state.events[rank].cu_event();
-        self.engine.ranks[rank].ctx.bind_to_thread()?;
+        // Not `bind_to_thread`: an error cudarc stored from unrelated work must not stop this
+        // ordering (a buffer's stream would then move on before the call's work on the buffer).
+        make_current(&self.engine.ranks[rank].ctx)?;
         // SAFETY: `event` belongs to this rank's context and both streams are live streams of
         // the same device's primary context (the callers check buffers' contexts); both calls
         // only enqueue, and the event is reused only under the engine's lock.
@@ -692,6 +707,7 @@ impl EngineGuard<'_> {
     pub(crate) fn begin_capture(&mut self) -> Result<()> {
         self.state.captured_nccl = false;
         self.state.captured_ce = false;
+        self.state.captured_p2p = false;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
             if let Err(e) = r.capture.get().begin_capture(mode) {
@@ -727,6 +743,10 @@ impl EngineGuard<'_> {
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
         let has_nccl = std::mem::take(&mut self.state.captured_nccl);
         let has_ce = std::mem::take(&mut self.state.captured_ce);
+        let holds = Holds {
+            p2p: std::mem::take(&mut self.state.captured_p2p).then_some(self.state.p2p_gen),
+            ce: has_ce.then_some(self.state.ce_gen),
+        };
         self.state.recording = false;
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
@@ -747,7 +767,7 @@ impl EngineGuard<'_> {
                     r.ctx.clone(),
                     graph,
                     has_nccl.then(|| self.engine.nccl_graphs.clone()),
-                    has_ce,
+                    holds,
                 ) {
                     Ok(exec) => execs.push(exec),
                     Err(e) => status = status.and(Err(e)),
@@ -759,6 +779,14 @@ impl EngineGuard<'_> {
                     }));
                 }
             }
+            // A cudarc operation that failed during the capture (a guard's wait on the capture
+            // stream, say) left its error stored: it is this capture's error.
+            if let Err(e) = r.ctx.check_err() {
+                status = status.and(Err(Error::Cuda {
+                    during: format!("a cudarc operation during the capture of rank {rank}"),
+                    source: e,
+                }));
+            }
         }
         status.map(|()| execs)
     }
@@ -767,6 +795,22 @@ impl EngineGuard<'_> {
     /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        if let Some(holds) = execs.first().map(|g| g.holds) {
+            if holds.p2p.is_some_and(|g| g != self.state.p2p_gen) {
+                return Err(Error::P2pUnavailable(
+                    "the P2P state this graph was captured with has closed since: capture it \
+                     again"
+                        .into(),
+                ));
+            }
+            if holds.ce.is_some_and(|g| g != self.state.ce_gen) {
+                return Err(Error::CopyEngineUnavailable(
+                    "the copy-engine flags this graph was captured with were replaced after a \
+                     reset that did not finish: capture it again"
+                        .into(),
+                ));
+            }
+        }
         let call = self.next_call();
         let watch = self
             .engine
@@ -776,7 +820,7 @@ impl EngineGuard<'_> {
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
         let launch = |r: &Rank, g: &GraphExec| {
-            r.ctx.bind_to_thread().and_then(|()| {
+            make_current(&r.ctx).and_then(|()| {
                 // SAFETY: `g` was instantiated from this rank's capture and is alive; launches
                 // of one graph are serialised by the engine's lock.
                 unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
@@ -814,7 +858,7 @@ impl EngineGuard<'_> {
             // The ranks whose graphs went out wait for this one.
             if results.iter().any(std::result::Result::is_ok) {
                 self.state.desynced = true;
-                self.state.ce_release = self.state.ce_flags.is_some();
+                self.state.ce_release = execs.first().is_some_and(|g| g.has_ce);
                 self.set_ce_flags(1)?;
             }
             return Err(Error::Cuda {
@@ -876,6 +920,17 @@ pub(crate) struct GraphExec {
     nccl_count: Option<Arc<AtomicUsize>>,
     /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
     has_ce: bool,
+    /// Which state's addresses the graph holds.
+    holds: Holds,
+}
+
+/// The generations of the P2P state and of the copy-engine flags a graph was captured with
+/// (`None`: it holds none of them). A graph whose state has been closed or replaced since is
+/// never launched: its addresses point into memory that is freed or leaked half reset.
+#[derive(Debug, Clone, Copy)]
+struct Holds {
+    p2p: Option<u64>,
+    ce: Option<u64>,
 }
 
 // SAFETY: graph handles may be used from any thread as long as calls on one graph do not
@@ -889,7 +944,7 @@ impl GraphExec {
         ctx: Arc<CudaContext>,
         graph: sys::CUgraph,
         nccl_count: Option<Arc<AtomicUsize>>,
-        has_ce: bool,
+        holds: Holds,
     ) -> Result<GraphExec> {
         // SAFETY: `graph` is a live graph from end_capture in the current context.
         match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
@@ -903,7 +958,8 @@ impl GraphExec {
                     exec,
                     has_nccl: nccl_count.is_some(),
                     nccl_count,
-                    has_ce,
+                    has_ce: holds.ce.is_some(),
+                    holds,
                 })
             }
             Err(e) => {

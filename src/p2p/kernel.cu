@@ -148,11 +148,20 @@ __device__ __forceinline__ u64 ld_acquire64(const u64* p) {
 __device__ __forceinline__ void fence_sc() { asm volatile("fence.sc.sys;" ::: "memory"); }
 
 // Reader: claims op `op` of owner `owner` before reading its buffer; false if the owner gave up
-// on it.
+// on it. A refused claim is released at once (nothing was read): the owner may have seen the
+// claim too and waits for its release.
 __device__ bool lease_claim(u64* lease, u32 owner, u64 op) {
     st_relaxed64(lease + LEASE_CLAIM, op);
     fence_sc();
-    return ld_relaxed64(lease + LEASE_CANCEL + owner) < op;
+    if (ld_relaxed64(lease + LEASE_CANCEL + owner) < op) return true;
+    st_release64(lease + LEASE_RELEASE, op);
+    return false;
+}
+
+// Reader holding a lease: whether its owner has since given up on op `op` (a settle that waited
+// a whole timeout for the release); the reader then stops reading.
+__device__ __forceinline__ bool lease_revoked(const u64* lease, u32 owner, u64 op) {
+    return ld_relaxed64(lease + LEASE_CANCEL + owner) >= op;
 }
 
 // Reader: gives the lease back once every thread's reads of the owner's buffer have returned
@@ -508,10 +517,12 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
         bool claimed = false;  // thread 0's view
         for (u32 k = 0; k < count; k++) {
             if (t == 0 && wait_flag(ready, base + k + 1, bound, PHASE_CHAIN_DATA, base + k + 1,
-                                    &abort_flag) && k == 0) {
-                claimed = lease_claim(lease, pred, op);
-                if (!claimed) {
-                    report_timeout(bound, PHASE_CANCELLED, base + 1);
+                                    &abort_flag)) {
+                if (k == 0) {
+                    claimed = lease_claim(lease, pred, op);
+                }
+                if (!claimed || (k > 0 && lease_revoked(lease, pred, op))) {
+                    report_timeout(bound, PHASE_CANCELLED, base + k + 1);
                     abort_flag = 1;
                 }
             }
