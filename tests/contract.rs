@@ -726,15 +726,7 @@ fn dropping_a_busy_clique_does_not_hang() {
     let input = clique.stream(0).clone_htod(&[3u8; 300_000]).unwrap();
     let mut outputs = clique.alloc_outputs::<u8>(300_000).unwrap();
     clique.synchronize().unwrap();
-    stall(&clique, 1, 1500);
-    clique
-        .broadcast_with(
-            0,
-            &input,
-            &mut outputs,
-            &BroadcastOptions::path(BroadcastPath::P2p),
-        )
-        .unwrap();
+    p2p_with_a_rank_held_back(&clique, 1, 1500, &input, &mut outputs);
     drop((input, outputs));
     let t0 = std::time::Instant::now();
     drop(clique);

@@ -519,15 +519,7 @@ fn timeouts_are_reported_and_the_clique_recovers() {
         let input = clique.stream(0).clone_htod(&data).unwrap();
         let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
         clique.synchronize().unwrap();
-        stall(&clique, late, 1500);
-        clique
-            .broadcast_with(
-                0,
-                &input,
-                &mut outputs,
-                &BroadcastOptions::path(BroadcastPath::P2p),
-            )
-            .unwrap();
+        p2p_with_a_rank_held_back(&clique, late, 1500, &input, &mut outputs);
         let started = std::time::Instant::now();
         match clique.synchronize() {
             Err(Error::Timeout { phase: p, .. }) => assert!(p.contains(phase), "phase {p:?}"),

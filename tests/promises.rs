@@ -485,15 +485,7 @@ fn recovery_does_not_wait_for_the_callers_unrelated_work() {
         .clone_htod(&random_vec::<u8>(n, &mut rng))
         .unwrap();
     let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
-    stall(&clique, 1, 600);
-    clique
-        .broadcast_with(
-            0,
-            &input,
-            &mut outputs,
-            &BroadcastOptions::path(BroadcastPath::P2p),
-        )
-        .unwrap();
+    p2p_with_a_rank_held_back(&clique, 1, 600, &input, &mut outputs);
     assert!(
         clique.synchronize().is_err(),
         "the held-back rank times out"

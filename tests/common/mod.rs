@@ -196,6 +196,22 @@ pub fn stall_stream(stream: &CudaStream, ms: u64) {
     .unwrap();
 }
 
+/// Holds rank `late` back `ms` on its stream, then queues a P2P broadcast of `input` from rank
+/// 0 into `outputs` (a peer's wait for it runs into the timeout when `ms` is longer).
+pub fn p2p_with_a_rank_held_back<T: Element>(
+    clique: &Clique,
+    late: usize,
+    ms: u64,
+    input: &CudaSlice<T>,
+    outputs: &mut [CudaSlice<T>],
+) {
+    stall(clique, late, ms);
+    let p2p = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
+    clique
+        .broadcast_with(0, input, outputs, &p2p)
+        .expect("queueing a P2P broadcast");
+}
+
 /// One list per rank of poisoned `u8` outputs of `sizes[t]` bytes, on each rank's stream.
 pub fn poisoned_lists(
     clique: &Clique,
