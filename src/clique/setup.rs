@@ -202,15 +202,21 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
 fn no_pool_dependencies(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(Error::cuda("binding a context"))?;
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is an out pointer; the device handle is live.
-    unsafe { sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()).result() }
-        .map_err(Error::cuda("finding a device's memory pool"))?;
+    let pool = current_pool(ctx.cu_device())?;
     let mut off: i32 = 0;
     let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
     // SAFETY: `pool` is the device's live pool; this attribute takes an int.
     unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&raw mut off).cast()).result() }
         .map_err(Error::cuda("setting a memory pool's reuse policy"))
+}
+
+/// The memory pool cudarc allocates from on `device` (its current pool).
+fn current_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is an out pointer; the device handle is live.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, device).result() }
+        .map_err(Error::cuda("finding a device's memory pool"))?;
+    Ok(pool)
 }
 
 /// Streams handed in must belong to the device's primary context: the clique's kernels and
@@ -275,10 +281,7 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
             }
             // cudarc allocates from the device's current memory pool; peer access to that
             // memory needs the pool's own access list, which cuCtxEnablePeerAccess does not set.
-            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-            // SAFETY: valid device handle and out pointer.
-            unsafe { sys::cuDeviceGetMemPool(&mut pool, dj).result() }
-                .map_err(Error::cuda("finding a device's memory pool"))?;
+            let pool = current_pool(dj)?;
             let desc = sys::CUmemAccessDesc {
                 location: sys::CUmemLocation {
                     type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,

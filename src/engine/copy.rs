@@ -88,14 +88,11 @@ impl Flags {
         for (ctx, ptr) in &self.areas {
             // SAFETY: `ptr` is this context's live allocation of FLAG_BYTES bytes, leaked by
             // the caller on StreamsBusy.
-            unsafe { streams::memset_now(ctx, *ptr, value, FLAG_BYTES / 4, SET_WITHIN) }?;
+            unsafe { streams::memset_now(ctx, *ptr, value, FLAG_BYTES / 4) }?;
         }
         Ok(())
     }
 }
-
-/// Longest [`Flags::set`] waits for one rank's memset.
-const SET_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Drop for Flags {
     fn drop(&mut self) {
@@ -134,10 +131,7 @@ impl EngineGuard<'_> {
         let total = tensors.iter().map(|&t| bytes[t]).sum();
         let chunks = plan::chunks(tensors, &bytes, plan::chunk_bytes(total, n));
         let order = plan::chain(root, n);
-        let capturing = self
-            .engine
-            .capturing
-            .load(std::sync::atomic::Ordering::Acquire);
+        let capturing = self.capturing();
         self.state.captured_ce |= capturing;
         let ops = if capturing {
             plan::captured_ops(&order, chunks.len())
@@ -279,68 +273,63 @@ impl EngineGuard<'_> {
         chunks: &[Chunk],
         op: &ChainOp,
     ) -> Result<()> {
-        {
-            match *op {
-                ChainOp::Record { rank } => {
-                    let event = self.state.ce_events[rank].cu_event();
-                    // SAFETY: the event and the stream belong to the rank's context.
-                    unsafe { result::event::record(event, self.raw_stream(rank)) }
-                        .map_err(Error::cuda("recording a copy-engine event"))?;
-                }
-                ChainOp::Wait { rank, of } => {
-                    let event = self.state.ce_events[of].cu_event();
-                    // SAFETY: live stream and event; events of another device may be waited on.
-                    unsafe { result::stream::wait_event(self.raw_stream(rank), event, WAIT) }
-                        .map_err(Error::cuda("ordering copy-engine ranks"))?;
-                }
-                ChainOp::Copy {
-                    rank,
-                    into,
-                    from,
-                    chunk,
-                } => {
-                    let c = &chunks[chunk];
-                    let it = &items[c.tensor];
-                    let base = if from == root { it.src } else { it.dsts[from] };
-                    let off = c.offset as u64;
-                    // SAFETY: per this function's contract: both buffers hold the tensor, and
-                    // the chunk lies inside it.
-                    unsafe { self.copy(rank, it.dsts[into] + off, base + off, c.len) }?;
-                }
-                ChainOp::WaitFlag { rank, flag } => {
-                    let addr = self.flags().addr(rank, flag);
-                    // The flag announces copies a peer's copy engine wrote into this device:
-                    // where the device can, flush them before the work after the wait.
-                    let flush = if self.flags().flush[rank] {
-                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32
-                    } else {
-                        0
-                    };
-                    let mode =
-                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32 | flush;
-                    // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
-                    // device (peer access between every pair).
-                    unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }
-                        .result()
-                        .map_err(Error::cuda("queueing a copy-engine flag wait"))?;
-                }
-                ChainOp::WriteFlag {
-                    rank,
-                    owner,
-                    flag,
-                    value,
-                } => {
-                    let addr = self.flags().addr(owner, flag);
-                    // The default write follows the work before it with a memory barrier: the
-                    // copies it announces are visible first.
-                    let mode = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-                    // SAFETY: as for the wait.
-                    unsafe {
-                        sys::cuStreamWriteValue32_v2(self.raw_stream(rank), addr, value, mode)
-                    }
+        match *op {
+            ChainOp::Record { rank } => {
+                let event = self.state.ce_events[rank].cu_event();
+                // SAFETY: the event and the stream belong to the rank's context.
+                unsafe { result::event::record(event, self.raw_stream(rank)) }
+                    .map_err(Error::cuda("recording a copy-engine event"))?;
+            }
+            ChainOp::Wait { rank, of } => {
+                let event = self.state.ce_events[of].cu_event();
+                // SAFETY: live stream and event; events of another device may be waited on.
+                unsafe { result::stream::wait_event(self.raw_stream(rank), event, WAIT) }
+                    .map_err(Error::cuda("ordering copy-engine ranks"))?;
+            }
+            ChainOp::Copy {
+                rank,
+                into,
+                from,
+                chunk,
+            } => {
+                let c = &chunks[chunk];
+                let it = &items[c.tensor];
+                let base = if from == root { it.src } else { it.dsts[from] };
+                let off = c.offset as u64;
+                // SAFETY: per this function's contract: both buffers hold the tensor, and
+                // the chunk lies inside it.
+                unsafe { self.copy(rank, it.dsts[into] + off, base + off, c.len) }?;
+            }
+            ChainOp::WaitFlag { rank, flag } => {
+                let addr = self.flags().addr(rank, flag);
+                // The flag announces copies a peer's copy engine wrote into this device:
+                // where the device can, flush them before the work after the wait.
+                let flush = if self.flags().flush[rank] {
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32
+                } else {
+                    0
+                };
+                let mode = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32 | flush;
+                // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
+                // device (peer access between every pair).
+                unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }
+                    .result()
+                    .map_err(Error::cuda("queueing a copy-engine flag wait"))?;
+            }
+            ChainOp::WriteFlag {
+                rank,
+                owner,
+                flag,
+                value,
+            } => {
+                let addr = self.flags().addr(owner, flag);
+                // The default write follows the work before it with a memory barrier: the
+                // copies it announces are visible first.
+                let mode = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+                // SAFETY: as for the wait.
+                unsafe { sys::cuStreamWriteValue32_v2(self.raw_stream(rank), addr, value, mode) }
                     .result()
                     .map_err(Error::cuda("queueing a copy-engine flag write"))?;
-                }
             }
         }
         Ok(())

@@ -114,8 +114,6 @@ struct State {
     /// A graph launch reached some ranks and not others: their copy-engine waits must be
     /// released (set to 1) until the streams drain.
     ce_release: bool,
-    /// A capture is recording: work goes to the ranks' capture streams.
-    recording: bool,
 }
 
 /// The engine of one clique.
@@ -195,7 +193,6 @@ impl Engine {
                 ce_flags: None,
                 desynced: false,
                 ce_release: false,
-                recording: false,
             }),
             p2p_status,
             calls: AtomicU64::new(0),
@@ -406,11 +403,16 @@ impl EngineGuard<'_> {
         call
     }
 
+    /// Whether a capture holds the lock (set once every rank's capture has begun).
+    fn capturing(&self) -> bool {
+        self.engine.capturing.load(Ordering::Acquire)
+    }
+
     /// The stream `rank`'s work goes to now: its capture stream while a capture records, else
     /// its own.
     pub(crate) fn work_stream(&self, rank: usize) -> CUstream {
         let r = &self.engine.ranks[rank];
-        if self.state.recording {
+        if self.capturing() {
             r.capture.get().cu_stream()
         } else {
             r.stream.get().cu_stream()
@@ -528,7 +530,7 @@ impl EngineGuard<'_> {
         for step in steps {
             match step {
                 Step::P2pOne { tensor, route } => {
-                    self.state.captured_p2p |= self.state.recording;
+                    self.state.captured_p2p |= self.capturing();
                     let it = &items[*tensor];
                     let p2p = self.p2p()?;
                     // SAFETY: per this function's contract.
@@ -545,7 +547,7 @@ impl EngineGuard<'_> {
                     self.note_p2p(r)?;
                 }
                 Step::P2pList { tensors } => {
-                    self.state.captured_p2p |= self.state.recording;
+                    self.state.captured_p2p |= self.capturing();
                     let copies: Vec<Vec<(u64, u64, usize)>> = (0..n)
                         .map(|rank| {
                             tensors
@@ -581,7 +583,7 @@ impl EngineGuard<'_> {
                                 .collect()
                         })
                         .collect();
-                    let capturing = self.engine.capturing.load(Ordering::Acquire);
+                    let capturing = self.capturing();
                     let watch = self.engine.watchdog.as_ref().filter(|_| !capturing);
                     let own: Vec<&Arc<CudaStream>> =
                         self.engine.ranks.iter().map(|r| r.stream.get()).collect();
@@ -718,13 +720,11 @@ impl EngineGuard<'_> {
                 });
             }
         }
-        self.state.recording = true;
         Ok(())
     }
 
     /// Ends the capture on the first `begun` ranks and discards what was captured.
     pub(crate) fn abandon_capture(&mut self, begun: usize) {
-        self.state.recording = false;
         for r in &self.engine.ranks[..begun] {
             if make_current(&r.ctx).is_ok() {
                 // SAFETY: the stream is live and capturing (begun above).
@@ -747,7 +747,6 @@ impl EngineGuard<'_> {
             p2p: std::mem::take(&mut self.state.captured_p2p).then_some(self.state.p2p_gen),
             ce: has_ce.then_some(self.state.ce_gen),
         };
-        self.state.recording = false;
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
         for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -816,7 +815,7 @@ impl EngineGuard<'_> {
             .engine
             .watchdog
             .as_ref()
-            .filter(|_| execs.first().is_some_and(|g| g.has_nccl));
+            .filter(|_| execs.first().is_some_and(GraphExec::has_nccl));
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
         let launch = |r: &Rank, g: &GraphExec| {
@@ -829,7 +828,7 @@ impl EngineGuard<'_> {
         // A graph whose copies wait on flags (stream memory operations) stalls its device's
         // command queue until a peer's graph writes them; a launch may then block the host
         // until that peer's graph runs. So such graphs go out from one thread per rank.
-        let together = execs.first().is_some_and(|g| g.has_ce) && execs.len() > 1;
+        let together = execs.first().is_some_and(GraphExec::has_ce) && execs.len() > 1;
         let pairs = self.engine.ranks.iter().zip(execs);
         // One result per rank launched: every rank when together, else up to the first failure.
         let results: Vec<_> = if together {
@@ -858,7 +857,7 @@ impl EngineGuard<'_> {
             // The ranks whose graphs went out wait for this one.
             if results.iter().any(std::result::Result::is_ok) {
                 self.state.desynced = true;
-                self.state.ce_release = execs.first().is_some_and(|g| g.has_ce);
+                self.state.ce_release = execs.first().is_some_and(GraphExec::has_ce);
                 self.set_ce_flags(1)?;
             }
             return Err(Error::Cuda {
@@ -914,12 +913,8 @@ pub(crate) struct GraphExec {
     ctx: Arc<CudaContext>,
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
-    /// The graph holds NCCL broadcasts: its launches are watched.
-    has_nccl: bool,
     /// Where it holds NCCL broadcasts, the engine's count of such graphs (one is this).
     nccl_count: Option<Arc<AtomicUsize>>,
-    /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
-    has_ce: bool,
     /// Which state's addresses the graph holds.
     holds: Holds,
 }
@@ -940,6 +935,16 @@ unsafe impl Send for GraphExec {}
 unsafe impl Sync for GraphExec {}
 
 impl GraphExec {
+    /// The graph holds NCCL broadcasts: its launches are watched.
+    fn has_nccl(&self) -> bool {
+        self.nccl_count.is_some()
+    }
+
+    /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
+    fn has_ce(&self) -> bool {
+        self.holds.ce.is_some()
+    }
+
     fn instantiate(
         ctx: Arc<CudaContext>,
         graph: sys::CUgraph,
@@ -956,9 +961,7 @@ impl GraphExec {
                     ctx,
                     graph,
                     exec,
-                    has_nccl: nccl_count.is_some(),
                     nccl_count,
-                    has_ce: holds.ce.is_some(),
                     holds,
                 })
             }
@@ -991,8 +994,8 @@ impl Drop for GraphExec {
 }
 
 impl Drop for Engine {
-    /// Never hangs and never panics: waits for the streams at most twice the timeout plus a second;
-    /// if work is still running then (an NCCL peer that will never come), aborts NCCL and waits
+    /// Never hangs and never panics: waits for the streams at most twice the timeout plus a
+    /// second; if work is still running then (an NCCL peer that will never come), aborts NCCL and waits
     /// a second more; if the streams are still busy, leaks the P2P memory rather than free it
     /// under a running kernel.
     fn drop(&mut self) {

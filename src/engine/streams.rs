@@ -66,9 +66,12 @@ impl EngineStream {
     }
 }
 
+/// Longest [`memset_now`] waits for its memset.
+pub(crate) const MEMSET_WITHIN: Duration = Duration::from_secs(10);
+
 /// Sets `words` 32-bit words at `ptr` (device memory of `ctx`) to `value` and waits until that
 /// is done, on a stream of its own: the wait covers the memset alone, not the caller's other
-/// work on the context nor the legacy stream, and it ends within `within`
+/// work on the context nor the legacy stream, and it ends within [`MEMSET_WITHIN`]
 /// ([`Error::StreamsBusy`] otherwise, the memset then still pending: the caller must neither
 /// free nor reuse the memory).
 ///
@@ -80,7 +83,6 @@ pub(crate) unsafe fn memset_now(
     ptr: u64,
     value: u32,
     words: usize,
-    within: Duration,
 ) -> Result<()> {
     let start = Instant::now();
     ctx.bind_to_thread()
@@ -91,7 +93,7 @@ pub(crate) unsafe fn memset_now(
     let set = unsafe { sys::cuMemsetD32Async(ptr, value, words, stream) }
         .result()
         .map_err(Error::cuda("queueing a memset"))
-        .and_then(|()| wait_idle(stream, start, within));
+        .and_then(|()| wait_idle(stream, start, MEMSET_WITHIN));
     // SAFETY: created above and used nowhere else; work still queued (after a wait that gave
     // up) completes before the driver frees the stream.
     let _ = unsafe { result::stream::destroy(stream) };

@@ -363,7 +363,7 @@ impl P2p {
 
     /// Zeroes every signal area and waits for it (at creation and after a timeout), on a
     /// stream of its own: the wait covers the memsets alone, not the caller's other work on
-    /// the context, and ends within [`ZERO_WITHIN`] per rank. On [`Error::StreamsBusy`] a
+    /// the context, and ends within [`crate::engine::streams::MEMSET_WITHIN`] per rank. On [`Error::StreamsBusy`] a
     /// memset is still pending: the areas must then be neither used nor freed (see
     /// [`P2p::abandon`]).
     fn zero_signals_sync(&self) -> Result<()> {
@@ -371,13 +371,7 @@ impl P2p {
             // SAFETY: `signal` is a live allocation of TOTAL_BYTES (a multiple of 4) on this
             // context, kept (leaked) on StreamsBusy by every caller.
             unsafe {
-                crate::engine::streams::memset_now(
-                    &r.ctx,
-                    r.signal,
-                    0,
-                    layout::TOTAL_BYTES / 4,
-                    ZERO_WITHIN,
-                )
+                crate::engine::streams::memset_now(&r.ctx, r.signal, 0, layout::TOTAL_BYTES / 4)
             }?;
         }
         Ok(())
@@ -764,9 +758,6 @@ impl Drop for P2p {
         }
     }
 }
-
-/// Longest [`P2p::zero_signals_sync`] waits for one rank's memset.
-const ZERO_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
