@@ -27,6 +27,7 @@
 mod interference;
 mod procs;
 mod report;
+mod timer;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -36,8 +37,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gpucast::cudarc::driver::{
-    result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut,
+    result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
 };
 use gpucast::{BroadcastOptions, BroadcastPath, Clique, DType};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -75,18 +75,23 @@ struct Args {
     #[arg(long)]
     procs: Option<usize>,
     /// Paths to measure: nccl, p2p, auto, copy-engine (gpucast's route), copy-engine-raw
-    /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor;
+    /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor; nccl-raw
+    /// (ncclBroadcast on communicators of the bench's own, one group call from one thread, no
+    /// gpucast in between); nccl-nowatch (gpucast's NCCL path with its watchdog off, eager and
+    /// idle only: what the watchdog costs);
     /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); p2p-untracked (the
     /// P2P call with cudarc's per-buffer events off, eager only: what those events cost); and the P2P kernel
     /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull (fan-out),
     /// p2p-chain (each rank forwards to the next; any number of GPUs). Default:
-    /// nccl, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor. With one process per GPU: p2p, auto, nccl, raw-nccl
+    /// nccl, nccl-raw, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor (on
+    /// one GPU: nccl, nccl-raw, nccl-nowatch, launch-floor). With one process per GPU: p2p, auto, nccl, raw-nccl
     /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
     /// p2p, auto, nccl, raw-nccl, launch-floor. With --interference: nccl, p2p, auto,
     /// copy-engine (gpucast's path), copy-engine-raw (the bare copies); default all but auto.
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
-    /// Modes: eager, graph.
+    /// Modes: eager (calls back to back), graph (captured, replayed), idle (one call after 10
+    /// ms with the GPUs idle, five per repeat).
     #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
     modes: Vec<String>,
     /// Timed repeats per point (the median is reported).
@@ -127,7 +132,15 @@ struct Args {
 }
 
 /// The paths measured by default in one process.
-const DEFAULT_PATHS: &str = "nccl,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
+const DEFAULT_PATHS: &str =
+    "nccl,nccl-raw,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
+
+/// The paths measured by default on a clique of one GPU (NCCL with one rank).
+const DEFAULT_PATHS_1GPU: &str = "nccl,nccl-raw,nccl-nowatch,launch-floor";
+
+/// Single calls per repeat in idle mode, each after [`IDLE_GAP`].
+const IDLE_CALLS: usize = 5;
+const IDLE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Rotating buffers: an input pool on the root and an output pool on every rank, used as
 /// `sets` consecutive slices so that back-to-back iterations do not hit a warm L2.
@@ -135,6 +148,13 @@ struct Pools {
     input: CudaSlice<u8>,
     outputs: Vec<CudaSlice<u8>>,
     host_input: Vec<u8>,
+    /// The pools' device addresses, read once: the raw paths (copy-engine-raw, nccl-raw) take
+    /// no cudarc guard per op. Sound because every use of the pools, raw or through gpucast,
+    /// is queued on the clique's streams (rank `r`'s pools on rank `r`'s stream).
+    input_ptr: u64,
+    output_ptrs: Vec<u64>,
+    /// nccl-raw's communicators, when measured.
+    raw: Option<procs::nccl::RawNcclAll>,
 }
 
 const POOL_MIN: usize = 512 << 20;
@@ -194,8 +214,8 @@ fn main() -> Result<()> {
         (None, true) => 2,
         (None, false) => gpucast::device_count()?.min(gpucast::MAX_GPUS),
     };
-    if ngpus < 2 {
-        bail!("the benchmark needs at least 2 GPUs ({ngpus} visible; --shared puts ranks on one)");
+    if ngpus < 1 || (args.shared && ngpus < 2) {
+        bail!("the benchmark needs a GPU ({ngpus} asked for; --shared needs 2 ranks or more)");
     }
     let clique = if args.shared {
         println!("# every rank on GPU 0 (--shared): per-call costs only");
@@ -224,20 +244,48 @@ fn main() -> Result<()> {
     let pool = POOL_MIN.max(2 * max_size);
     let mut host_input = vec![0u8; pool];
     xorshift_fill(&mut host_input, 0x9e37_79b9_7f4a_7c15);
+    let paths: Vec<String> = match &args.paths {
+        Some(p) => p.clone(),
+        None if ngpus == 1 => DEFAULT_PATHS_1GPU.split(',').map(String::from).collect(),
+        None => DEFAULT_PATHS.split(',').map(String::from).collect(),
+    };
+    let nccl_runs = !args.shared;
+    let paths: Vec<String> = paths
+        .into_iter()
+        .filter(|p| {
+            let keep = nccl_runs || !p.starts_with("nccl");
+            if !keep {
+                println!("# {p}: NCCL is off where ranks share a GPU; left out");
+            }
+            keep
+        })
+        .collect();
+    let input = clique.stream(args.root).clone_htod(&host_input)?;
+    let outputs: Vec<CudaSlice<u8>> = (0..ngpus)
+        .map(|r| clique.stream(r).alloc_zeros::<u8>(pool))
+        .collect::<std::result::Result<_, _>>()?;
+    let input_ptr = input.device_ptr(clique.stream(args.root)).0;
+    let output_ptrs = outputs
+        .iter()
+        .enumerate()
+        .map(|(r, o)| o.device_ptr(clique.stream(r)).0)
+        .collect();
+    let raw = if paths.iter().any(|p| p == "nccl-raw") {
+        Some(procs::nccl::RawNcclAll::new(clique.ordinals())?)
+    } else {
+        None
+    };
     let mut pools = Pools {
-        input: clique.stream(args.root).clone_htod(&host_input)?,
-        outputs: (0..ngpus)
-            .map(|r| clique.stream(r).alloc_zeros::<u8>(pool))
-            .collect::<std::result::Result<_, _>>()?,
+        input,
+        outputs,
         host_input,
+        input_ptr,
+        output_ptrs,
+        raw,
     };
     let floor = EmptyKernel::new(&clique)?;
 
-    warm_up(&clique, &mut pools, args.root, &floor)?;
-    let paths: Vec<String> = match &args.paths {
-        Some(p) => p.clone(),
-        None => DEFAULT_PATHS.split(',').map(String::from).collect(),
-    };
+    warm_up(&clique, &mut pools, args.root, &floor, nccl_runs)?;
     let total = sizes.len() * paths.len() * modes.len();
     let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
@@ -354,6 +402,19 @@ fn main() -> Result<()> {
         }
         for line in report::ratio_summary(&rows, mode, 64 << 10) {
             summary.push(format!("{}: {line}", mode.name()));
+        }
+        // What gpucast's NCCL path adds to a bare ncclBroadcast, and what its watchdog and
+        // cudarc's per-buffer events cost, in microseconds per call.
+        for (a, b) in [
+            ("nccl", "nccl-raw"),
+            ("nccl", "nccl-nowatch"),
+            ("nccl-nowatch", "nccl-raw"),
+            ("p2p", "p2p-untracked"),
+        ] {
+            let small = 0..=64 << 10;
+            if let Some(l) = report::difference_line(&rows, mode, a, b, small, "<= 64K") {
+                summary.push(format!("{}: {l}", mode.name()));
+            }
         }
         // The copy-engine route against the bare copies it is made of, and against NCCL.
         for b in ["copy-engine-raw", "nccl", "p2p"] {
@@ -601,6 +662,7 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
             BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES)
         }
         "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
+        "nccl-nowatch" => BroadcastOptions::path(BroadcastPath::Nccl),
         "p2p-pull" => BroadcastOptions::path(BroadcastPath::P2p)
             .packet_threshold(0)
             .p2p_chain_threshold(usize::MAX),
@@ -627,16 +689,21 @@ fn run_op(
     match path {
         "launch-floor" => floor.launch(clique),
         "copy-engine-raw" => {
-            let (src, _r) = pools.input.device_ptr(clique.stream(root));
-            let dsts: Vec<u64> = pools
-                .outputs
-                .iter_mut()
-                .enumerate()
-                .map(|(r, o)| o.device_ptr_mut(clique.stream(r)).0 + off as u64)
-                .collect();
-            // SAFETY: the pools hold `pool` bytes and `off + bytes <= pool` (sets_for).
-            unsafe { clique.copy_engine_raw(root, src + off as u64, &dsts, bytes) }?;
+            let src = pools.input_ptr + off as u64;
+            let dsts: Vec<u64> = pools.output_ptrs.iter().map(|p| p + off as u64).collect();
+            // SAFETY: the pools hold `pool` bytes and `off + bytes <= pool` (sets_for); their
+            // every use is on the clique's streams (see `Pools`).
+            unsafe { clique.copy_engine_raw(root, src, &dsts, bytes) }?;
             Ok(())
+        }
+        "nccl-raw" => {
+            let raw = pools.raw.as_ref().context("nccl-raw was not set up")?;
+            let dsts: Vec<u64> = pools.output_ptrs.iter().map(|p| p + off as u64).collect();
+            let streams: Vec<_> = (0..clique.len())
+                .map(|r| clique.stream(r).cu_stream())
+                .collect();
+            // SAFETY: as for copy-engine-raw; each rank's part goes on its own stream.
+            unsafe { raw.broadcast(root, pools.input_ptr + off as u64, &dsts, bytes, &streams) }
         }
         p => {
             let opts = options_for(p)?;
@@ -661,7 +728,14 @@ fn run_op(
                     unsafe { clique.context(r).disable_event_tracking() };
                 }
             }
+            let nowatch = p == "nccl-nowatch";
+            if nowatch {
+                clique.set_watchdog(false);
+            }
             let r = clique.broadcast_with(root, &input, &mut outs, &opts);
+            if nowatch {
+                clique.set_watchdog(true);
+            }
             if untracked {
                 for r in 0..clique.len() {
                     // SAFETY: restores the default.
@@ -700,6 +774,20 @@ fn graph_op(
         "copy-engine-raw" => Err(gpucast::Error::InvalidList(
             "cuMemcpyPeerAsync cannot be captured".into(),
         )),
+        "nccl-raw" => {
+            let in_capture = |e: anyhow::Error| gpucast::Error::InvalidList(format!("{e:#}"));
+            let raw = pools
+                .raw
+                .as_ref()
+                .context("nccl-raw was not set up")
+                .map_err(in_capture)?;
+            let dsts: Vec<u64> = pools.output_ptrs.iter().map(|p| p + off as u64).collect();
+            let streams: Vec<_> = (0..dsts.len()).map(|r| c.stream(r).cu_stream()).collect();
+            // SAFETY: as in `run_op`; the capture streams record the calls into the graph,
+            // which replays them on the clique's streams, and the pools outlive the graph.
+            unsafe { raw.broadcast(root, pools.input_ptr + off as u64, &dsts, bytes, &streams) }
+                .map_err(in_capture)
+        }
         p => {
             let opts = options_for(p).map_err(|e| gpucast::Error::InvalidList(e.to_string()))?;
             let input = pools.input.slice(off..off + bytes);
@@ -715,9 +803,16 @@ fn graph_op(
 
 /// About two seconds of mixed work before anything is timed: idle GPUs run at low clocks and
 /// the first sizes of a sweep would otherwise be measured on a cold machine.
-fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel) -> Result<()> {
+fn warm_up(
+    clique: &Clique,
+    pools: &mut Pools,
+    root: usize,
+    floor: &EmptyKernel,
+    nccl_runs: bool,
+) -> Result<()> {
     let t0 = Instant::now();
     let mut i = 0;
+    let p2p_runs = clique.p2p_available().is_ok();
     while t0.elapsed().as_secs_f64() < 2.0 {
         for (path, bytes) in [
             ("nccl", 1 << 20),
@@ -725,10 +820,7 @@ fn warm_up(clique: &Clique, pools: &mut Pools, root: usize, floor: &EmptyKernel)
             ("p2p", 1 << 20),
             ("launch-floor", 0),
         ] {
-            // NCCL is off where ranks share a GPU (--shared).
-            let o = clique.ordinals();
-            let shared = (1..o.len()).any(|i| o[..i].contains(&o[i]));
-            if path == "nccl" && shared {
+            if (path == "nccl" && !nccl_runs) || (path == "p2p" && !p2p_runs) {
                 continue;
             }
             run_op(clique, pools, path, root, bytes.max(1), i % 4, floor)?;
@@ -780,6 +872,7 @@ fn verify(
 
 /// A path made ready to time at one size: warmed up (eager) or captured (graph).
 struct Timer<'c> {
+    mode: Mode,
     route: String,
     iters: usize,
     sets: usize,
@@ -815,13 +908,30 @@ fn prepare<'c>(
     if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
         return Ok(None);
     }
+    // Switches around a call (events off, watchdog off) have no meaning inside a capture.
+    if mode == Mode::Graph && matches!(path, "p2p-untracked" | "nccl-nowatch" | "p2p-1thread") {
+        return Ok(None);
+    }
     match mode {
+        Mode::Idle => {
+            run_op(clique, pools, path, root, bytes, 0, floor)?;
+            clique.synchronize()?;
+            Ok(Some(Timer {
+                mode,
+                route,
+                iters: IDLE_CALLS,
+                sets,
+                graph: None,
+                launches: 1,
+            }))
+        }
         Mode::Eager => {
             for i in 0..iters.min(50) {
                 run_op(clique, pools, path, root, bytes, i % sets, floor)?;
             }
             clique.synchronize()?;
             Ok(Some(Timer {
+                mode,
                 route,
                 iters,
                 sets,
@@ -833,10 +943,15 @@ fn prepare<'c>(
             let launches = iters.div_ceil(500);
             let iters = iters.min(500);
             clique.synchronize()?;
+            // The route label is the one the capture takes (graph thresholds).
+            let mut route = route;
             // SAFETY: the pools outlive the graph (dropped before them), and the only other
             // work on them runs on the clique's streams, in order with the replays.
             let captured = unsafe {
                 clique.capture_unchecked(|c| {
+                    if let Ok(opts) = options_for(path) {
+                        route = c.route(bytes, &opts)?.name().to_string();
+                    }
                     for i in 0..iters {
                         graph_op(c, pools, path, root, bytes, i % sets, floor)?;
                     }
@@ -855,6 +970,7 @@ fn prepare<'c>(
             graph.launch()?;
             clique.synchronize()?;
             Ok(Some(Timer {
+                mode,
                 route,
                 iters,
                 sets,
@@ -878,6 +994,9 @@ fn sample(
     floor: &EmptyKernel,
 ) -> Result<f64> {
     clique.synchronize()?;
+    if timer.mode == Mode::Idle {
+        return idle_sample(clique, pools, path, root, bytes, floor);
+    }
     let starts = mark(clique)?;
     let mut ops = timer.iters;
     match &mut timer.graph {
@@ -895,21 +1014,35 @@ fn sample(
     }
     let ends = mark(clique)?;
     clique.synchronize()?;
-    let mut ms = 0f32;
-    for (start, end) in starts.iter().zip(&ends) {
-        ms = ms.max(start.elapsed_ms(end)?);
+    Ok(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3 / ops as f64)
+}
+
+/// One repeat in idle mode: [`IDLE_CALLS`] single calls, each after [`IDLE_GAP`] with every
+/// stream drained, each timed by events from a mark queued on the idle streams just before the
+/// call to one just after it (the slowest rank counts): microseconds per call, averaged.
+fn idle_sample(
+    clique: &Clique,
+    pools: &mut Pools,
+    path: &str,
+    root: usize,
+    bytes: usize,
+    floor: &EmptyKernel,
+) -> Result<f64> {
+    let mut total_ms = 0f64;
+    for _ in 0..IDLE_CALLS {
+        clique.synchronize()?;
+        std::thread::sleep(IDLE_GAP);
+        let starts = mark(clique)?;
+        run_op(clique, pools, path, root, bytes, 0, floor)?;
+        let ends = mark(clique)?;
+        clique.synchronize()?;
+        total_ms += f64::from(timer::slowest_ms(&starts, &ends)?);
     }
-    Ok(f64::from(ms) * 1e3 / ops as f64)
+    Ok(total_ms * 1e3 / IDLE_CALLS as f64)
 }
 
 /// A timing event on every rank's stream, after the work queued there so far.
 fn mark(clique: &Clique) -> Result<Vec<CudaEvent>> {
-    (0..clique.len())
-        .map(|r| {
-            clique
-                .stream(r)
-                .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow::anyhow!("recording a timing event on rank {r}: {e}"))
-        })
-        .collect()
+    let streams: Vec<&Arc<CudaStream>> = (0..clique.len()).map(|r| clique.stream(r)).collect();
+    timer::marks(&streams)
 }

@@ -5,8 +5,8 @@
 mod report;
 
 use report::{
-    crossover, format_size, format_table, last_win, parse_size, plot, ratio_summary, read_csv,
-    size_sweep, stats, write_csv, Mode, Row, CSV_HEADER,
+    crossover, difference_line, format_size, format_table, last_win, parse_size, plot,
+    ratio_summary, read_csv, size_sweep, stats, write_csv, Mode, Row, CSV_HEADER,
 };
 
 fn row(path: &str, mode: Mode, bytes: u64, time_us: f64) -> Row {
@@ -892,4 +892,45 @@ fn interference_plot() {
     // An unwritable path is an error.
     let bad = dir.join(format!("gpucast-no-such-dir-{pid}/x/i.png"));
     assert!(plot_interference(&interference_rows(), &bad, "t").is_err());
+}
+
+#[test]
+fn idle_mode_is_named_and_parsed() {
+    assert_eq!(Mode::Idle.name(), "idle");
+    assert_eq!(Mode::parse(" IDLE"), Some(Mode::Idle));
+    assert!(Mode::ALL.contains(&Mode::Idle));
+}
+
+#[test]
+fn differences_in_microseconds() {
+    let mut rows = series(
+        "nccl",
+        Mode::Eager,
+        &[(1024, 9.0), (2048, 10.5), (1 << 20, 40.0)],
+    );
+    rows.extend(series(
+        "nccl-raw",
+        Mode::Eager,
+        &[(1024, 5.0), (2048, 5.5), (1 << 20, 39.0)],
+    ));
+    assert_eq!(
+        difference_line(&rows, Mode::Eager, "nccl", "nccl-raw", 0..=65536, "<= 64K").as_deref(),
+        Some("<= 64K: nccl - nccl-raw: +4.00 to +5.00 us (median +4.50 us) (2 sizes)")
+    );
+    assert_eq!(
+        difference_line(&rows, Mode::Graph, "nccl", "nccl-raw", 0..=65536, "<= 64K"),
+        None
+    );
+    let one = difference_line(
+        &rows,
+        Mode::Eager,
+        "nccl-raw",
+        "nccl",
+        1 << 20..=1 << 20,
+        "1M",
+    );
+    assert_eq!(
+        one.as_deref(),
+        Some("1M: nccl-raw - nccl: -1.00 us (1 sizes)")
+    );
 }

@@ -377,6 +377,14 @@ impl Communicator {
         self.core.route(bytes, options)
     }
 
+    /// Hands NCCL broadcasts to the watchdog (`true`, the default) or not. Without it an NCCL
+    /// broadcast whose peer never arrives waits forever: this exists to measure what the
+    /// watchdog costs (the benchmark's `nccl-nowatch`), not for use.
+    #[doc(hidden)]
+    pub fn set_watchdog(&self, on: bool) {
+        self.core.engine.set_watchdog(on);
+    }
+
     /// Broadcasts, in place, rank `root`'s `buffer` into every other rank's `buffer`.
     pub fn broadcast<T: Element, B: DevicePtrMut<T>>(
         &self,

@@ -72,12 +72,23 @@ impl Core {
     }
 
     pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.route_in(bytes, options, false)
+    }
+
+    /// The route of one broadcast of `bytes` bytes, eager or queued inside a capture
+    /// (`in_graph`: the graph thresholds apply).
+    pub(crate) fn route_in(
+        &self,
+        bytes: usize,
+        options: &BroadcastOptions,
+        in_graph: bool,
+    ) -> Result<Route> {
         self.with_available(|available| {
             crate::config::choose(
                 options.path.unwrap_or(self.path()),
                 bytes,
                 available,
-                &self.engine.settings().thresholds_for(options, false),
+                &self.engine.settings().thresholds_for(options, in_graph),
             )
         })
     }

@@ -6,7 +6,7 @@ use cudarc::driver::CudaStream;
 
 use super::access::{self, Check, Foreign};
 use super::{Clique, Core};
-use crate::config::{BroadcastOptions, MAX_GPUS};
+use crate::config::{BroadcastOptions, Route, MAX_GPUS};
 use crate::engine::{EngineGuard, GraphExec, Item};
 use crate::error::Result;
 use crate::plan::FusedReport;
@@ -122,6 +122,12 @@ impl<'c, 'buf> Capture<'c, 'buf> {
     /// fail.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
         self.session.core.engine.capture_stream(local)
+    }
+
+    /// The route a broadcast of `bytes` bytes queued in this capture takes with `options`
+    /// (the graph thresholds apply, which may differ from [`Clique::route`]'s eager ones).
+    pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.session.core.route_in(bytes, options, true)
     }
 
     /// Captures [`Clique::broadcast`] of `input` into `outputs` (one per rank).
@@ -241,6 +247,12 @@ impl<'c> UncheckedCapture<'c> {
     /// fail.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
         self.session.core.engine.capture_stream(local)
+    }
+
+    /// The route a broadcast of `bytes` bytes queued in this capture takes with `options`
+    /// (the graph thresholds apply, which may differ from [`Clique::route`]'s eager ones).
+    pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.session.core.route_in(bytes, options, true)
     }
 
     /// Captures [`Clique::broadcast_with`] of `input` into `outputs` (one per rank).

@@ -310,6 +310,14 @@ impl Clique {
         Ok(self.core.engine.lock()?.parallel_launch())
     }
 
+    /// Hands NCCL broadcasts to the watchdog (`true`, the default) or not. Without it an NCCL
+    /// broadcast whose peer never arrives waits forever: this exists to measure what the
+    /// watchdog costs (the benchmark's `nccl-nowatch`), not for use.
+    #[doc(hidden)]
+    pub fn set_watchdog(&self, on: bool) {
+        self.core.engine.set_watchdog(on);
+    }
+
     /// The route a broadcast of `bytes` bytes would take with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         self.core.route(bytes, options)

@@ -134,6 +134,8 @@ pub(crate) struct Engine {
     capture_thread: Mutex<Option<ThreadId>>,
     /// Watches NCCL work (absent where NCCL is off).
     watchdog: Option<watchdog::Watchdog>,
+    /// Whether NCCL work is handed to the watchdog (on unless turned off for a measurement).
+    watching: AtomicBool,
     /// Instantiated graphs holding NCCL broadcasts that are still alive. Destroying an NCCL
     /// communicator waits for every graph that captured it, so where one outlives the engine
     /// (`mem::forget`), the communicators are leaked instead.
@@ -199,8 +201,22 @@ impl Engine {
             capturing: AtomicBool::new(false),
             capture_thread: Mutex::new(None),
             watchdog,
+            watching: AtomicBool::new(true),
             nccl_graphs: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Hands NCCL work to the watchdog (`true`, the default) or not: without it an NCCL
+    /// broadcast whose peer never comes waits forever. For measuring what the watchdog costs.
+    pub(crate) fn set_watchdog(&self, on: bool) {
+        self.watching.store(on, Ordering::Relaxed);
+    }
+
+    /// The watchdog, while NCCL work is handed to it.
+    fn watcher(&self) -> Option<&watchdog::Watchdog> {
+        self.watchdog
+            .as_ref()
+            .filter(|_| self.watching.load(Ordering::Relaxed))
     }
 
     /// Number of ranks.
@@ -584,7 +600,7 @@ impl EngineGuard<'_> {
                         })
                         .collect();
                     let capturing = self.capturing();
-                    let watch = self.engine.watchdog.as_ref().filter(|_| !capturing);
+                    let watch = self.engine.watcher().filter(|_| !capturing);
                     let own: Vec<&Arc<CudaStream>> =
                         self.engine.ranks.iter().map(|r| r.stream.get()).collect();
                     let mut nccl = self.nccl()?;
@@ -813,8 +829,7 @@ impl EngineGuard<'_> {
         let call = self.next_call();
         let watch = self
             .engine
-            .watchdog
-            .as_ref()
+            .watcher()
             .filter(|_| execs.first().is_some_and(GraphExec::has_nccl));
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;

@@ -32,16 +32,15 @@
 //!
 //! # Timing
 //!
-//! Per repeat, like `torch_broadcast.py`'s `dist` mode: every rank synchronizes its stream,
-//! meets the others in a barrier of the job's TCP store (outside the timed region; no GPU work),
-//! reads its clock, issues `iters` ops back to back (eager) or one replay of the graph of
-//! `iters` ops, synchronizes, and reads its clock again. Rank 0 gathers every rank's (start,
-//! end) through the store after the repeats; the time of a repeat is (latest end - earliest
-//! start) over the ranks, on one host-wide clock (each rank's real-time reading at start plus
-//! its monotonic time since), divided by `iters`. (Ranks on several hosts have no common clock:
-//! there the slowest rank's own span is used.) The row's time is the median over the repeats,
-//! with their min and max. The repeats of the paths of one size run round-robin, so that a drift
-//! of the machine touches every path alike. Rows have `gpus` = the number of ranks.
+//! Per repeat: every rank synchronizes its stream, meets the others in a barrier of the job's
+//! TCP store (outside the timed region; no GPU work), queues a timing event on its stream,
+//! issues `iters` ops back to back (eager) or one replay of the graph of `iters` ops, and
+//! queues a second event (`benches/timer.rs`, the single-process bench's timer). Rank 0
+//! gathers every rank's span between its two events through the store after the repeats; the
+//! time of a repeat is the longest span over the ranks, divided by `iters`. The row's time is
+//! the median over the repeats, with their min and max. The repeats of the paths of one size
+//! run round-robin, so that a drift of the machine touches every path alike. Rows have `gpus`
+//! = the number of ranks.
 //!
 //! # Output
 //!
@@ -57,7 +56,7 @@
 // examples; the bench is not published).
 #[path = "../../../examples/common/job.rs"]
 pub mod job;
-mod nccl;
+pub mod nccl;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -122,6 +121,10 @@ fn plan(args: &Args, notes: bool) -> Result<Plan> {
         }
     }
     ensure!(!paths.is_empty(), "no path to measure");
+    ensure!(
+        !modes.contains(&Mode::Idle),
+        "idle mode is measured in one process only"
+    );
     if notes && args.gpus.is_some() {
         println!("# --gpus is ignored with one process per GPU: the number of ranks counts");
     }
@@ -360,6 +363,7 @@ impl<'c> Bench<'c> {
             return Ok(None);
         }
         match mode {
+            Mode::Idle => bail!("idle mode is measured in one process only"),
             Mode::Eager => {
                 for i in 0..iters.min(50) {
                     self.op(path, bytes, i % sets)?;
@@ -409,7 +413,7 @@ impl<'c> Bench<'c> {
     fn sample(&mut self, path: &str, bytes: usize, timer: &mut Timer<'c>) -> Result<()> {
         self.comm.synchronize()?;
         self.job.barrier()?;
-        let t0 = Instant::now();
+        let starts = crate::timer::marks(&[&self.stream])?;
         match &mut timer.graph {
             Some(graph) => graph.launch()?,
             None => {
@@ -418,9 +422,12 @@ impl<'c> Bench<'c> {
                 }
             }
         }
+        let ends = crate::timer::marks(&[&self.stream])?;
         self.comm.synchronize()?;
-        let t1 = Instant::now();
-        timer.samples.push((self.job.stamp(t0), self.job.stamp(t1)));
+        // This rank's span by its stream's events, as from a common start: rank 0 takes the
+        // longest (`Job::spans`).
+        let ns = f64::from(crate::timer::slowest_ms(&starts, &ends)?) * 1e6;
+        timer.samples.push((0, ns as u64));
         Ok(())
     }
 }

@@ -1,4 +1,5 @@
-//! `raw-nccl`: `ncclBroadcast` on a communicator of the bench's own, next to gpucast's paths.
+//! `raw-nccl` (one process per GPU) and `nccl-raw` (one process): `ncclBroadcast` on
+//! communicators of the bench's own, next to gpucast's paths.
 //!
 //! NCCL is opened here with `libloading` under the names gpucast itself tries
 //! (`GPUCAST_NCCL_LIBRARY` alone when set, else `libnccl.so.2`, then `libnccl.so`): cudarc's
@@ -20,7 +21,9 @@ struct UniqueId([u8; 128]);
 
 type GetUniqueIdFn = unsafe extern "C" fn(*mut UniqueId) -> u32;
 type CommInitRankFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, UniqueId, c_int) -> u32;
+type CommInitAllFn = unsafe extern "C" fn(*mut ncclComm_t, c_int, *const c_int) -> u32;
 type CommDestroyFn = unsafe extern "C" fn(ncclComm_t) -> u32;
+type GroupFn = unsafe extern "C" fn() -> u32;
 type GetErrorStringFn = unsafe extern "C" fn(u32) -> *const c_char;
 type BroadcastFn = unsafe extern "C" fn(
     *const c_void,
@@ -36,7 +39,10 @@ type BroadcastFn = unsafe extern "C" fn(
 struct Lib {
     get_unique_id: GetUniqueIdFn,
     comm_init_rank: CommInitRankFn,
+    comm_init_all: CommInitAllFn,
     comm_destroy: CommDestroyFn,
+    group_start: GroupFn,
+    group_end: GroupFn,
     get_error_string: GetErrorStringFn,
     broadcast: BroadcastFn,
     /// Declared last: the function pointers above point into it.
@@ -65,7 +71,10 @@ impl Lib {
                     return Ok(Lib {
                         get_unique_id: sym!("ncclGetUniqueId"),
                         comm_init_rank: sym!("ncclCommInitRank"),
+                        comm_init_all: sym!("ncclCommInitAll"),
                         comm_destroy: sym!("ncclCommDestroy"),
+                        group_start: sym!("ncclGroupStart"),
+                        group_end: sym!("ncclGroupEnd"),
                         get_error_string: sym!("ncclGetErrorString"),
                         broadcast: sym!("ncclBroadcast"),
                         _lib: lib,
@@ -182,5 +191,85 @@ impl RawNccl {
         let code = unsafe { (self.lib.comm_destroy)(self.comm) };
         self.lib
             .check(code, &format!("ncclCommDestroy (rank {})", self.rank))
+    }
+}
+
+/// Plain NCCL communicators over the GPUs of one process (`ncclCommInitAll`), driven the way
+/// gpucast's NCCL path drives its own: one group call per broadcast, from one thread.
+pub struct RawNcclAll {
+    lib: Lib,
+    comms: Vec<ncclComm_t>,
+}
+
+impl RawNcclAll {
+    /// One communicator per device of `ordinals` (distinct devices).
+    pub fn new(ordinals: &[usize]) -> Result<RawNcclAll> {
+        let lib = Lib::open()?;
+        let devs = ordinals
+            .iter()
+            .map(|&o| c_int::try_from(o).context("device ordinal"))
+            .collect::<Result<Vec<_>>>()?;
+        let n = c_int::try_from(devs.len()).context("device count")?;
+        let mut comms = vec![std::ptr::null_mut(); devs.len()];
+        // SAFETY: `comms` has room for one communicator per device of `devs`.
+        let code = unsafe { (lib.comm_init_all)(comms.as_mut_ptr(), n, devs.as_ptr()) };
+        lib.check(code, "ncclCommInitAll")?;
+        Ok(RawNcclAll { lib, comms })
+    }
+
+    /// `bytes` bytes at `src` on rank `root` into `dsts[r]` on every rank `r`, each rank's
+    /// part queued on `streams[r]`, in one group.
+    ///
+    /// # Safety
+    /// `src` and every `dsts[r]` address at least `bytes` bytes of their rank's device memory,
+    /// valid until the streams have run the broadcast; `streams[r]` belongs to rank `r`'s
+    /// device.
+    pub unsafe fn broadcast(
+        &self,
+        root: usize,
+        src: u64,
+        dsts: &[u64],
+        bytes: usize,
+        streams: &[CUstream],
+    ) -> Result<()> {
+        let root_c = c_int::try_from(root).context("root")?;
+        // SAFETY: ncclGroupStart has no preconditions.
+        let code = unsafe { (self.lib.group_start)() };
+        self.lib.check(code, "ncclGroupStart")?;
+        let mut first = Ok(());
+        for (r, comm) in self.comms.iter().enumerate() {
+            let send = if r == root { src } else { dsts[r] };
+            // SAFETY: per this function's contract.
+            let code = unsafe {
+                (self.lib.broadcast)(
+                    send as *const c_void,
+                    dsts[r] as *mut c_void,
+                    bytes,
+                    ncclDataType_t::ncclUint8,
+                    root_c,
+                    *comm,
+                    streams[r],
+                )
+            };
+            if first.is_ok() {
+                first = self.lib.check(code, "ncclBroadcast");
+            }
+        }
+        // SAFETY: matches the group start above.
+        let code = unsafe { (self.lib.group_end)() };
+        let end = self.lib.check(code, "ncclGroupEnd");
+        first.and(end)
+    }
+}
+
+impl Drop for RawNcclAll {
+    fn drop(&mut self) {
+        for &comm in &self.comms {
+            // SAFETY: a live communicator; the bench drops this after its streams finished.
+            let code = unsafe { (self.lib.comm_destroy)(comm) };
+            if let Err(e) = self.lib.check(code, "ncclCommDestroy") {
+                eprintln!("# {e}");
+            }
+        }
     }
 }

@@ -47,30 +47,30 @@ pub enum Mode {
     Eager,
     /// Captured once into a CUDA graph, then replayed.
     Graph,
+    /// One eager call after 10 ms with every GPU idle: what a call costs when nothing else is
+    /// in flight (no back-to-back overlap, launch threads asleep, clocks as they are).
+    Idle,
 }
 
 impl Mode {
-    /// Both modes, in table order.
-    pub const ALL: [Mode; 2] = [Mode::Eager, Mode::Graph];
+    /// Every mode, in table order.
+    pub const ALL: [Mode; 3] = [Mode::Eager, Mode::Graph, Mode::Idle];
 
-    /// The lower-case name: `"eager"` or `"graph"`.
+    /// The lower-case name: `"eager"`, `"graph"` or `"idle"`.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Eager => "eager",
             Mode::Graph => "graph",
+            Mode::Idle => "idle",
         }
     }
 
-    /// Parses a name (case-insensitive, surrounding blanks ignored): `eager`/`graph`.
+    /// Parses a name (case-insensitive, surrounding blanks ignored): `eager`/`graph`/`idle`.
     pub fn parse(s: &str) -> Option<Mode> {
         let s = s.trim();
-        if s.eq_ignore_ascii_case("eager") {
-            Some(Mode::Eager)
-        } else if s.eq_ignore_ascii_case("graph") {
-            Some(Mode::Graph)
-        } else {
-            None
-        }
+        Mode::ALL
+            .into_iter()
+            .find(|m| s.eq_ignore_ascii_case(m.name()))
     }
 }
 
@@ -84,7 +84,7 @@ impl FromStr for Mode {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Mode::parse(s).ok_or_else(|| format!("unknown mode {s:?} (expected eager or graph)"))
+        Mode::parse(s).ok_or_else(|| format!("unknown mode {s:?} (expected eager, graph or idle)"))
     }
 }
 
@@ -838,6 +838,35 @@ pub fn ratio_line(
     ))
 }
 
+/// `a time - b time` in `mode` over the common sizes in `range`, in microseconds: the cost of
+/// what `a` adds to `b` (`"<label>: a - b: +x to +y us (median +z us) (n sizes)"`). `None`
+/// when the paths share no size in `range`.
+pub fn difference_line(
+    rows: &[Row],
+    mode: Mode,
+    a: &str,
+    b: &str,
+    range: RangeInclusive<u64>,
+    label: &str,
+) -> Option<String> {
+    let diffs: Vec<f64> = common(rows, None, mode, a, b)
+        .into_iter()
+        .filter(|(bytes, _, _)| range.contains(bytes))
+        .map(|(_, ta, tb)| ta - tb)
+        .filter(|d| d.is_finite())
+        .collect();
+    let s = stats(&diffs)?;
+    let spread = if s.n == 1 || s.min == s.max {
+        format!("{:+.2} us", s.median)
+    } else {
+        format!(
+            "{:+.2} to {:+.2} us (median {:+.2} us)",
+            s.min, s.max, s.median
+        )
+    };
+    Some(format!("{label}: {a} - {b}: {spread} ({} sizes)", s.n))
+}
+
 /// The largest `a time / b time` in `mode` over the common sizes in `range`, with its size
 /// (the first such size on a tie). `None` when the paths share no size in `range`. Rows should
 /// come from one GPU count.
@@ -1164,29 +1193,35 @@ where
 
     for (s, pts) in lines {
         let line = s.color.stroke_width(2);
-        // Eager: solid line, filled dots; graph: dashed line, hollow dots.
+        // Eager: solid line, filled dots; graph: dashed line, hollow dots; idle: dotted line,
+        // filled dots.
         let dot = match s.mode {
-            Mode::Eager => s.color.filled(),
+            Mode::Eager | Mode::Idle => s.color.filled(),
             Mode::Graph => s.color.stroke_width(2),
         };
-        let anno = match s.mode {
-            Mode::Eager => chart.draw_series(LineSeries::new(pts.iter().copied(), line))?,
-            Mode::Graph => {
-                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), 8, 5, line))?
+        let dash = match s.mode {
+            Mode::Eager => None,
+            Mode::Graph => Some((8, 5)),
+            Mode::Idle => Some((2, 4)),
+        };
+        let anno = match dash {
+            None => chart.draw_series(LineSeries::new(pts.iter().copied(), line))?,
+            Some((on, off)) => {
+                chart.draw_series(DashedLineSeries::new(pts.iter().copied(), on, off, line))?
             }
         };
         if legend {
             // The mark: 40 pixels of the line with a dot in the middle.
             let anno = anno.label(&s.label);
-            match s.mode {
-                Mode::Eager => anno.legend(move |p| {
+            match dash {
+                None => anno.legend(move |p| {
                     EmptyElement::at(p)
                         + PathElement::new([(0, 0), (40, 0)], line)
                         + Circle::new((20, 0), 4, dot)
                 }),
-                Mode::Graph => anno.legend(move |p| {
+                Some((on, off)) => anno.legend(move |p| {
                     EmptyElement::at(p)
-                        + DashedPathElement::new([(0, 0), (40, 0)], 8, 6, line)
+                        + DashedPathElement::new([(0, 0), (40, 0)], on, off + 1, line)
                         + Circle::new((20, 0), 4, dot)
                 }),
             };
