@@ -622,11 +622,11 @@ impl EngineGuard<'_> {
                     drop(nccl);
                     self.state.captured_nccl |= capturing;
                     if let (Some(w), Some(begun)) = (watch, begun) {
-                        let bytes: usize = tensors.iter().map(|&t| items[t].bytes()).sum();
-                        let what = format!(
-                            "NCCL broadcast of {} tensor(s), {bytes} bytes, from rank {root}",
-                            tensors.len()
-                        );
+                        let what = watchdog::Watched::Broadcast {
+                            tensors: tensors.len(),
+                            bytes: tensors.iter().map(|&t| items[t].bytes()).sum(),
+                            root,
+                        };
                         w.watch(begun, &own, call, what)?;
                     }
                 }
@@ -881,8 +881,7 @@ impl EngineGuard<'_> {
             });
         }
         if let (Some(w), Some(begun)) = (watch, begun) {
-            let what = "a graph launch with NCCL broadcasts".to_string();
-            w.watch(begun, &own, call, what)?;
+            w.watch(begun, &own, call, watchdog::Watched::GraphLaunch)?;
         }
         Ok(())
     }

@@ -3,8 +3,10 @@
 //! broadcast blocked forever, and with it any thread synchronising with those streams.
 //!
 //! Each NCCL broadcast (and each graph launch that holds one) is queued here with an event
-//! before and after it on every local rank's stream. The thread sleeps while nothing is
-//! queued; otherwise it looks every [`POLL`]: when a broadcast has started on some local rank
+//! before and after it on every local rank's stream: a call pays two event records per local
+//! rank and two short uncontended locks, and nothing is formatted unless it is reported. The
+//! thread sleeps while nothing is queued; otherwise it looks every [`POLL`], querying the
+//! events of about one call however many are queued ([`look`]): when a broadcast has started on some local rank
 //! (a start event passed: that rank's NCCL kernel waits for its peers) and has not finished
 //! `timeout` later, or NCCL reports an asynchronous error, it keeps the error for the next
 //! call, naming the calls whose outputs are undefined, then aborts the communicators
@@ -30,21 +32,54 @@ use crate::nccl::{millis, Nccl};
 /// How often the thread looks at queued work: the detection delay beyond the timeout.
 pub(crate) const POLL: Duration = Duration::from_millis(5);
 
-/// One watched call.
-struct Pending {
+/// What a watched call queued, described only when it is reported.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Watched {
+    /// A grouped NCCL broadcast of `tensors` tensors, `bytes` bytes in all, from `root`.
+    Broadcast {
+        tensors: usize,
+        bytes: usize,
+        root: usize,
+    },
+    /// A graph launch that holds NCCL broadcasts.
+    GraphLaunch,
+}
+
+impl std::fmt::Display for Watched {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Watched::Broadcast {
+                tensors,
+                bytes,
+                root,
+            } => write!(
+                f,
+                "NCCL broadcast of {tensors} tensor(s), {bytes} bytes, from rank {root}"
+            ),
+            Watched::GraphLaunch => f.write_str("a graph launch with NCCL broadcasts"),
+        }
+    }
+}
+
+/// One watched call, with its events (`E`: CUDA events; plain flags in the tests).
+struct Pending<E = CudaEvent> {
     call: u64,
-    what: String,
-    start: Vec<CudaEvent>,
-    end: Vec<CudaEvent>,
-    /// When the thread first saw every start event passed.
+    what: Watched,
+    start: Vec<E>,
+    end: Vec<E>,
+    /// When the thread first saw a start event passed (the call's kernel waits for its peers
+    /// on that rank from then on).
     started: Option<Instant>,
 }
+
+/// Start and end events of one call, for reuse.
+type Pair<E> = (Vec<E>, Vec<E>);
 
 #[derive(Default)]
 struct Queue {
     pending: VecDeque<Pending>,
     /// Event pairs of finished calls, for reuse.
-    spare: Vec<(Vec<CudaEvent>, Vec<CudaEvent>)>,
+    spare: Vec<Pair<CudaEvent>>,
     /// The abort not yet reported to a caller.
     fault: Option<Error>,
     stop: bool,
@@ -119,7 +154,7 @@ impl Watchdog {
         begun: Begun,
         streams: &[&Arc<CudaStream>],
         call: u64,
-        what: String,
+        what: Watched,
     ) -> Result<()> {
         for (e, s) in begun.end.iter().zip(streams) {
             e.record(s)
@@ -170,12 +205,41 @@ fn passed(e: &CudaEvent) -> bool {
     e.try_is_complete().unwrap_or(true)
 }
 
-fn all_passed(events: &[CudaEvent]) -> bool {
-    events.iter().all(passed)
-}
-
-fn any_passed(events: &[CudaEvent]) -> bool {
-    events.iter().any(passed)
+/// One look at the queue at `now` (`passed` says whether an event has passed): finished calls
+/// leave the front for `spare`, calls seen started for the first time get `now` as their start,
+/// and the first call that started more than `timeout` ago is named, as the reason to abort.
+///
+/// On each rank's stream a call starts after the one before it ended, so the calls that
+/// started are a prefix of the queue: the look stops at the first that has not, and costs one
+/// query per call in flight that started (about one), not one per call queued.
+fn look<E>(
+    pending: &mut VecDeque<Pending<E>>,
+    spare: &mut Vec<Pair<E>>,
+    now: Instant,
+    timeout: Duration,
+    passed: impl Fn(&E) -> bool,
+) -> Option<String> {
+    while pending.front().is_some_and(|p| p.end.iter().all(&passed)) {
+        let done = pending.pop_front().expect("checked");
+        spare.push((done.start, done.end));
+    }
+    let mut late = None;
+    for p in pending.iter_mut() {
+        let t = match p.started {
+            Some(t) => t,
+            None if p.start.iter().any(&passed) => *p.started.insert(now),
+            None => break,
+        };
+        if late.is_none() && now.duration_since(t) > timeout {
+            late = Some(format!(
+                "call {} ({}) did not finish within {} ms of starting: a peer did not arrive",
+                p.call,
+                p.what,
+                millis(timeout)
+            ));
+        }
+    }
+    late
 }
 
 /// The thread's loop.
@@ -188,28 +252,14 @@ fn watch(shared: &Shared) {
         if q.stop {
             return;
         }
-        let now = Instant::now();
-        while q.pending.front().is_some_and(|p| all_passed(&p.end)) {
-            let done = q.pending.pop_front().expect("checked");
-            q.spare.push((done.start, done.end));
-        }
-        let mut late = None;
-        for p in q.pending.iter_mut() {
-            if p.started.is_none() && any_passed(&p.start) {
-                p.started = Some(now);
-            }
-            if let Some(t) = p.started {
-                if now.duration_since(t) > shared.timeout && late.is_none() {
-                    late = Some(format!(
-                        "call {} ({}) did not finish within {} ms of starting: a peer did not \
-                         arrive",
-                        p.call,
-                        p.what,
-                        millis(shared.timeout)
-                    ));
-                }
-            }
-        }
+        let queue = &mut *q;
+        let late = look(
+            &mut queue.pending,
+            &mut queue.spare,
+            Instant::now(),
+            shared.timeout,
+            passed,
+        );
         let reason = match late {
             Some(r) => Some(r),
             None if !q.pending.is_empty() => {
@@ -252,5 +302,137 @@ fn watch(shared: &Shared) {
             .wait_timeout(q, POLL)
             .unwrap_or_else(|e| e.into_inner());
         q = guard;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    use super::*;
+
+    /// An event the test passes by hand.
+    type Flag = Rc<Cell<bool>>;
+
+    const TIMEOUT: Duration = Duration::from_millis(100);
+
+    /// A queue of `calls` calls on `ranks` ranks; the flags of call `c`, rank `r`, are
+    /// `flags[c].0[r]` (start) and `flags[c].1[r]` (end).
+    fn queue(calls: usize, ranks: usize) -> (VecDeque<Pending<Flag>>, Vec<Pair<Flag>>) {
+        let flags = || (0..ranks).map(|_| Flag::default()).collect::<Vec<_>>();
+        let mut pending = VecDeque::new();
+        let mut all = Vec::new();
+        for call in 0..calls {
+            let (start, end) = (flags(), flags());
+            all.push((start.clone(), end.clone()));
+            pending.push_back(Pending {
+                call: call as u64,
+                what: Watched::GraphLaunch,
+                start,
+                end,
+                started: None,
+            });
+        }
+        (pending, all)
+    }
+
+    fn pass(f: &Flag) {
+        f.set(true);
+    }
+
+    #[test]
+    fn a_call_that_started_and_did_not_end_within_the_timeout_is_named() {
+        let (mut pending, flags) = queue(2, 2);
+        let mut spare = Vec::new();
+        let t0 = Instant::now();
+        let look_at = |p: &mut VecDeque<_>, s: &mut Vec<_>, ms: u64| {
+            look(p, s, t0 + Duration::from_millis(ms), TIMEOUT, |f: &Flag| {
+                f.get()
+            })
+        };
+        assert_eq!(look_at(&mut pending, &mut spare, 0), None);
+        // Rank 0 enters call 0; rank 1 never does.
+        pass(&flags[0].0[0]);
+        assert_eq!(look_at(&mut pending, &mut spare, 10), None);
+        assert_eq!(look_at(&mut pending, &mut spare, 110), None);
+        let late = look_at(&mut pending, &mut spare, 111).expect("late");
+        assert!(late.starts_with("call 0 (a graph launch"), "{late}");
+    }
+
+    #[test]
+    fn a_call_held_back_before_it_starts_is_never_late() {
+        let (mut pending, _flags) = queue(3, 2);
+        let mut spare = Vec::new();
+        let t0 = Instant::now();
+        for ms in [0, 1000, 100_000] {
+            let now = t0 + Duration::from_millis(ms);
+            assert_eq!(
+                look(&mut pending, &mut spare, now, TIMEOUT, |f: &Flag| f.get()),
+                None
+            );
+        }
+    }
+
+    #[test]
+    fn finished_calls_leave_the_queue_for_reuse() {
+        let (mut pending, flags) = queue(3, 2);
+        let mut spare = Vec::new();
+        for (start, end) in &flags[..2] {
+            start.iter().chain(end).for_each(pass);
+        }
+        let now = Instant::now();
+        assert_eq!(
+            look(&mut pending, &mut spare, now, TIMEOUT, |f: &Flag| f.get()),
+            None
+        );
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].call, 2);
+        assert_eq!(spare.len(), 2);
+    }
+
+    /// Rank 0 finishes call 0 and enters call 1 at once; rank 1 is held back and finishes call
+    /// 0 only much later, then dies before call 1. Call 1 started when rank 0 entered it, so it
+    /// is late one timeout after that, not one timeout after call 0 left the queue.
+    #[test]
+    fn a_later_call_is_timed_from_when_it_started_not_from_when_it_reached_the_front() {
+        let (mut pending, flags) = queue(2, 2);
+        let mut spare = Vec::new();
+        let t0 = Instant::now();
+        let look_at = |p: &mut VecDeque<_>, s: &mut Vec<_>, ms: u64| {
+            look(p, s, t0 + Duration::from_millis(ms), TIMEOUT, |f: &Flag| {
+                f.get()
+            })
+        };
+        pass(&flags[0].0[0]);
+        pass(&flags[0].1[0]);
+        pass(&flags[1].0[0]);
+        assert_eq!(look_at(&mut pending, &mut spare, 0), None);
+        // Rank 1 runs call 0 at 90 ms (within its timeout), then never enters call 1.
+        pass(&flags[0].0[1]);
+        pass(&flags[0].1[1]);
+        assert_eq!(look_at(&mut pending, &mut spare, 90), None);
+        let late = look_at(&mut pending, &mut spare, 101).expect("call 1 is late");
+        assert!(late.starts_with("call 1 "), "{late}");
+    }
+
+    /// Each look queries the start events of the calls that have not started only up to the
+    /// first of them: the cost does not grow with the calls queued behind.
+    #[test]
+    fn a_look_queries_no_event_behind_the_first_call_not_started() {
+        let (mut pending, flags) = queue(1000, 2);
+        let mut spare = Vec::new();
+        pass(&flags[0].0[0]);
+        let queries = Cell::new(0usize);
+        let now = Instant::now();
+        for _ in 0..10 {
+            look(&mut pending, &mut spare, now, TIMEOUT, |f: &Flag| {
+                queries.set(queries.get() + 1);
+                f.get()
+            });
+        }
+        // Per look: call 0's end events (2), call 1's start events (2); call 0's start was
+        // seen once and is not asked again.
+        assert!(queries.get() <= 10 * 4 + 1, "{} queries", queries.get());
     }
 }
