@@ -1,4 +1,4 @@
-//! The bench's timer (`benches/timer.rs`) on a GPU: it must tell apart two operations as long
+//! The bench's timer (`benches/timer/mod.rs`) on a GPU: it must tell apart two operations as long
 //! as a 1 GiB broadcast (2.3 ms) that differ by 10 us, with as few operations per repeat as
 //! the old settings gave 1 GiB (4). The operations are a kernel that spins on the GPU's clock,
 //! so the only error left is the timer's.
@@ -7,7 +7,7 @@
 //! timer (the host clock around the repeat, ended by gpucast's bounded synchronize, which polls
 //! with sleeps growing to 1 ms): that variant fails this test.
 
-#[path = "../benches/timer.rs"]
+#[path = "../benches/timer/mod.rs"]
 mod timer;
 
 use std::time::Instant;

@@ -35,7 +35,7 @@
 //! Per repeat: every rank synchronizes its stream, meets the others in a barrier of the job's
 //! TCP store (outside the timed region; no GPU work), queues a timing event on its stream,
 //! issues `iters` ops back to back (eager) or one replay of the graph of `iters` ops, and
-//! queues a second event (`benches/timer.rs`, the single-process bench's timer). Rank 0
+//! queues a second event (`benches/timer/mod.rs`, the single-process bench's timer). Rank 0
 //! gathers every rank's span between its two events through the store after the repeats; the
 //! time of a repeat is the longest span over the ranks, divided by `iters`. The row's time is
 //! the median over the repeats, with their min and max. The repeats of the paths of one size
