@@ -32,6 +32,11 @@ use crate::nccl::{millis, Nccl};
 /// How often the thread looks at queued work: the detection delay beyond the timeout.
 pub(crate) const POLL: Duration = Duration::from_millis(5);
 
+/// How long the thread goes on looking every [`POLL`] with nothing queued before it waits for
+/// the next call without a deadline. Calls that come closer together than this never pay for
+/// a wake-up (a system call, and the thread then contending for the queue's lock).
+const NAP: Duration = Duration::from_millis(200);
+
 /// What a watched call queued, described only when it is reported.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Watched {
@@ -83,6 +88,9 @@ struct Queue {
     /// The abort not yet reported to a caller.
     fault: Option<Error>,
     stop: bool,
+    /// The thread waits without a deadline (it found nothing queued for [`NAP`]): the next
+    /// call wakes it.
+    asleep: bool,
 }
 
 struct Shared {
@@ -161,9 +169,9 @@ impl Watchdog {
                 .map_err(Error::cuda("recording a watchdog event"))?;
         }
         let mut q = self.shared.queue();
-        // The thread sleeps without a deadline only while nothing is queued; otherwise it looks
-        // again within POLL by itself, and a wake-up (a system call) would be wasted.
-        let asleep = q.pending.is_empty();
+        // Unless the thread waits without a deadline, it looks again within POLL by itself, and
+        // a wake-up would be wasted.
+        let asleep = q.asleep;
         q.pending.push_back(Pending {
             call,
             what,
@@ -205,8 +213,8 @@ fn passed(e: &CudaEvent) -> bool {
     e.try_is_complete().unwrap_or(true)
 }
 
-/// One look at the queue at `now` (`passed` says whether an event has passed): finished calls
-/// leave the front for `spare`, calls seen started for the first time get `now` as their start,
+/// One look at the queue at `now` (`passed` says whether an event has passed, on each rank in
+/// the order the events were queued): finished calls leave the front for `spare`, calls seen started for the first time get `now` as their start,
 /// and the first call that started more than `timeout` ago is named, as the reason to abort.
 ///
 /// On each rank's stream a call starts after the one before it ended, so the calls that
@@ -219,7 +227,13 @@ fn look<E>(
     timeout: Duration,
     passed: impl Fn(&E) -> bool,
 ) -> Option<String> {
-    while pending.front().is_some_and(|p| p.end.iter().all(&passed)) {
+    // Each rank's events pass in stream order: when the last call ended everywhere, so did
+    // every call before it (one query per rank for a whole batch of finished calls).
+    let all_done = pending.back().is_some_and(|p| p.end.iter().all(&passed));
+    while pending
+        .front()
+        .is_some_and(|p| all_done || p.end.iter().all(&passed))
+    {
         let done = pending.pop_front().expect("checked");
         spare.push((done.start, done.end));
     }
@@ -245,9 +259,21 @@ fn look<E>(
 /// The thread's loop.
 fn watch(shared: &Shared) {
     let mut q = shared.queue();
+    let mut idle_since: Option<Instant> = None;
     loop {
-        while q.pending.is_empty() && !q.stop {
-            q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+        if q.pending.is_empty() {
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= NAP {
+                q.asleep = true;
+                while q.pending.is_empty() && !q.stop {
+                    q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                q.asleep = false;
+                // A call came: the nap starts again once the queue is empty again.
+                idle_since = None;
+            }
+        } else {
+            idle_since = None;
         }
         if q.stop {
             return;
@@ -414,6 +440,30 @@ mod tests {
         assert_eq!(look_at(&mut pending, &mut spare, 90), None);
         let late = look_at(&mut pending, &mut spare, 101).expect("call 1 is late");
         assert!(late.starts_with("call 1 "), "{late}");
+    }
+
+    /// A batch of finished calls leaves the queue for the price of the last one's events.
+    #[test]
+    fn finished_calls_cost_the_last_call_s_queries() {
+        let (mut pending, flags) = queue(1000, 2);
+        let mut spare = Vec::new();
+        for (start, end) in &flags {
+            start.iter().chain(end).for_each(pass);
+        }
+        let queries = Cell::new(0usize);
+        look(
+            &mut pending,
+            &mut spare,
+            Instant::now(),
+            TIMEOUT,
+            |f: &Flag| {
+                queries.set(queries.get() + 1);
+                f.get()
+            },
+        );
+        assert!(pending.is_empty());
+        assert_eq!(spare.len(), 1000);
+        assert!(queries.get() <= 2, "{} queries", queries.get());
     }
 
     /// Each look queries the start events of the calls that have not started only up to the
