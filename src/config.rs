@@ -143,17 +143,18 @@ pub struct Thresholds {
 /// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch, copy-engine
 /// start).
 ///
-/// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2): the
-///   P2P kernel was at least as fast as NCCL at every size from 1 KiB to 1 GiB, eager and in
-///   graphs, so it has no limit of its own; the packet protocol beat pull at every size it can
-///   carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
+/// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2,
+///   timed before the bench's event timer): the P2P kernel was faster than NCCL at every size
+///   of results/h200x2/table.txt, eager and in graphs, and within 2.5% of it in the large runs
+///   (213.9 against 208.7 us at 64 MiB eager in results/h200x2/large/table.txt, the one size
+///   it lost), so it has no limit of its own; the packet protocol beat pull at every size it
+///   can carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
 /// - 3 to 8 GPUs, from a cost model (`model_crossover`, in the tests: every peer pulls from the
-///   root, so the root's links carry the data N-1 times, while NCCL's ring carries it once), which the
-///   first 4-GPU run confirmed (P2P at 124 GB/s = 372/3 at 1 GiB; NCCL ahead from 4 MiB). The
-///   packet protocol's root writes twice the payload to each of N-1 peers, so its switch point
-///   drops with N. Above the P2P limit the copy-engine chain takes over: like NCCL's ring it
-///   carries the data once per link, with no kernel and a smaller fixed cost (an estimate: 4
-///   and 8 GPUs were not available to measure it).
+///   root, so the root's links carry the data N-1 times, while NCCL's ring carries it once); no
+///   run on 3 or more GPUs is on record. The packet protocol's root writes twice the payload to
+///   each of N-1 peers, so its switch point drops with N. Above the P2P limit the copy-engine
+///   chain takes over: like NCCL's ring it carries the data once per link, with no kernel and a
+///   smaller fixed cost (an estimate: 4 and 8 GPUs were not available to measure it).
 pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (2, usize::MAX, PACKET_MAX_BYTES, COPY_ENGINE_MIN_2_GPUS),
     (3, 4 << 20, 64 << 10, (4 << 20) + 1),
@@ -164,20 +165,21 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (8, 1 << 20, 32 << 10, (1 << 20) + 1),
 ];
 
-/// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs. Measured on 2 H200
-/// (results/h200x2/large, three runs, out of place, eager): from 64 MiB the chain beat the P2P
-/// kernel in every run (196 against 214-216 us at 64 MiB; 731 against 812 us at 256 MiB and
-/// 2802 against 3049 us at 1 GiB with the root pushing) but once at 128 MiB (388 against
-/// 378 us; 380 against 420-424 us in the two others); at 32 MiB the P2P kernel won two runs of
-/// three (101 against 107-108 us). In place, or beside compute (no SM taken: 0.1% compute
-/// slowdown against 24% for NCCL and P2P), it is the better path anyway.
+/// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs. From the two
+/// committed runs of the final chain on 2 H200 (results/h200x2/large/table.txt and
+/// table-run-4.txt, out of place, eager, timed before the bench's event timer): the chain beat
+/// the P2P kernel at 64 MiB (196-198 against 214-215 us), 256 MiB (722-728 against 812-817 us)
+/// and 1 GiB (2782-2820 against 3023-3046 us), lost at 32 MiB (110-111 against 103-104 us) and
+/// at 128 MiB (384-388 against 379-381 us), and tied at 512 MiB. In place, or beside compute
+/// (no SM taken: 0.1% compute slowdown against 24% for NCCL and 24.9% for the P2P kernel,
+/// results/h200x2/interference), it is the better path anyway.
 pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 
 /// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
-/// memory operations. In both runs on 2 H200 with the root pushing, the chain won at 128 MiB
-/// (388-390 against 414-418 us for the P2P kernel), 256 MiB (739-745 against 794 us) and 1 GiB
-/// (2802-2857 against 2981-2986 us), and lost at 64 MiB (223-225 against 209-211 us) and, by 4%,
-/// at 512 MiB (1599-1604 against 1533-1534 us).
+/// memory operations. In the same two runs, the chain won at 128 MiB (386-390 against 415-418
+/// us for the P2P kernel), 256 MiB (739-745 against 794-799 us) and 1 GiB (2802-2842 against
+/// 2986-2993 us), and lost at 64 MiB (221-223 against 207-209 us) and, by 4-5%, at 512 MiB
+/// (1604-1613 against 1533-1535 us).
 pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
