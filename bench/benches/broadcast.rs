@@ -77,17 +77,19 @@ struct Args {
     /// Paths to measure: nccl, p2p, auto, copy-engine (gpucast's route), copy-engine-raw
     /// (bare cuMemcpyPeerAsync into each peer, unordered, eager only), launch-floor; nccl-raw
     /// (ncclBroadcast on communicators of the bench's own, one group call from one thread, no
-    /// gpucast in between); nccl-nowatch (gpucast's NCCL path with its watchdog off, eager and
-    /// idle only: what the watchdog costs);
-    /// p2p-1thread (the P2P kernel launched from one thread, GPU after GPU); p2p-untracked (the
-    /// P2P call with cudarc's per-buffer events off, eager only: what those events cost); and the P2P kernel
+    /// gpucast in between); nccl-threads (the same communicators, each rank's ncclBroadcast
+    /// from a thread of its own, eager and idle only); nccl-nowatch (gpucast's NCCL path with
+    /// its watchdog off, eager and idle only: what the watchdog costs); p2p-1thread (the P2P
+    /// kernel launched from one thread, GPU after GPU); p2p-untracked (the P2P call with
+    /// cudarc's per-buffer events off, eager only: what those events cost); and the P2P kernel
     /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull (fan-out),
-    /// p2p-chain (each rank forwards to the next; any number of GPUs). Default:
-    /// nccl, nccl-raw, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw, launch-floor (on
-    /// one GPU: nccl, nccl-raw, nccl-nowatch, launch-floor). With one process per GPU: p2p, auto, nccl, raw-nccl
-    /// (ncclBroadcast on a communicator of its own), launch-floor, p2p-packet, p2p-pull; default
-    /// p2p, auto, nccl, raw-nccl, launch-floor. With --interference: nccl, p2p, auto,
-    /// copy-engine (gpucast's path), copy-engine-raw (the bare copies); default all but auto.
+    /// p2p-chain (each rank forwards to the next; any number of GPUs). Default: nccl,
+    /// nccl-raw, nccl-threads, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw,
+    /// launch-floor (on one GPU: nccl, nccl-raw, nccl-nowatch, launch-floor). With one process
+    /// per GPU: p2p, auto, nccl, raw-nccl (ncclBroadcast on a communicator of its own),
+    /// launch-floor, p2p-packet, p2p-pull; default p2p, auto, nccl, raw-nccl, launch-floor. With
+    /// --interference: nccl, p2p, auto, copy-engine (gpucast's path), copy-engine-raw (the bare
+    /// copies); default all but auto.
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
     /// Modes: eager (calls back to back), graph (captured, replayed), idle (one call after 10
@@ -133,7 +135,7 @@ struct Args {
 
 /// The paths measured by default in one process.
 const DEFAULT_PATHS: &str =
-    "nccl,nccl-raw,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
+    "nccl,nccl-raw,nccl-threads,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
 
 /// The paths measured by default on a clique of one GPU (NCCL with one rank).
 const DEFAULT_PATHS_1GPU: &str = "nccl,nccl-raw,nccl-nowatch,launch-floor";
@@ -270,7 +272,7 @@ fn main() -> Result<()> {
         .enumerate()
         .map(|(r, o)| o.device_ptr(clique.stream(r)).0)
         .collect();
-    let raw = if paths.iter().any(|p| p == "nccl-raw") {
+    let raw = if paths.iter().any(|p| p == "nccl-raw" || p == "nccl-threads") {
         Some(procs::nccl::RawNcclAll::new(clique.ordinals())?)
     } else {
         None
@@ -385,6 +387,24 @@ fn main() -> Result<()> {
     let table = report::format_table(&rows, "nccl");
     println!("{table}");
     let mut summary = Vec::new();
+    // The fair ratio first: gpucast against the fastest way to drive NCCL measured in this run.
+    let nccl_ways = ["nccl", "nccl-raw", "nccl-threads"];
+    let mut with_best = rows.clone();
+    with_best.extend(report::best_of(&rows, "fastest-nccl", &nccl_ways));
+    for &mode in &modes {
+        for p in ["p2p", "auto"] {
+            let small = 0..=64 << 10;
+            if let Some(l) =
+                report::ratio_line(&with_best, mode, p, "fastest-nccl", small, "<= 64K")
+            {
+                summary.push(format!(
+                    "{}: fair: {l} (fastest-nccl: per size the fastest of {})",
+                    mode.name(),
+                    nccl_ways.join(", ")
+                ));
+            }
+        }
+    }
     for &mode in &modes {
         if let Some(x) = report::last_win(&rows, mode, "p2p", "nccl") {
             summary.push(format!(
@@ -696,14 +716,21 @@ fn run_op(
             unsafe { clique.copy_engine_raw(root, src, &dsts, bytes) }?;
             Ok(())
         }
-        "nccl-raw" => {
+        "nccl-raw" | "nccl-threads" => {
             let raw = pools.raw.as_ref().context("nccl-raw was not set up")?;
             let dsts: Vec<u64> = pools.output_ptrs.iter().map(|p| p + off as u64).collect();
             let streams: Vec<_> = (0..clique.len())
                 .map(|r| clique.stream(r).cu_stream())
                 .collect();
+            let src = pools.input_ptr + off as u64;
             // SAFETY: as for copy-engine-raw; each rank's part goes on its own stream.
-            unsafe { raw.broadcast(root, pools.input_ptr + off as u64, &dsts, bytes, &streams) }
+            unsafe {
+                if path == "nccl-raw" {
+                    raw.broadcast(root, src, &dsts, bytes, &streams)
+                } else {
+                    raw.broadcast_threads(root, src, &dsts, bytes, &streams)
+                }
+            }
         }
         p => {
             let opts = options_for(p)?;
@@ -909,7 +936,12 @@ fn prepare<'c>(
         return Ok(None);
     }
     // Switches around a call (events off, watchdog off) have no meaning inside a capture.
-    if mode == Mode::Graph && matches!(path, "p2p-untracked" | "nccl-nowatch" | "p2p-1thread") {
+    if mode == Mode::Graph
+        && matches!(
+            path,
+            "p2p-untracked" | "nccl-nowatch" | "p2p-1thread" | "nccl-threads"
+        )
+    {
         return Ok(None);
     }
     match mode {

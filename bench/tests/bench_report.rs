@@ -5,7 +5,7 @@
 mod report;
 
 use report::{
-    crossover, difference_line, format_size, format_table, last_win, parse_size, plot,
+    best_of, crossover, difference_line, format_size, format_table, last_win, parse_size, plot,
     ratio_summary, read_csv, size_sweep, stats, write_csv, Mode, Row, CSV_HEADER,
 };
 
@@ -933,4 +933,30 @@ fn differences_in_microseconds() {
         one.as_deref(),
         Some("1M: nccl-raw - nccl: -1.00 us (1 sizes)")
     );
+}
+
+#[test]
+fn the_fastest_of_several_paths_per_size() {
+    let mut rows = series("nccl", Mode::Eager, &[(1024, 9.0), (2048, 10.5)]);
+    rows.extend(series(
+        "nccl-raw",
+        Mode::Eager,
+        &[(1024, 5.0), (2048, 12.0)],
+    ));
+    rows.extend(series("nccl-raw", Mode::Graph, &[(1024, 1.0)]));
+    rows.extend(series("p2p", Mode::Eager, &[(1024, 2.0)]));
+    let best = best_of(&rows, "nccl-best", &["nccl", "nccl-raw", "nccl-threads"]);
+    let got: Vec<(Mode, u64, f64, &str)> = best
+        .iter()
+        .map(|r| (r.mode, r.bytes, r.time_us, r.route.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (Mode::Eager, 1024, 5.0, "nccl-raw"),
+            (Mode::Eager, 2048, 10.5, "nccl"),
+            (Mode::Graph, 1024, 1.0, "nccl-raw"),
+        ]
+    );
+    assert!(best.iter().all(|r| r.path == "nccl-best"));
 }

@@ -9,6 +9,8 @@
 //! `nccl::sys` types.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use gpucast::cudarc::driver::sys::CUstream;
@@ -195,10 +197,55 @@ impl RawNccl {
 }
 
 /// Plain NCCL communicators over the GPUs of one process (`ncclCommInitAll`), driven the way
-/// gpucast's NCCL path drives its own: one group call per broadcast, from one thread.
+/// gpucast's NCCL path drives its own (one group call per broadcast, from one thread:
+/// [`RawNcclAll::broadcast`]) or from one thread per GPU ([`RawNcclAll::broadcast_threads`]).
 pub struct RawNcclAll {
+    /// Declared first: dropped (stopped and joined) before the communicators they use.
+    workers: Vec<Worker>,
     lib: Lib,
     comms: Vec<ncclComm_t>,
+}
+
+/// One broadcast handed to a worker: written before `seq` is published, read after.
+#[derive(Default)]
+struct Slot {
+    seq: AtomicU64,
+    done: AtomicU64,
+    code: AtomicU32,
+    send: AtomicU64,
+    recv: AtomicU64,
+    bytes: AtomicUsize,
+    root: AtomicUsize,
+    stream: AtomicUsize,
+    stop: AtomicBool,
+}
+
+/// A thread that calls `ncclBroadcast` on one communicator when its slot says so.
+struct Worker {
+    slot: Arc<Slot>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.slot.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Spins until `f` holds, yielding the core now and then.
+fn spin_until(f: impl Fn() -> bool) {
+    let mut n = 0u32;
+    while !f() {
+        n = n.wrapping_add(1);
+        if n.is_multiple_of(4096) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 impl RawNcclAll {
@@ -214,7 +261,84 @@ impl RawNcclAll {
         // SAFETY: `comms` has room for one communicator per device of `devs`.
         let code = unsafe { (lib.comm_init_all)(comms.as_mut_ptr(), n, devs.as_ptr()) };
         lib.check(code, "ncclCommInitAll")?;
-        Ok(RawNcclAll { lib, comms })
+        let broadcast = lib.broadcast;
+        let workers = comms
+            .iter()
+            .skip(1)
+            .map(|&comm| {
+                let slot = Arc::new(Slot::default());
+                let mine = slot.clone();
+                // Raw handles cross to the thread as integers; the thread is joined before the
+                // communicator is destroyed (field order of `RawNcclAll`).
+                let comm = comm as usize;
+                let thread = std::thread::Builder::new()
+                    .name("nccl-raw-worker".into())
+                    .spawn(move || worker(&mine, broadcast, comm))
+                    .context("starting an NCCL worker thread")?;
+                Ok(Worker {
+                    slot,
+                    thread: Some(thread),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(RawNcclAll {
+            workers,
+            lib,
+            comms,
+        })
+    }
+
+    /// [`RawNcclAll::broadcast`] with each rank's `ncclBroadcast` called from a thread of its
+    /// own (rank 0's from this one), no group: the fastest way to drive NCCL on several GPUs
+    /// from one process. Returns once every rank's call returned.
+    ///
+    /// # Safety
+    /// As for [`RawNcclAll::broadcast`].
+    pub unsafe fn broadcast_threads(
+        &self,
+        root: usize,
+        src: u64,
+        dsts: &[u64],
+        bytes: usize,
+        streams: &[CUstream],
+    ) -> Result<()> {
+        let root_c = c_int::try_from(root).context("root")?;
+        for (r, w) in self.workers.iter().enumerate() {
+            let r = r + 1;
+            let slot = &w.slot;
+            slot.send
+                .store(if r == root { src } else { dsts[r] }, Ordering::Relaxed);
+            slot.recv.store(dsts[r], Ordering::Relaxed);
+            slot.bytes.store(bytes, Ordering::Relaxed);
+            slot.root.store(root, Ordering::Relaxed);
+            slot.stream.store(streams[r] as usize, Ordering::Relaxed);
+            slot.seq.fetch_add(1, Ordering::Release);
+        }
+        let send = if root == 0 { src } else { dsts[0] };
+        // SAFETY: per this function's contract.
+        let code = unsafe {
+            (self.lib.broadcast)(
+                send as *const c_void,
+                dsts[0] as *mut c_void,
+                bytes,
+                ncclDataType_t::ncclUint8,
+                root_c,
+                self.comms[0],
+                streams[0],
+            )
+        };
+        let mut first = self.lib.check(code, "ncclBroadcast (rank 0)");
+        for w in &self.workers {
+            let want = w.slot.seq.load(Ordering::Relaxed);
+            spin_until(|| w.slot.done.load(Ordering::Acquire) == want);
+            if first.is_ok() {
+                first = self.lib.check(
+                    w.slot.code.load(Ordering::Relaxed),
+                    "ncclBroadcast (a worker)",
+                );
+            }
+        }
+        first
     }
 
     /// `bytes` bytes at `src` on rank `root` into `dsts[r]` on every rank `r`, each rank's
@@ -271,5 +395,36 @@ impl Drop for RawNcclAll {
                 eprintln!("# {e}");
             }
         }
+    }
+}
+
+/// A worker's loop: waits for a new sequence number in `slot`, calls `ncclBroadcast` on `comm`
+/// with the slot's arguments, publishes the result.
+fn worker(slot: &Slot, broadcast: BroadcastFn, comm: usize) {
+    let mut seen = 0u64;
+    loop {
+        spin_until(|| {
+            slot.seq.load(Ordering::Acquire) != seen || slot.stop.load(Ordering::Acquire)
+        });
+        if slot.stop.load(Ordering::Acquire) {
+            return;
+        }
+        seen = slot.seq.load(Ordering::Acquire);
+        let root = c_int::try_from(slot.root.load(Ordering::Relaxed)).unwrap_or(c_int::MAX);
+        // SAFETY: the caller of `broadcast_threads` vouches for the pointers and the stream
+        // and waits for `done`; `comm` is alive until this thread is joined.
+        let code = unsafe {
+            broadcast(
+                slot.send.load(Ordering::Relaxed) as *const c_void,
+                slot.recv.load(Ordering::Relaxed) as *mut c_void,
+                slot.bytes.load(Ordering::Relaxed),
+                ncclDataType_t::ncclUint8,
+                root,
+                comm as ncclComm_t,
+                slot.stream.load(Ordering::Relaxed) as CUstream,
+            )
+        };
+        slot.code.store(code, Ordering::Relaxed);
+        slot.done.store(seen, Ordering::Release);
     }
 }

@@ -838,6 +838,28 @@ pub fn ratio_line(
     ))
 }
 
+/// Rows of a virtual path `name`: per GPU count, mode and size, the fastest row of the paths
+/// `of` (its path name kept as the route), for ratios against the best of several baselines.
+pub fn best_of(rows: &[Row], name: &str, of: &[&str]) -> Vec<Row> {
+    let mut best: BTreeMap<(usize, Mode, u64), &Row> = BTreeMap::new();
+    for r in rows.iter().filter(|r| of.contains(&r.path.as_str())) {
+        if !(r.time_us.is_finite() && r.time_us > 0.0) {
+            continue;
+        }
+        let slot = best.entry((r.gpus, r.mode, r.bytes)).or_insert(r);
+        if r.time_us < slot.time_us {
+            *slot = r;
+        }
+    }
+    best.into_values()
+        .map(|r| Row {
+            path: name.to_string(),
+            route: r.path.clone(),
+            ..r.clone()
+        })
+        .collect()
+}
+
 /// `a time - b time` in `mode` over the common sizes in `range`, in microseconds: the cost of
 /// what `a` adds to `b` (`"<label>: a - b: +x to +y us (median +z us) (n sizes)"`). `None`
 /// when the paths share no size in `range`.
