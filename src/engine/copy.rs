@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUstream};
-use cudarc::driver::{result, CudaContext};
+use cudarc::driver::{result, CudaContext, CudaEvent};
 
 use super::{streams, EngineGuard, Item};
 use crate::error::{Error, Result};
@@ -35,6 +35,65 @@ const WAIT: sys::CUevent_wait_flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEF
 
 /// Bytes of one rank's flag area.
 const FLAG_BYTES: usize = (WINDOW + 1) * 4;
+
+/// What the copy-engine path keeps between calls, under the engine's lock.
+pub(crate) struct State {
+    /// One event per rank for the chain of eager calls.
+    events: Vec<CudaEvent>,
+    /// Per rank: the fork and join events of the root's own copy on its `aux` stream.
+    aux_events: Vec<(CudaEvent, CudaEvent)>,
+    /// The flags of captured calls, made at the first one.
+    flags: Option<Flags>,
+    /// Bumped whenever the flags are replaced (leaked): a graph captured before holds the
+    /// old ones' addresses.
+    pub(crate) gen: u64,
+    /// A copy-engine step was queued inside the capture in progress.
+    pub(crate) captured: bool,
+    /// A graph launch reached some ranks and not others: their flag waits must be released
+    /// (set to 1) until the streams drain.
+    pub(crate) release: bool,
+}
+
+impl State {
+    /// The path's state with its events (one per rank, and a fork/join pair per rank).
+    pub(crate) fn new(
+        events: Vec<CudaEvent>,
+        aux_events: impl IntoIterator<Item = (CudaEvent, CudaEvent)>,
+    ) -> State {
+        State {
+            events,
+            aux_events: aux_events.into_iter().collect(),
+            flags: None,
+            gen: 0,
+            captured: false,
+            release: false,
+        }
+    }
+
+    /// Sets every flag to `value` ([`Flags::set`]), if any were made. Flags whose memset did
+    /// not finish are leaked (a memset may still write them) and made anew when next needed.
+    pub(crate) fn set_flags(&mut self, value: u32) -> Result<()> {
+        let Some(flags) = &self.flags else {
+            return Ok(());
+        };
+        match flags.set(value) {
+            Err(e @ Error::StreamsBusy { .. }) => {
+                tracing::warn!("a reset of the copy-engine flags did not finish: they are leaked");
+                self.leak_flags();
+                Err(e)
+            }
+            r => r,
+        }
+    }
+
+    /// Leaks the flags (work that may still write them is queued), never to be reused.
+    pub(crate) fn leak_flags(&mut self) {
+        if let Some(flags) = self.flags.take() {
+            std::mem::forget(flags);
+            self.gen += 1;
+        }
+    }
+}
 
 /// One flag area per rank in device memory (`cuMemAlloc`, reachable by every peer through
 /// peer access), all zero between calls.
@@ -132,7 +191,7 @@ impl EngineGuard<'_> {
         let chunks = plan::chunks(tensors, &bytes, plan::chunk_bytes(total, n));
         let order = plan::chain(root, n);
         let capturing = self.capturing();
-        self.state.captured_ce |= capturing;
+        self.state.ce.captured |= capturing;
         let ops = if capturing {
             plan::captured_ops(&order, chunks.len())
         } else {
@@ -150,7 +209,7 @@ impl EngineGuard<'_> {
         // The root's own copies on its second stream, between a fork after everything before
         // the call on its stream and a join before anything after it.
         let (fork, join) = {
-            let (f, j) = &self.state.ce_aux_events[root];
+            let (f, j) = &self.state.ce.aux_events[root];
             (f.cu_event(), j.cu_event())
         };
         let (main, aux) = (self.raw_stream(root), self.aux_stream(root));
@@ -241,10 +300,10 @@ impl EngineGuard<'_> {
         if ops
             .iter()
             .any(|o| matches!(o, ChainOp::WaitFlag { .. } | ChainOp::WriteFlag { .. }))
-            && self.state.ce_flags.is_none()
+            && self.state.ce.flags.is_none()
         {
             let ctxs: Vec<_> = self.engine.ranks.iter().map(|r| r.ctx.clone()).collect();
-            self.state.ce_flags = Some(Flags::new(&ctxs)?);
+            self.state.ce.flags = Some(Flags::new(&ctxs)?);
         }
         // After a failure the copies stop but every record and wait still goes out: each
         // rank's stream then waits for whatever copies into its buffers did go out, so no
@@ -275,13 +334,13 @@ impl EngineGuard<'_> {
     ) -> Result<()> {
         match *op {
             ChainOp::Record { rank } => {
-                let event = self.state.ce_events[rank].cu_event();
+                let event = self.state.ce.events[rank].cu_event();
                 // SAFETY: the event and the stream belong to the rank's context.
                 unsafe { result::event::record(event, self.raw_stream(rank)) }
                     .map_err(Error::cuda("recording a copy-engine event"))?;
             }
             ChainOp::Wait { rank, of } => {
-                let event = self.state.ce_events[of].cu_event();
+                let event = self.state.ce.events[of].cu_event();
                 // SAFETY: live stream and event; events of another device may be waited on.
                 unsafe { result::stream::wait_event(self.raw_stream(rank), event, WAIT) }
                     .map_err(Error::cuda("ordering copy-engine ranks"))?;
@@ -337,7 +396,8 @@ impl EngineGuard<'_> {
 
     fn flags(&self) -> &Flags {
         self.state
-            .ce_flags
+            .ce
+            .flags
             .as_ref()
             .expect("made before the first flag operation")
     }

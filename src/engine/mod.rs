@@ -92,28 +92,17 @@ struct State {
     nccl: Arc<Mutex<Nccl>>,
     /// An NCCL step was queued inside the capture in progress.
     captured_nccl: bool,
-    /// A copy-engine step was queued inside the capture in progress.
-    captured_ce: bool,
     /// A P2P step was queued inside the capture in progress.
     captured_p2p: bool,
     /// Bumped whenever the P2P state closes: a graph captured before holds its addresses.
     p2p_gen: u64,
-    /// Bumped whenever the copy-engine flags are replaced (leaked): the same for graphs.
-    ce_gen: u64,
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
-    /// One event per rank for the copy-engine chain of eager calls.
-    ce_events: Vec<CudaEvent>,
-    /// Per rank: the fork and join events of the root's own copy on its `aux` stream.
-    ce_aux_events: Vec<(CudaEvent, CudaEvent)>,
-    /// The copy-engine flags of captured calls, made at the first one.
-    ce_flags: Option<copy::Flags>,
+    /// The copy-engine path's own state.
+    ce: copy::State,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
     desynced: bool,
-    /// A graph launch reached some ranks and not others: their copy-engine waits must be
-    /// released (set to 1) until the streams drain.
-    ce_release: bool,
 }
 
 /// The engine of one clique.
@@ -168,8 +157,7 @@ impl Engine {
                 .map_err(Error::cuda("creating the ordering events"))
         };
         let events = new_events()?;
-        let ce_events = new_events()?;
-        let ce_aux_events = new_events()?.into_iter().zip(new_events()?).collect();
+        let ce = copy::State::new(new_events()?, new_events()?.into_iter().zip(new_events()?));
         let p2p_status = Mutex::new(p2p.as_ref().map(|_| ()).map_err(Clone::clone));
         let live = matches!(nccl, Nccl::Live(_));
         let nccl = Arc::new(Mutex::new(nccl));
@@ -184,17 +172,12 @@ impl Engine {
             state: Mutex::new(State {
                 nccl,
                 captured_nccl: false,
-                captured_ce: false,
                 captured_p2p: false,
                 p2p_gen: 0,
-                ce_gen: 0,
                 p2p,
                 events,
-                ce_events,
-                ce_aux_events,
-                ce_flags: None,
+                ce,
                 desynced: false,
-                ce_release: false,
             }),
             p2p_status,
             calls: AtomicU64::new(0),
@@ -273,7 +256,7 @@ impl Engine {
         let mut guard = self.guard()?;
         drop(self.fault());
         guard.drain(false)?;
-        guard.state.ce_release = false;
+        guard.state.ce.release = false;
         guard.set_ce_flags(0)?;
         if let Ok(p2p) = &guard.state.p2p {
             drop(p2p.first_error());
@@ -363,21 +346,9 @@ impl EngineGuard<'_> {
         self.engine.ranks.len()
     }
 
-    /// Sets every copy-engine flag to `value` ([`copy::Flags::set`]). Flags whose memset did
-    /// not finish are leaked (a memset may still write them) and made anew when next needed.
+    /// Sets every copy-engine flag to `value` ([`copy::State::set_flags`]).
     fn set_ce_flags(&mut self, value: u32) -> Result<()> {
-        let Some(flags) = &self.state.ce_flags else {
-            return Ok(());
-        };
-        match flags.set(value) {
-            Err(e @ Error::StreamsBusy { .. }) => {
-                tracing::warn!("a reset of the copy-engine flags did not finish: they are leaked");
-                std::mem::forget(self.state.ce_flags.take());
-                self.state.ce_gen += 1;
-                Err(e)
-            }
-            r => r,
-        }
+        self.state.ce.set_flags(value)
     }
 
     /// Closes the P2P path for good with `why`; its state is dropped, or leaked (`leak`) where
@@ -453,7 +424,7 @@ impl EngineGuard<'_> {
             return Ok(());
         }
         self.drain(false)?;
-        self.state.ce_release = false;
+        self.state.ce.release = false;
         self.set_ce_flags(0)?;
         // Across processes every process would have to reset its signal area at the same
         // point: until a coordinated reset exists, the P2P path closes after a timeout.
@@ -494,7 +465,7 @@ impl EngineGuard<'_> {
             // After a graph launch that reached only some ranks, copy-engine waits of the ranks
             // launched wait for flags nobody will write: set them, again at every turn, as a
             // chain waits on each flag once per chunk of its window (reset to 0 by the reader).
-            if self.state.ce_release {
+            if self.state.ce.release {
                 self.set_ce_flags(1)?;
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
@@ -724,7 +695,7 @@ impl EngineGuard<'_> {
     /// enqueue on the streams being captured). On an error the ones begun are ended.
     pub(crate) fn begin_capture(&mut self) -> Result<()> {
         self.state.captured_nccl = false;
-        self.state.captured_ce = false;
+        self.state.ce.captured = false;
         self.state.captured_p2p = false;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
@@ -758,10 +729,10 @@ impl EngineGuard<'_> {
     /// graph would leave its peers waiting at every replay, so that is an error.
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
         let has_nccl = std::mem::take(&mut self.state.captured_nccl);
-        let has_ce = std::mem::take(&mut self.state.captured_ce);
+        let has_ce = std::mem::take(&mut self.state.ce.captured);
         let holds = Holds {
             p2p: std::mem::take(&mut self.state.captured_p2p).then_some(self.state.p2p_gen),
-            ce: has_ce.then_some(self.state.ce_gen),
+            ce: has_ce.then_some(self.state.ce.gen),
         };
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
@@ -818,7 +789,7 @@ impl EngineGuard<'_> {
                         .into(),
                 ));
             }
-            if holds.ce.is_some_and(|g| g != self.state.ce_gen) {
+            if holds.ce.is_some_and(|g| g != self.state.ce.gen) {
                 return Err(Error::CopyEngineUnavailable(
                     "the copy-engine flags this graph was captured with were replaced after a \
                      reset that did not finish: capture it again"
@@ -872,7 +843,7 @@ impl EngineGuard<'_> {
             // The ranks whose graphs went out wait for this one.
             if results.iter().any(std::result::Result::is_ok) {
                 self.state.desynced = true;
-                self.state.ce_release = execs.first().is_some_and(GraphExec::has_ce);
+                self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
                 self.set_ce_flags(1)?;
             }
             return Err(Error::Cuda {
@@ -1057,7 +1028,7 @@ impl Drop for Engine {
             let p2p =
                 std::mem::replace(&mut state.p2p, Err(Error::P2pUnavailable("dropped".into())));
             std::mem::forget(p2p);
-            std::mem::forget(state.ce_flags.take());
+            state.ce.leak_flags();
         }
     }
 }
