@@ -93,6 +93,32 @@ impl Foreign {
     }
 }
 
+/// Queues `work` in the ordering sequence of a call with buffers (see the module's doc).
+/// `buffers` names each buffer's local rank and stream. In order: an error cudarc stored on a
+/// buffer's context is reported (nothing queued); `guard` takes every buffer's cudarc guard
+/// (its waits) and returns them with what `work` needs (the addresses); a failed wait is
+/// reported (nothing queued); `work` queues the call between the foreign streams' orderings
+/// ([`Foreign::around`]); the guards are dropped (their records) and a failed record is
+/// reported (the call is queued).
+pub(crate) fn ordered<G>(
+    engine: &mut EngineGuard<'_>,
+    buffers: &[(usize, &Arc<CudaStream>)],
+    guard: impl FnOnce() -> G,
+    work: impl FnOnce(&mut EngineGuard<'_>, &G) -> Result<()>,
+) -> Result<()> {
+    let mut foreign = Foreign::default();
+    for &(local, s) in buffers {
+        foreign.note(local, s, engine.stream(local));
+    }
+    let streams = || buffers.iter().map(|&(_, s)| s);
+    stored_error(streams(), Check::Before)?;
+    let guards = guard();
+    stored_error(streams(), Check::Waits)?;
+    foreign.around(engine, |e| work(e, &guards))?;
+    drop(guards);
+    stored_error(streams(), Check::Records)
+}
+
 /// What a check of cudarc's stored errors guards.
 #[derive(Clone, Copy)]
 pub(crate) enum Check {

@@ -3,7 +3,7 @@
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::access::{self, Check, Foreign};
+use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
 use crate::config::{Available, BroadcastOptions, BroadcastPath, Route, MAX_GPUS};
 use crate::dtype::Element;
@@ -161,42 +161,48 @@ impl Core {
         let step = self.replan_single(step, shape.bytes, options)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
-        let mut foreign = Foreign::default();
+        let mut buffers: Vec<(usize, &std::sync::Arc<CudaStream>)> = Vec::new();
         if let (Some(s), Some(local)) = (&in_stream, root_local) {
-            foreign.note(local, s, self.stream(local));
+            buffers.push((local, s));
         }
-        for (local, s) in out_streams.iter().enumerate() {
-            foreign.note(local, s, self.stream(local));
-        }
-        let guarded = || in_stream.iter().chain(&out_streams);
-        access::stored_error(guarded(), Check::Before)?;
-        let read = match (input, &in_stream) {
-            (Some(i), Some(s)) => Some(i.device_ptr(s)),
-            _ => None,
+        buffers.extend(out_streams.iter().enumerate());
+        let n = self.len();
+        let (count, dtype) = (shape.count, shape.dtype);
+        let (in_stream, out_streams) = (&in_stream, &out_streams);
+        let guards = move || {
+            // Moved out of the closure: the guards borrow the outputs for the whole call.
+            let outputs = outputs;
+            let read = match (input, in_stream) {
+                (Some(i), Some(s)) => Some(i.device_ptr(s)),
+                _ => None,
+            };
+            let mut dsts = [0u64; MAX_GPUS];
+            let mut writes = Vec::with_capacity(outputs.len());
+            for (local, (out, s)) in outputs.iter_mut().zip(out_streams).enumerate() {
+                let (ptr, w) = out.device_ptr_mut(s);
+                dsts[local] = ptr;
+                writes.push(w);
+            }
+            let src = match (&read, root_local) {
+                (Some((ptr, _)), _) => *ptr,
+                (None, Some(local)) => dsts[local],
+                (None, None) => 0,
+            };
+            let item = access::item(src, &dsts[..n], count, dtype);
+            (item, read, writes)
         };
-        let mut dsts = [0u64; MAX_GPUS];
-        let mut writes = Vec::with_capacity(outputs.len());
-        for (local, (out, s)) in outputs.iter_mut().zip(&out_streams).enumerate() {
-            let (ptr, w) = out.device_ptr_mut(s);
-            dsts[local] = ptr;
-            writes.push(w);
-        }
-        let src = match (&read, root_local) {
-            (Some((ptr, _)), _) => *ptr,
-            (None, Some(local)) => dsts[local],
-            (None, None) => 0,
-        };
-        let item = access::item(src, &dsts[..self.len()], shape.count, shape.dtype);
-        access::stored_error(guarded(), Check::Waits)?;
         // SAFETY: validation proved every buffer is on its rank's device and context and
-        // `count` long; the borrows keep them alive until this returns, and `Foreign` plus the
-        // guards (dropped after the work is queued) keep them alive for the queued work. In
-        // place, the root's buffer is both source and destination, which every path handles.
-        foreign.around(&mut engine, |e| unsafe {
-            e.run(root, &[item], std::slice::from_ref(&step))
-        })?;
-        drop((read, writes));
-        access::stored_error(guarded(), Check::Records)
+        // `count` long; the borrows keep them alive until this returns, and the ordering
+        // (`access::ordered`: foreign streams and the guards, dropped after the work is queued)
+        // keeps them alive for the queued work. In place, the root's buffer is both source and
+        // destination, which every path handles.
+        access::ordered(&mut engine, &buffers, guards, |e, (item, _, _)| unsafe {
+            e.run(
+                root,
+                std::slice::from_ref(item),
+                std::slice::from_ref(&step),
+            )
+        })
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -297,59 +303,59 @@ impl Core {
             .iter()
             .map(|l| l.iter().map(|t| t.stream().clone()).collect())
             .collect();
-        let mut foreign = Foreign::default();
+        let mut buffers: Vec<(usize, &std::sync::Arc<CudaStream>)> = Vec::new();
         if let Some(local) = root_local {
-            for s in &in_streams {
-                foreign.note(local, s, self.stream(local));
-            }
+            buffers.extend(in_streams.iter().map(|s| (local, s)));
         }
         for (local, list) in out_streams.iter().enumerate() {
-            for s in list {
-                foreign.note(local, s, self.stream(local));
-            }
+            buffers.extend(list.iter().map(|s| (local, s)));
         }
-        let guarded = || in_streams.iter().chain(out_streams.iter().flatten());
-        access::stored_error(guarded(), Check::Before)?;
         let count = shapes.len();
-        let mut srcs = vec![0u64; count];
-        let mut reads = Vec::with_capacity(in_streams.len());
-        for (t, (input, s)) in inputs
-            .unwrap_or_default()
-            .iter()
-            .zip(&in_streams)
-            .enumerate()
-        {
-            let (ptr, g) = input.read_ptr(s);
-            srcs[t] = ptr;
-            reads.push(g);
-        }
-        let mut dsts = vec![[0u64; MAX_GPUS]; count];
-        let mut writes = Vec::with_capacity(count * self.len());
-        for (local, (list, streams)) in outputs.iter_mut().zip(&out_streams).enumerate() {
-            for (t, (out, s)) in list.iter_mut().zip(streams).enumerate() {
-                let (ptr, g) = out.write_ptr(s);
-                dsts[t][local] = ptr;
-                writes.push(g);
+        let n = self.len();
+        let (in_streams, out_streams, shapes) = (&in_streams, &out_streams, &shapes);
+        let guards = move || {
+            // Moved out of the closure: the guards borrow the outputs for the whole call.
+            let outputs = outputs;
+            let mut srcs = vec![0u64; count];
+            let mut reads = Vec::with_capacity(in_streams.len());
+            for (t, (input, s)) in inputs
+                .unwrap_or_default()
+                .iter()
+                .zip(in_streams)
+                .enumerate()
+            {
+                let (ptr, g) = input.read_ptr(s);
+                srcs[t] = ptr;
+                reads.push(g);
             }
-        }
-        let items: Vec<Item> = (0..count)
-            .map(|t| Item {
-                src: match (inputs.is_some(), root_local) {
-                    (true, _) => srcs[t],
-                    (false, Some(local)) => dsts[t][local],
-                    (false, None) => 0,
-                },
-                dsts: dsts[t],
-                count: shapes[t].count,
-                dtype: shapes[t].dtype,
-            })
-            .collect();
-        access::stored_error(guarded(), Check::Waits)?;
-        // SAFETY: validated against the ranks; the borrows and guards keep every buffer alive
-        // and ordered for the queued work (see `access`).
-        foreign.around(&mut engine, |e| unsafe { e.run(root, &items, &steps) })?;
-        drop((reads, writes));
-        access::stored_error(guarded(), Check::Records)?;
+            let mut dsts = vec![[0u64; MAX_GPUS]; count];
+            let mut writes = Vec::with_capacity(count * n);
+            for (local, (list, streams)) in outputs.iter_mut().zip(out_streams).enumerate() {
+                for (t, (out, s)) in list.iter_mut().zip(streams).enumerate() {
+                    let (ptr, g) = out.write_ptr(s);
+                    dsts[t][local] = ptr;
+                    writes.push(g);
+                }
+            }
+            let items: Vec<Item> = (0..count)
+                .map(|t| Item {
+                    src: match (inputs.is_some(), root_local) {
+                        (true, _) => srcs[t],
+                        (false, Some(local)) => dsts[t][local],
+                        (false, None) => 0,
+                    },
+                    dsts: dsts[t],
+                    count: shapes[t].count,
+                    dtype: shapes[t].dtype,
+                })
+                .collect();
+            (items, reads, writes)
+        };
+        // SAFETY: validated against the ranks; the borrows and the ordering (`access::ordered`)
+        // keep every buffer alive and ordered for the queued work.
+        access::ordered(&mut engine, &buffers, guards, |e, (items, _, _)| unsafe {
+            e.run(root, items, &steps)
+        })?;
         Ok(report)
     }
 

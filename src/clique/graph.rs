@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::access::{self, Check, Foreign};
+use super::access;
 use super::{Clique, Core};
 use crate::config::{BroadcastOptions, Route, MAX_GPUS};
 use crate::engine::{EngineGuard, GraphExec, Item};
@@ -431,32 +431,34 @@ impl CliqueGraph<'_, '_> {
             .iter()
             .map(|(_, t)| t.stream().clone())
             .collect();
-        let mut foreign = Foreign::default();
-        for ((local, _), s) in self.reads.iter().zip(&read_streams) {
-            foreign.note(*local, s, core.stream(*local));
-        }
-        for ((local, _), s) in self.writes.iter().zip(&write_streams) {
-            foreign.note(*local, s, core.stream(*local));
-        }
-        let guarded = || read_streams.iter().chain(&write_streams);
-        access::stored_error(guarded(), Check::Before)?;
-        let reads: Vec<_> = self
-            .reads
-            .iter()
+        let buffers: Vec<(usize, &Arc<CudaStream>)> = (self.reads.iter().map(|(local, _)| *local))
             .zip(&read_streams)
-            .map(|((_, t), s)| t.read_ptr(s).1)
+            .chain(
+                self.writes
+                    .iter()
+                    .map(|(local, _)| *local)
+                    .zip(&write_streams),
+            )
             .collect();
-        let writes: Vec<_> = self
-            .writes
-            .iter_mut()
-            .zip(&write_streams)
-            .map(|((_, t), s)| t.write_ptr(s).1)
-            .collect();
-        access::stored_error(guarded(), Check::Waits)?;
+        let (reads, writes) = (&self.reads, &mut self.writes);
+        let (rs, ws) = (&read_streams, &write_streams);
+        let guards = move || {
+            // Moved out of the closure: the guards borrow the buffers for the whole launch.
+            let writes = writes;
+            let r: Vec<_> = reads
+                .iter()
+                .zip(rs)
+                .map(|((_, t), s)| t.read_ptr(s).1)
+                .collect();
+            let w: Vec<_> = writes
+                .iter_mut()
+                .zip(ws)
+                .map(|((_, t), s)| t.write_ptr(s).1)
+                .collect();
+            (r, w)
+        };
         let execs = &self.execs;
-        foreign.around(&mut engine, |e| e.launch_graphs(execs))?;
-        drop((reads, writes));
-        access::stored_error(guarded(), Check::Records)
+        access::ordered(&mut engine, &buffers, guards, |e, _| e.launch_graphs(execs))
     }
 
     /// Uploads each graph to its device ahead of the first launch.

@@ -390,6 +390,11 @@ impl EngineGuard<'_> {
         call
     }
 
+    /// The stream of `rank` (its own, not its capture stream).
+    pub(crate) fn stream(&self, rank: usize) -> &Arc<CudaStream> {
+        self.engine.stream(rank)
+    }
+
     /// Whether a capture holds the lock (set once every rank's capture has begun).
     fn capturing(&self) -> bool {
         self.engine.capturing.load(Ordering::Acquire)
