@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{access, setup, CliqueGraph, Core, UncheckedCapture};
+use super::{setup, CliqueGraph, Core, UncheckedCapture};
 use crate::config::{
     BroadcastOptions, BroadcastPath, Env, Requested, Route, Settings, Thresholds,
     DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
@@ -130,6 +130,98 @@ fn card(host: &str, settings: &Settings, shared: bool, ordinal: usize) -> Vec<u8
     .into_bytes()
 }
 
+/// Round 1: every rank's host, settings and device. Every rank must have chosen the same
+/// settings; whether every rank is on this host.
+fn round_cards(
+    exchange: &(dyn Exchange + Send + Sync),
+    host: &str,
+    settings: &Settings,
+    shared: bool,
+    ordinal: usize,
+) -> Result<bool> {
+    let rank = exchange.rank();
+    let mine = card(host, settings, shared, ordinal);
+    let cards = exchange.all_gather(&mine)?;
+    let line = |c: &[u8], i: usize| {
+        String::from_utf8_lossy(c)
+            .split('\n')
+            .nth(i)
+            .unwrap_or_default()
+            .to_string()
+    };
+    for (r, c) in cards.iter().enumerate() {
+        if line(c, 1) != line(&mine, 1) {
+            return Err(Error::InvalidSetting {
+                name: "settings",
+                reason: format!(
+                    "rank {r} uses {}, rank {rank} uses {}: every rank must choose the same path, thresholds, timeout and shared_devices",
+                    line(c, 1),
+                    line(&mine, 1)
+                ),
+            });
+        }
+    }
+    Ok(cards.iter().all(|c| line(c, 0) == host))
+}
+
+/// Round 2: NCCL's id from rank 0, then this rank's communicator (none where ranks may share
+/// a GPU: NCCL refuses two ranks on one device).
+fn round_nccl(
+    exchange: &(dyn Exchange + Send + Sync),
+    ctx: &Arc<CudaContext>,
+    shared: bool,
+    init_timeout: Duration,
+) -> Result<Nccl> {
+    if shared {
+        return Ok(Nccl::Off(
+            "the job lets ranks share a GPU (`shared_devices`), and NCCL needs one device per \
+             rank"
+                .into(),
+        ));
+    }
+    let (rank, world) = (exchange.rank(), exchange.world_size());
+    let id = if rank == 0 {
+        Comms::unique_id()?.0.to_vec()
+    } else {
+        Vec::new()
+    };
+    let id = exchange.broadcast_from(0, &id)?;
+    let id = UniqueId(
+        id.try_into()
+            .map_err(|_| Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into()))?,
+    );
+    Ok(Nccl::Live(Comms::init_ranks(
+        &id,
+        world,
+        &[(rank, ctx.clone())],
+        init_timeout,
+    )?))
+}
+
+/// Rounds 3 and 4 (on one host): shared memory for the P2P kernel, or why there is none.
+fn rounds_p2p(
+    exchange: &(dyn Exchange + Send + Sync),
+    ctx: &Arc<CudaContext>,
+    same_host: bool,
+    settings: &Settings,
+    deadline: Instant,
+) -> Result<P2p> {
+    let (rank, world) = (exchange.rank(), exchange.world_size());
+    if !same_host {
+        Err(Error::P2pUnavailable(
+            "the ranks are on several hosts: P2P runs within one host only".into(),
+        ))
+    } else if world > MAX_GPUS {
+        Err(Error::P2pUnavailable(format!(
+            "{world} ranks on one host: the P2P kernel takes at most {MAX_GPUS}"
+        )))
+    } else if world == 1 {
+        P2p::new(std::slice::from_ref(ctx), settings.timeout, false)
+    } else {
+        P2p::new_ipc(ctx, rank, world, exchange, settings.timeout, deadline)
+    }
+}
+
 impl Communicator {
     /// Joins the job described by the environment torchrun or Slurm set (`RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, ...), on GPU `LOCAL_RANK`,
@@ -195,31 +287,9 @@ impl Communicator {
             "creating a context on device {ordinal}"
         )))?;
 
-        // Round 1: hosts, settings and devices.
         let host = host_id(crate::rendezvous::env_var);
         let shared = b.shared_devices;
-        let cards = exchange.all_gather(&card(&host, &settings, shared, ordinal))?;
-        let mine = card(&host, &settings, shared, ordinal);
-        let line = |c: &[u8], i: usize| {
-            String::from_utf8_lossy(c)
-                .split('\n')
-                .nth(i)
-                .unwrap_or_default()
-                .to_string()
-        };
-        for (r, c) in cards.iter().enumerate() {
-            if line(c, 1) != line(&mine, 1) {
-                return Err(Error::InvalidSetting {
-                    name: "settings",
-                    reason: format!(
-                        "rank {r} uses {}, rank {rank} uses {}: every rank must choose the same path, thresholds, timeout and shared_devices",
-                        line(c, 1),
-                        line(&mine, 1)
-                    ),
-                });
-            }
-        }
-        let same_host = cards.iter().all(|c| line(c, 0) == host);
+        let same_host = round_cards(exchange.as_ref(), &host, &settings, shared, ordinal)?;
         if same_host && world > 1 {
             settings.thresholds = settings
                 .thresholds
@@ -228,58 +298,10 @@ impl Communicator {
                 .graph_thresholds
                 .across_processes(limit_set, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS);
         }
-
-        // Round 2: NCCL's id from rank 0, then the communicator (none where ranks may share a
-        // GPU: NCCL refuses two ranks on one device).
-        let nccl = if shared {
-            Nccl::Off(
-                "the job lets ranks share a GPU (`shared_devices`), and NCCL needs one device \
-                 per rank"
-                    .into(),
-            )
-        } else {
-            let id = if rank == 0 {
-                Comms::unique_id()?.0.to_vec()
-            } else {
-                Vec::new()
-            };
-            let id = exchange.broadcast_from(0, &id)?;
-            let id =
-                UniqueId(id.try_into().map_err(|_| {
-                    Error::InvalidArgument("rank 0's NCCL id is not 128 bytes".into())
-                })?);
-            Nccl::Live(Comms::init_ranks(
-                &id,
-                world,
-                &[(rank, ctx.clone())],
-                init_timeout,
-            )?)
-        };
-
-        // Rounds 3 and 4 (on one host): shared memory for the P2P kernel.
-        let p2p = if !same_host {
-            Err(Error::P2pUnavailable(
-                "the ranks are on several hosts: P2P runs within one host only".into(),
-            ))
-        } else if world > MAX_GPUS {
-            Err(Error::P2pUnavailable(format!(
-                "{world} ranks on one host: the P2P kernel takes at most {MAX_GPUS}"
-            )))
-        } else if world == 1 {
-            P2p::new(std::slice::from_ref(&ctx), settings.timeout, false)
-        } else {
-            P2p::new_ipc(
-                &ctx,
-                rank,
-                world,
-                exchange.as_ref(),
-                settings.timeout,
-                deadline,
-            )
-        };
+        let nccl = round_nccl(exchange.as_ref(), &ctx, shared, init_timeout)?;
+        let p2p = rounds_p2p(exchange.as_ref(), &ctx, same_host, &settings, deadline);
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
         let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, nccl, p2p)?;
-        let place = access::place_of(engine.stream(0));
         let init_time = started.elapsed();
         tracing::info!(
             rank,
@@ -292,19 +314,19 @@ impl Communicator {
             "communicator created"
         );
         Ok(Communicator {
-            core: Core {
+            core: Core::new(
                 engine,
-                places: vec![place],
-                globals: vec![rank],
-                world,
-                copy_engine: Err(Error::CopyEngineUnavailable(
-                    "the ranks are separate processes: a rank's copy engines cannot address \
-                     the buffers of another process"
-                        .into(),
-                )),
-                nccl_on: !shared,
-                one_process: world == 1,
-            },
+                super::core::Placement {
+                    globals: vec![rank],
+                    world,
+                    copy_engine: Err(Error::CopyEngineUnavailable(
+                        "the ranks are separate processes: a rank's copy engines cannot \
+                         address the buffers of another process"
+                            .into(),
+                    )),
+                    nccl_on: !shared,
+                },
+            ),
             job,
             host,
             same_host,

@@ -34,7 +34,37 @@ pub(crate) struct Core {
     pub(crate) one_process: bool,
 }
 
+/// Where a `Core`'s local ranks sit in the job, and what can run there: what a front (a
+/// `Clique` or a `Communicator`) finds out while it sets up, before the one way of building a
+/// `Core` ([`Core::new`]).
+pub(crate) struct Placement {
+    /// The job rank of each local rank.
+    pub(crate) globals: Vec<usize>,
+    /// Ranks in the job.
+    pub(crate) world: usize,
+    /// Whether the copy-engine route can run, or the error a forced call returns.
+    pub(crate) copy_engine: std::result::Result<(), Error>,
+    /// Whether NCCL runs here.
+    pub(crate) nccl_on: bool,
+}
+
 impl Core {
+    /// The core of `engine`'s local ranks, placed in the job by `job`.
+    pub(crate) fn new(engine: Engine, job: Placement) -> Core {
+        let places = (0..engine.len())
+            .map(|r| access::place_of(engine.stream(r)))
+            .collect();
+        Core {
+            one_process: job.globals.len() == job.world,
+            engine,
+            places,
+            globals: job.globals,
+            world: job.world,
+            copy_engine: job.copy_engine,
+            nccl_on: job.nccl_on,
+        }
+    }
+
     pub(crate) fn ranks(&self) -> Ranks<'_> {
         Ranks {
             places: &self.places,

@@ -139,20 +139,15 @@ impl CliqueBuilder {
         };
         let built = setup::create(devices, &self.requested, self.shared_devices)?;
         let n = built.engine.len();
-        let places = (0..n)
-            .map(|r| access::place_of(built.engine.stream(r)))
-            .collect();
+        let job = core::Placement {
+            globals: (0..n).collect(),
+            world: n,
+            copy_engine: built.topology.copy_engine_support(),
+            nccl_on: built.nccl_on,
+        };
         let clique = Clique {
             ordinals: built.topology.ordinals().to_vec(),
-            core: Core {
-                engine: built.engine,
-                places,
-                globals: (0..n).collect(),
-                world: n,
-                copy_engine: built.topology.copy_engine_support(),
-                nccl_on: built.nccl_on,
-                one_process: true,
-            },
+            core: Core::new(built.engine, job),
             topology: built.topology,
         };
         tracing::info!(
