@@ -8,6 +8,7 @@
 use crate::config::{self, Available, BroadcastPath, Route, Thresholds};
 use crate::error::Result;
 use crate::p2p::abi::LIST_MAX;
+use crate::p2p::Protocol;
 
 /// Most operations NCCL accepts between `ncclGroupStart` and `ncclGroupEnd`.
 pub(crate) const NCCL_GROUP_MAX_OPS: usize = 2048;
@@ -15,8 +16,8 @@ pub(crate) const NCCL_GROUP_MAX_OPS: usize = 2048;
 /// One launch step of a planned call, naming tensors by index.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// One tensor through the P2P kernel of `route` (packet or pull).
-    P2pOne { tensor: usize, route: Route },
+    /// One tensor through the P2P kernel with `protocol`.
+    P2pOne { tensor: usize, protocol: Protocol },
     /// Several tensors through one fused pull launch.
     P2pList { tensors: Vec<usize> },
     /// Tensors broadcast by NCCL inside one group.
@@ -30,6 +31,27 @@ impl Step {
     pub(crate) fn is_p2p(&self) -> bool {
         matches!(self, Step::P2pOne { .. } | Step::P2pList { .. })
     }
+}
+
+/// The step of a single broadcast (tensor `tensor`) on `route`; `None` for an empty one.
+pub(crate) fn single(tensor: usize, route: Route) -> Option<Step> {
+    let protocol = match route {
+        Route::Empty => return None,
+        Route::Nccl => {
+            return Some(Step::NcclGroup {
+                tensors: vec![tensor],
+            })
+        }
+        Route::CopyEngine => {
+            return Some(Step::CopyEngine {
+                tensors: vec![tensor],
+            })
+        }
+        Route::P2pPacket => Protocol::Packet,
+        Route::P2pPull => Protocol::Pull,
+        Route::P2pChain => Protocol::Chain,
+    };
+    Some(Step::P2pOne { tensor, protocol })
 }
 
 /// Plans a call of tensors of `bytes[i]` bytes on `nranks` ranks. Zero-length tensors are
@@ -52,7 +74,9 @@ pub(crate) fn plan(
             Route::Empty => {}
             Route::Nccl => nccl_tensors.push(i),
             Route::CopyEngine => ce_tensors.push(i),
-            route => p2p_tensors.push((i, route)),
+            Route::P2pPacket => p2p_tensors.push((i, Protocol::Packet)),
+            Route::P2pPull => p2p_tensors.push((i, Protocol::Pull)),
+            Route::P2pChain => p2p_tensors.push((i, Protocol::Chain)),
         }
     }
     let mut steps = Vec::new();
@@ -64,16 +88,16 @@ pub(crate) fn plan(
     // A chained tensor is a launch of its own: the fused kernel fans out from the root.
     let (chained, p2p_tensors): (Vec<_>, Vec<_>) = p2p_tensors
         .into_iter()
-        .partition(|&(_, route)| route == Route::P2pChain);
-    for (tensor, route) in chained {
-        steps.push(Step::P2pOne { tensor, route });
+        .partition(|&(_, protocol)| protocol == Protocol::Chain);
+    for (tensor, protocol) in chained {
+        steps.push(Step::P2pOne { tensor, protocol });
     }
     let per_list = if fuse { LIST_MAX } else { 1 };
     for chunk in p2p_tensors.chunks(per_list) {
         steps.push(match chunk {
-            [(tensor, route)] => Step::P2pOne {
+            [(tensor, protocol)] => Step::P2pOne {
                 tensor: *tensor,
-                route: *route,
+                protocol: *protocol,
             },
             _ => Step::P2pList {
                 tensors: chunk.iter().map(|c| c.0).collect(),
@@ -520,14 +544,14 @@ mod tests {
             plan(&[64], BroadcastPath::Auto, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 0,
-                route: Route::P2pPacket
+                protocol: Protocol::Packet
             }]
         );
         assert_eq!(
             plan(&[0, 101], BroadcastPath::P2p, p2p_only(Ok(())), &t, 2, true).unwrap(),
             vec![Step::P2pOne {
                 tensor: 1,
-                route: Route::P2pPull
+                protocol: Protocol::Pull
             }]
         );
         assert_eq!(
@@ -575,11 +599,11 @@ mod tests {
             vec![
                 Step::P2pOne {
                     tensor: 0,
-                    route: Route::P2pPacket
+                    protocol: Protocol::Packet
                 },
                 Step::P2pOne {
                     tensor: 1,
-                    route: Route::P2pPull
+                    protocol: Protocol::Pull
                 }
             ]
         );
@@ -621,7 +645,7 @@ mod tests {
                 },
                 Step::P2pOne {
                     tensor: 0,
-                    route: Route::P2pPacket
+                    protocol: Protocol::Packet
                 },
                 Step::NcclGroup { tensors: vec![2] },
             ]
@@ -673,11 +697,11 @@ mod tests {
             vec![
                 Step::P2pOne {
                     tensor: 0,
-                    route: Route::P2pChain
+                    protocol: Protocol::Chain
                 },
                 Step::P2pOne {
                     tensor: 2,
-                    route: Route::P2pChain
+                    protocol: Protocol::Chain
                 },
                 Step::P2pList {
                     tensors: vec![1, 3, 4]
@@ -692,7 +716,7 @@ mod tests {
         let steps = plan(&sizes, BroadcastPath::P2p, apart, &t, 4, false).unwrap();
         assert!(steps.iter().all(|s| matches!(
             s,
-            Step::P2pOne { route, .. } if *route != Route::P2pChain
+            Step::P2pOne { protocol, .. } if *protocol != Protocol::Chain
         )));
         assert_eq!(steps.len(), 5);
     }

@@ -137,12 +137,7 @@ impl Core {
 
     /// The launch step of a single broadcast, `None` for nothing to do.
     fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
-        Ok(match self.route(bytes, options)? {
-            Route::Empty => None,
-            Route::Nccl => Some(Step::NcclGroup { tensors: vec![0] }),
-            Route::CopyEngine => Some(Step::CopyEngine { tensors: vec![0] }),
-            route => Some(Step::P2pOne { tensor: 0, route }),
-        })
+        Ok(plan::single(0, self.route(bytes, options)?))
     }
 
     /// The launch plan of tensors of `bytes[i]` bytes with `options`, for an eager call or

@@ -521,14 +521,14 @@ impl EngineGuard<'_> {
         let streams = self.work_streams();
         for step in steps {
             match step {
-                Step::P2pOne { tensor, route } => {
+                Step::P2pOne { tensor, protocol } => {
                     self.state.captured_p2p |= self.capturing();
                     let it = &items[*tensor];
                     let p2p = self.p2p()?;
                     // SAFETY: per this function's contract.
                     let r = unsafe {
                         p2p.launch(
-                            *route,
+                            *protocol,
                             root,
                             it.src,
                             it.bytes(),

@@ -16,11 +16,23 @@ use std::time::Duration;
 use cudarc::driver::sys::{self, CUdeviceptr, CUfunction, CUstream};
 use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 
-use crate::config::{Route, MAX_GPUS};
+use crate::config::MAX_GPUS;
 use crate::error::{Error, Result};
 use crate::rendezvous::Exchange;
 use abi::{layout, ListEntry, ListParams, Params};
 use shared::SharedMemory;
+
+/// The P2P kernel's protocols: what a P2P route becomes once it is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// The root writes the message into every peer's packet buffer
+    /// ([`crate::Route::P2pPacket`]).
+    Packet,
+    /// Every peer reads the root's input ([`crate::Route::P2pPull`]).
+    Pull,
+    /// Each rank reads its predecessor's output ([`crate::Route::P2pChain`]).
+    Chain,
+}
 
 /// One GPU's share of the P2P path.
 struct RankKernels {
@@ -403,7 +415,7 @@ impl P2p {
         }
     }
 
-    /// Launches the kernel of `route` (packet or pull) on every local rank: the root (a job
+    /// Launches the kernel of `protocol` on every local rank: the root (a job
     /// rank) copies `bytes` bytes from `src`, and local rank i writes them to `dsts[i]`. Across
     /// processes a pull goes through the root's staging buffer, in chunks of its size.
     ///
@@ -411,21 +423,21 @@ impl P2p {
     /// As for [`P2p::launch_kernels`]; across processes, peers never read `src` itself.
     pub(crate) unsafe fn launch(
         &mut self,
-        route: Route,
+        protocol: Protocol,
         root: usize,
         src: u64,
         bytes: usize,
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
-        if route == Route::P2pChain && self.staging.is_some() {
+        if protocol == Protocol::Chain && self.staging.is_some() {
             return Err(Error::P2pUnavailable(
                 "the P2P chain reads every rank's output: ranks of one process only".into(),
             ));
         }
-        let Some(st) = self.staging.as_ref().filter(|_| route == Route::P2pPull) else {
+        let Some(st) = self.staging.as_ref().filter(|_| protocol == Protocol::Pull) else {
             // SAFETY: per this function's contract.
-            return unsafe { self.launch_kernels(route, root, src, bytes, dsts, streams) };
+            return unsafe { self.launch_kernels(protocol, root, src, bytes, dsts, streams) };
         };
         let (staged, chunk_max) = (st.ptrs[root], st.bytes);
         let mut off = 0;
@@ -459,7 +471,7 @@ impl P2p {
             // SAFETY: per this function's contract, for this chunk.
             unsafe {
                 self.launch_kernels(
-                    route,
+                    protocol,
                     root,
                     staged,
                     len,
@@ -472,7 +484,7 @@ impl P2p {
         Ok(())
     }
 
-    /// Launches the kernel of `route` (packet or pull) on every local rank, reading `src`.
+    /// Launches the kernel of `protocol` on every local rank, reading `src`.
     ///
     /// # Safety
     /// `src` holds `bytes` readable bytes on the root's device (readable by every peer for the
@@ -482,21 +494,21 @@ impl P2p {
     /// order.
     unsafe fn launch_kernels(
         &mut self,
-        route: Route,
+        protocol: Protocol,
         root: usize,
         src: u64,
         bytes: usize,
         dsts: &[u64],
         streams: &[CUstream],
     ) -> Result<()> {
-        let geometry = match route {
-            Route::P2pPacket => abi::packet_geometry(bytes),
-            Route::P2pChain => abi::chain_geometry(bytes),
-            _ => abi::pull_geometry(bytes),
+        let geometry = match protocol {
+            Protocol::Packet => abi::packet_geometry(bytes),
+            Protocol::Pull => abi::pull_geometry(bytes),
+            Protocol::Chain => abi::chain_geometry(bytes),
         };
         let mut params = self.base_params(root, src, bytes, geometry.chunk);
         let n = self.ranks.len();
-        let from = if route == Route::P2pChain {
+        let from = if protocol == Protocol::Chain {
             self.chain_sources(root, src, dsts)?
         } else {
             [0; MAX_GPUS]
@@ -514,7 +526,7 @@ impl P2p {
             params.error_slot = r.error_dev;
             params.from = from[rank];
             // The buffer this rank copies from: its chain source, or the root's input.
-            let read = if route == Route::P2pChain {
+            let read = if protocol == Protocol::Chain {
                 params.from
             } else {
                 params.src
@@ -522,10 +534,10 @@ impl P2p {
             let a = abi::co_alignment(read, params.dst, params.bytes);
             params.unit = a.unit;
             params.head = a.head;
-            let func: CUfunction = match route {
-                Route::P2pPacket => r.packet.cu_function(),
-                Route::P2pChain => r.chain.cu_function(),
-                _ => r.pull.cu_function(),
+            let func: CUfunction = match protocol {
+                Protocol::Packet => r.packet.cu_function(),
+                Protocol::Pull => r.pull.cu_function(),
+                Protocol::Chain => r.chain.cu_function(),
             };
             jobs[rank] = launcher::Job {
                 func,
