@@ -100,7 +100,8 @@ mod wait;
 
 pub use clique::{
     device_count, Capture, Clique, CliqueBuilder, CliqueGraph, Communicator, CommunicatorBuilder,
-    OutputLists, RawBroadcast, UncheckedCapture, DEFAULT_INIT_TIMEOUT,
+    GraphBuffers, OutputLists, OwnedCapture, OwnedGraph, RawBroadcast, UncheckedCapture,
+    DEFAULT_INIT_TIMEOUT,
 };
 #[doc(hidden)]
 pub use config::parse_bytes;

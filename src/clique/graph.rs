@@ -239,6 +239,23 @@ pub struct UncheckedCapture<'c> {
 }
 
 impl<'c> UncheckedCapture<'c> {
+    /// Begins a capture on `core`'s ranks.
+    pub(crate) fn begin(core: &'c Core) -> Result<UncheckedCapture<'c>> {
+        Ok(UncheckedCapture {
+            session: Session::begin(core)?,
+        })
+    }
+
+    /// Ends the capture: one instantiated graph per rank.
+    pub(crate) fn finish(&mut self) -> Result<Vec<GraphExec>> {
+        self.session.finish()
+    }
+
+    /// The core whose streams record this capture.
+    pub(crate) fn core(&self) -> &'c Core {
+        self.session.core
+    }
+
     /// The stream that records local rank `local`'s part of the graph: work queued on it
     /// (kernels of your own) joins the graph, in order with the captured broadcasts. It is not
     /// [`Clique::stream`], which stays an ordinary stream while the capture runs. Work queued

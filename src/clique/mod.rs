@@ -11,6 +11,7 @@ mod communicator;
 mod core;
 mod fused;
 mod graph;
+mod owned;
 mod setup;
 
 use std::sync::Arc;
@@ -28,6 +29,7 @@ pub(crate) use core::Core;
 pub use communicator::{Communicator, CommunicatorBuilder, DEFAULT_INIT_TIMEOUT};
 pub use fused::OutputLists;
 pub use graph::{Capture, CliqueGraph, UncheckedCapture};
+pub use owned::{GraphBuffers, OwnedCapture, OwnedGraph};
 pub use setup::device_count;
 
 /// The settings every builder shares (a field `requested: Requested`): path, thresholds and
