@@ -810,6 +810,20 @@ pub fn ratio_summary(rows: &[Row], mode: Mode, small_max: u64) -> Vec<String> {
     lines
 }
 
+/// The times of `a` and `b` in `mode` at each size in `range` both have.
+fn times_in(
+    rows: &[Row],
+    mode: Mode,
+    a: &str,
+    b: &str,
+    range: RangeInclusive<u64>,
+) -> impl Iterator<Item = (f64, f64)> {
+    common(rows, None, mode, a, b)
+        .into_iter()
+        .filter(move |(bytes, _, _)| range.contains(bytes))
+        .map(|(_, ta, tb)| (ta, tb))
+}
+
 /// One ratio line for `a` against `b` in `mode` over the common sizes in `range`:
 /// `"{label}: {a} vs {b}: {ratios} ({n} sizes)"`, the ratios (speed ratio `b time / a
 /// time`) worded as in [`ratio_summary`]. `None` when the paths share no size in `range`.
@@ -822,10 +836,8 @@ pub fn ratio_line(
     range: RangeInclusive<u64>,
     label: &str,
 ) -> Option<String> {
-    let ratios: Vec<f64> = common(rows, None, mode, a, b)
-        .into_iter()
-        .filter(|(bytes, _, _)| range.contains(bytes))
-        .map(|(_, ta, tb)| tb / ta)
+    let ratios: Vec<f64> = times_in(rows, mode, a, b, range)
+        .map(|(ta, tb)| tb / ta)
         .filter(|r| r.is_finite() && *r > 0.0)
         .collect();
     if ratios.is_empty() {
@@ -871,10 +883,8 @@ pub fn difference_line(
     range: RangeInclusive<u64>,
     label: &str,
 ) -> Option<String> {
-    let diffs: Vec<f64> = common(rows, None, mode, a, b)
-        .into_iter()
-        .filter(|(bytes, _, _)| range.contains(bytes))
-        .map(|(_, ta, tb)| ta - tb)
+    let diffs: Vec<f64> = times_in(rows, mode, a, b, range)
+        .map(|(ta, tb)| ta - tb)
         .filter(|d| d.is_finite())
         .collect();
     let s = stats(&diffs)?;
