@@ -120,7 +120,14 @@ impl<'c, 'buf> Capture<'c, 'buf> {
     /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
     /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
     /// fail.
-    pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
+    ///
+    /// # Safety
+    /// The graph does not keep what work queued here touches: every buffer it uses must stay
+    /// allocated while any replay of the graph may run, and other work on it must be ordered
+    /// with the replays (as for [`Clique::capture_unchecked`]). A buffer of a context whose
+    /// cudarc tracks no events (a second `CudaContext` of the same device, say) is not stopped
+    /// by CUDA's capture rules.
+    pub unsafe fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
         self.session.core.engine.capture_stream(local)
     }
 
@@ -370,8 +377,9 @@ impl Clique {
     /// Launches do no per-buffer ordering.
     ///
     /// # Safety
-    /// Every buffer passed to the capture must stay allocated, and must not be freed (even by
-    /// a stream-ordered free on another stream) while any replay of the graph may still run;
+    /// Every buffer passed to the capture, or touched by work queued on its streams
+    /// ([`UncheckedCapture::stream`]), must stay allocated, and must not be freed (even by a
+    /// stream-ordered free on another stream) while any replay of the graph may still run;
     /// work that produces its inputs or reads its outputs must be ordered with the clique's
     /// streams (run it on them, or use [`Clique::wait_for`] / [`Clique::record`]).
     pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'static>>

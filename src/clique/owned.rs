@@ -7,7 +7,8 @@
 //! What keeps that sound:
 //! - before the capture, the graph notes where each of its buffers lies (device, context,
 //!   address, length); a captured call may only use memory inside those buffers, or it is an
-//!   error before anything is queued;
+//!   error before anything is queued, and the capture hands out no stream for work of one's
+//!   own (which would touch memory nobody checks);
 //! - every launch visits the buffers again, takes each one's cudarc guard (so the replay comes
 //!   after the buffers' earlier work on any stream, and their later work and their frees come
 //!   after it, as for an eager call), and refuses to launch, before anything is queued, when a
@@ -102,8 +103,9 @@ fn ranks_at(core: &Core, place: Place) -> Vec<usize> {
         .collect()
 }
 
-/// Where `t` lies, its address read through the side stream of `local` (no wait lands on a
-/// stream that records a capture, and the guard's record is dropped: nothing is queued).
+/// Where `t` lies, its address read through the side stream of `local`: cudarc's wait for the
+/// buffer's earlier work lands there (never on a stream that records a capture, nor on the
+/// clique's or the buffer's streams), and the guard's record is dropped.
 fn span_of(core: &Core, local: usize, t: &dyn DeviceTensor) -> Span {
     let (start, guard) = t.read_ptr(core.engine.side_stream(local));
     std::mem::forget(guard);
@@ -114,9 +116,10 @@ fn span_of(core: &Core, local: usize, t: &dyn DeviceTensor) -> Span {
     }
 }
 
-/// The argument of [`Clique::capture_owned`]'s closure: like [`UncheckedCapture`], but every
+/// The argument of [`Clique::capture_owned`]'s closure: like [`super::Capture`], but every
 /// buffer it is given must lie inside the buffers the graph owns
-/// ([`Error::InvalidArgument`] otherwise, before anything is queued).
+/// ([`Error::InvalidArgument`] otherwise, before anything is queued). It hands out no capture
+/// stream: work of your own in the graph would touch memory the graph does not check.
 pub struct OwnedCapture<'c> {
     inner: UncheckedCapture<'c>,
     core: &'c Core,
@@ -125,23 +128,17 @@ pub struct OwnedCapture<'c> {
 }
 
 impl<'c> OwnedCapture<'c> {
-    /// The stream that records local rank `local`'s part of the graph (see
-    /// [`super::Capture::stream`]).
-    pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
-        self.inner.stream(local)
-    }
-
     /// The route a broadcast of `bytes` bytes queued in this capture takes with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         self.inner.route(bytes, options)
     }
 
-    /// Notes the buffers of a call (`(local rank, buffer)`), after checking that each lies
-    /// inside the graph's buffers.
+    /// The ranges of a call's buffers (`(local rank, buffer)`), checked to lie inside the
+    /// graph's buffers; the caller notes them in `used` once the call is queued.
     fn admit<'t>(
-        &mut self,
+        &self,
         tensors: impl IntoIterator<Item = (usize, &'t dyn DeviceTensor)>,
-    ) -> Result<()> {
+    ) -> Result<Vec<Span>> {
         let mut spans = Vec::new();
         for (local, t) in tensors {
             // A buffer for no rank fails the call's own validation, before anything is queued.
@@ -151,13 +148,12 @@ impl<'c> OwnedCapture<'c> {
         }
         if let Some(i) = first_outside(&self.owned, &spans) {
             return Err(Error::InvalidArgument(format!(
-                "buffer {i} of this call ({} bytes) is not inside the buffers the graph owns: \
+                "a buffer of this call ({} bytes) is not inside the buffers the graph owns: \
                  pass the graph's own buffers (the closure's second argument)",
                 spans[i].len
             )));
         }
-        self.used.extend(spans);
-        Ok(())
+        Ok(spans)
     }
 
     /// Captures [`Clique::broadcast`] of `input` into `outputs` (one per rank).
@@ -183,8 +179,10 @@ impl<'c> OwnedCapture<'c> {
             .iter()
             .enumerate()
             .map(|(r, o)| (r, o as &dyn DeviceTensor));
-        self.admit(std::iter::once((root, input as &dyn DeviceTensor)).chain(outs))?;
-        self.inner.broadcast_with(root, input, outputs, options)
+        let spans = self.admit(std::iter::once((root, input as &dyn DeviceTensor)).chain(outs))?;
+        self.inner.broadcast_with(root, input, outputs, options)?;
+        self.used.extend(spans);
+        Ok(())
     }
 
     /// Captures [`Clique::broadcast_in_place`]: `buffers[root]` is the source.
@@ -203,13 +201,15 @@ impl<'c> OwnedCapture<'c> {
         buffers: &mut [B],
         options: &BroadcastOptions,
     ) -> Result<()> {
-        self.admit(
+        let spans = self.admit(
             buffers
                 .iter()
                 .enumerate()
                 .map(|(r, b)| (r, b as &dyn DeviceTensor)),
         )?;
-        self.inner.broadcast_in_place_with(root, buffers, options)
+        self.inner.broadcast_in_place_with(root, buffers, options)?;
+        self.used.extend(spans);
+        Ok(())
     }
 
     /// Captures [`Clique::broadcast_many`]: `outputs[rank][tensor]`.
@@ -235,9 +235,12 @@ impl<'c> OwnedCapture<'c> {
             .iter()
             .enumerate()
             .flat_map(|(r, l)| l.iter().map(move |t| (r, &**t as &dyn DeviceTensor)));
-        self.admit(ins.chain(outs))?;
-        self.inner
-            .broadcast_many_with(root, inputs, outputs, options)
+        let spans = self.admit(ins.chain(outs))?;
+        let report = self
+            .inner
+            .broadcast_many_with(root, inputs, outputs, options)?;
+        self.used.extend(spans);
+        Ok(report)
     }
 }
 
@@ -277,49 +280,43 @@ impl<B: GraphBuffers> OwnedGraph<'_, B> {
     /// no longer lies inside the graph's buffers.
     pub fn launch(&mut self) -> Result<()> {
         let core = self.core;
-        let mut engine = core.engine.lock()?;
+        // Visited before the lock is taken: a `visit` of the caller's own may call the clique.
         let mut tensors: Vec<&mut dyn DeviceTensorMut> = Vec::new();
         self.buffers.visit(&mut |t| tensors.push(t));
         let streams: Vec<Arc<CudaStream>> = tensors.iter().map(|t| t.stream().clone()).collect();
         let mut buffers: Vec<(usize, &Arc<CudaStream>)> = Vec::new();
-        for s in &streams {
+        let mut owned = Vec::with_capacity(tensors.len());
+        for (t, s) in tensors.iter().zip(&streams) {
             let ranks = ranks_at(core, access::place_of(s));
-            if ranks.is_empty() {
+            let Some(&first) = ranks.first() else {
                 return Err(Error::InvalidArgument(
                     "a buffer of the graph is on no device (or context) of the clique".into(),
                 ));
-            }
+            };
+            owned.push(span_of(core, first, &**t));
             buffers.extend(ranks.into_iter().map(|r| (r, s)));
         }
-        let used = &self.used;
+        // Checked before anything is queued on the clique's or the buffers' streams; the
+        // buffers stay borrowed from here to the launch, so they are the ones checked.
+        if let Some(i) = first_outside(&owned, &self.used) {
+            return Err(Error::InvalidArgument(format!(
+                "a range that the graph's calls use ({} bytes) is no longer inside its \
+                 buffers: one was replaced while lent out; capture again",
+                self.used[i].len
+            )));
+        }
+        let mut engine = core.engine.lock()?;
         let ss = &streams;
         let guards = move || {
             let tensors = tensors;
-            let mut spans = Vec::with_capacity(tensors.len());
-            let mut held = Vec::with_capacity(tensors.len());
-            for (t, s) in tensors.into_iter().zip(ss) {
-                let len = t.num_bytes();
-                let (start, g) = t.write_ptr(s);
-                spans.push(Span {
-                    ctx: s.context().cu_ctx() as usize,
-                    start,
-                    len,
-                });
-                held.push(g);
-            }
-            (spans, held)
+            tensors
+                .into_iter()
+                .zip(ss)
+                .map(|(t, s)| t.write_ptr(s).1)
+                .collect::<Vec<_>>()
         };
         let execs = &self.execs;
-        access::ordered(&mut engine, &buffers, guards, |e, (spans, _)| {
-            if let Some(i) = first_outside(spans, used) {
-                return Err(Error::InvalidArgument(format!(
-                    "range {i} that the graph's calls use ({} bytes) is no longer inside its \
-                     buffers: one was replaced while lent out; capture again",
-                    used[i].len
-                )));
-            }
-            e.launch_graphs(execs)
-        })
+        access::ordered(&mut engine, &buffers, guards, |e, _| e.launch_graphs(execs))
     }
 
     /// Uploads each graph to its device ahead of the first launch.

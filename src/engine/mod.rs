@@ -972,7 +972,9 @@ impl Drop for GraphExec {
         if let Some(count) = &self.nccl_count {
             count.fetch_sub(1, Ordering::AcqRel);
         }
-        if self.ctx.bind_to_thread().is_ok() {
+        // Not `bind_to_thread`: it would take (and lose) an error cudarc stored from other
+        // work on the context, which a later call must report, and leak the graph.
+        if make_current(&self.ctx).is_ok() {
             // SAFETY: owned handles, not used again; an executable graph still running is
             // freed by the driver when it completes.
             unsafe {
