@@ -419,6 +419,32 @@ mod tests {
     /// rank it writes into: a record of the copying rank after the copy, then a wait of the
     /// receiving rank for that record, both among the ops that still go out.
     #[test]
+    fn a_single_broadcast_takes_the_step_of_its_route() {
+        assert_eq!(single(3, Route::Empty), None);
+        assert_eq!(
+            single(3, Route::Nccl),
+            Some(Step::NcclGroup { tensors: vec![3] })
+        );
+        assert_eq!(
+            single(3, Route::CopyEngine),
+            Some(Step::CopyEngine { tensors: vec![3] })
+        );
+        for (route, protocol) in [
+            (Route::P2pPacket, Protocol::Packet),
+            (Route::P2pPull, Protocol::Pull),
+            (Route::P2pChain, Protocol::Chain),
+        ] {
+            assert_eq!(
+                single(3, route),
+                Some(Step::P2pOne {
+                    tensor: 3,
+                    protocol
+                })
+            );
+        }
+    }
+
+    #[test]
     fn a_failed_copy_still_leaves_every_earlier_copy_waited_for() {
         for n in 2..=8 {
             for root in [0, n - 1] {
