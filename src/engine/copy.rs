@@ -24,7 +24,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext, CudaEvent};
 
-use super::{streams, EngineGuard, Item};
+use super::{EngineGuard, Item};
+use crate::driver;
 use crate::error::{Error, Result};
 use crate::plan::{self, ChainOp, Chunk, Flag, WINDOW};
 
@@ -139,7 +140,7 @@ impl Flags {
     }
 
     /// Sets every flag of every rank to `value`, from the host, and waits for it (bounded,
-    /// see [`streams::memset_now`]; on [`Error::StreamsBusy`] the caller leaks the flags). With
+    /// see [`driver::memset_now`]; on [`Error::StreamsBusy`] the caller leaks the flags). With
     /// 0 after the streams are drained: the reset before the next call. With 1 while streams
     /// may wait: releases every wait, so that graphs launched on only some ranks cannot hang
     /// (their data is undefined).
@@ -147,7 +148,7 @@ impl Flags {
         for (ctx, ptr) in &self.areas {
             // SAFETY: `ptr` is this context's live allocation of FLAG_BYTES bytes, leaked by
             // the caller on StreamsBusy.
-            unsafe { streams::memset_now(ctx, *ptr, value, FLAG_BYTES / 4) }?;
+            unsafe { driver::memset_now(ctx, *ptr, value, FLAG_BYTES / 4) }?;
         }
         Ok(())
     }

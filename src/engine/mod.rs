@@ -19,6 +19,7 @@ use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 
 use crate::config::{Settings, MAX_GPUS};
+use crate::driver::make_current;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, RankOp};
@@ -874,14 +875,6 @@ impl EngineGuard<'_> {
         }
         Ok(())
     }
-}
-
-/// Makes `ctx` current on this thread. Unlike cudarc's `bind_to_thread`, it does not first
-/// report an error cudarc stored from an earlier operation on the context (a guard's wait that
-/// failed inside a capture, say): ending a capture must happen whatever came before.
-fn make_current(ctx: &CudaContext) -> std::result::Result<(), result::DriverError> {
-    // SAFETY: `ctx` holds a live context.
-    unsafe { sys::cuCtxSetCurrent(ctx.cu_ctx()) }.result()
 }
 
 /// Locks `m`, waiting at most `limit`.

@@ -9,9 +9,8 @@
 //! and work on the default stream would race with the clique's non-blocking streams.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::sys::CUstream;
 use cudarc::driver::{result, CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
@@ -62,63 +61,6 @@ impl EngineStream {
     pub(crate) fn get(&self) -> &Arc<CudaStream> {
         match self {
             EngineStream::Owned(s) | EngineStream::Callers(s) => s,
-        }
-    }
-}
-
-/// Longest [`memset_now`] waits for its memset.
-pub(crate) const MEMSET_WITHIN: Duration = Duration::from_secs(10);
-
-/// Sets `words` 32-bit words at `ptr` (device memory of `ctx`) to `value` and waits until that
-/// is done, on a stream of its own: the wait covers the memset alone, not the caller's other
-/// work on the context nor the legacy stream, and it ends within [`MEMSET_WITHIN`]
-/// ([`Error::StreamsBusy`] otherwise, the memset then still pending: the caller must neither
-/// free nor reuse the memory).
-///
-/// # Safety
-/// `ptr` holds at least `words` 32-bit words of memory of `ctx`'s device, not freed before
-/// this returns (nor after it, on `StreamsBusy`).
-pub(crate) unsafe fn memset_now(
-    ctx: &CudaContext,
-    ptr: u64,
-    value: u32,
-    words: usize,
-) -> Result<()> {
-    let start = Instant::now();
-    ctx.bind_to_thread()
-        .map_err(Error::cuda("binding a context"))?;
-    let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-        .map_err(Error::cuda("creating a stream for a memset"))?;
-    // SAFETY: per this function's contract; `stream` is a live stream of the current context.
-    let set = unsafe { sys::cuMemsetD32Async(ptr, value, words, stream) }
-        .result()
-        .map_err(Error::cuda("queueing a memset"))
-        .and_then(|()| wait_idle(stream, start, MEMSET_WITHIN));
-    // SAFETY: created above and used nowhere else; work still queued (after a wait that gave
-    // up) completes before the driver frees the stream.
-    let _ = unsafe { result::stream::destroy(stream) };
-    set
-}
-
-/// Waits, by polling, until `stream` is idle or `within` has passed since `start`.
-fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
-    let mut backoff = crate::wait::Backoff::new();
-    loop {
-        // SAFETY: `stream` is a live stream of the current context.
-        match unsafe { sys::cuStreamQuery(stream) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(()),
-            sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < within => backoff.pause(),
-            sys::CUresult::CUDA_ERROR_NOT_READY => {
-                return Err(Error::StreamsBusy {
-                    waited_ms: crate::nccl::millis(start.elapsed()),
-                })
-            }
-            e => {
-                return Err(Error::Cuda {
-                    during: "waiting for a memset".into(),
-                    source: result::DriverError(e),
-                })
-            }
         }
     }
 }

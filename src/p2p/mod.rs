@@ -375,16 +375,14 @@ impl P2p {
 
     /// Zeroes every signal area and waits for it (at creation and after a timeout), on a
     /// stream of its own: the wait covers the memsets alone, not the caller's other work on
-    /// the context, and ends within [`crate::engine::streams::MEMSET_WITHIN`] per rank. On [`Error::StreamsBusy`] a
+    /// the context, and ends within [`crate::driver::MEMSET_WITHIN`] per rank. On [`Error::StreamsBusy`] a
     /// memset is still pending: the areas must then be neither used nor freed (see
     /// [`P2p::abandon`]).
     fn zero_signals_sync(&self) -> Result<()> {
         for r in &self.ranks {
             // SAFETY: `signal` is a live allocation of TOTAL_BYTES (a multiple of 4) on this
             // context, kept (leaked) on StreamsBusy by every caller.
-            unsafe {
-                crate::engine::streams::memset_now(&r.ctx, r.signal, 0, layout::TOTAL_BYTES / 4)
-            }?;
+            unsafe { crate::driver::memset_now(&r.ctx, r.signal, 0, layout::TOTAL_BYTES / 4) }?;
         }
         Ok(())
     }
