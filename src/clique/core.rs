@@ -92,12 +92,15 @@ impl Core {
 
     /// Runs `f` with which routes can run here now.
     fn with_available<R>(&self, f: impl FnOnce(Available<'_>) -> R) -> R {
-        let p2p = self.p2p_available();
-        f(Available {
-            p2p: p2p.as_ref().map(|_| ()),
-            copy_engine: self.copy_engine.as_ref().map(|_| ()),
-            nccl: self.nccl_on,
-            p2p_chain: self.one_process,
+        // The status's lock is held while `f` chooses (pure work): a path that cannot run
+        // costs no copy of its reason on every call.
+        self.engine.with_p2p_status(|p2p| {
+            f(Available {
+                p2p,
+                copy_engine: self.copy_engine.as_ref().map(|_| ()),
+                nccl: self.nccl_on,
+                p2p_chain: self.one_process,
+            })
         })
     }
 

@@ -274,10 +274,20 @@ impl Engine {
 
     /// `Ok` if the P2P path can run now, otherwise the error a forced P2P call returns.
     pub(crate) fn p2p_status(&self) -> std::result::Result<(), Error> {
-        self.p2p_status
+        self.with_p2p_status(|s| s.map_err(Clone::clone))
+    }
+
+    /// Runs `f` with whether the P2P path can run (or why not), without copying the reason.
+    pub(crate) fn with_p2p_status<R>(
+        &self,
+        f: impl FnOnce(std::result::Result<(), &Error>) -> R,
+    ) -> R {
+        f(self
+            .p2p_status
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .as_ref()
+            .map(|_| ()))
     }
 
     /// Number of calls queued so far (see `Clique::calls`).
