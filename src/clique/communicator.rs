@@ -520,3 +520,75 @@ impl Communicator {
         Ok(self.core.record()?.remove(0))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Env, Requested};
+    use crate::rendezvous::RendezvousError;
+
+    /// Rank 0 of a job whose other ranks send `others`.
+    struct Fake {
+        others: Vec<Vec<u8>>,
+    }
+
+    impl Exchange for Fake {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            self.others.len() + 1
+        }
+        fn all_gather(&self, mine: &[u8]) -> std::result::Result<Vec<Vec<u8>>, RendezvousError> {
+            Ok(std::iter::once(mine.to_vec())
+                .chain(self.others.iter().cloned())
+                .collect())
+        }
+    }
+
+    fn settings(timeout_ms: u64) -> Settings {
+        let req = Requested {
+            timeout: Some(Duration::from_millis(timeout_ms)),
+            ..Requested::default()
+        };
+        Settings::resolve(&req, &Env::default(), 1).unwrap()
+    }
+
+    #[test]
+    fn ranks_with_the_same_settings_join_and_learn_whether_they_share_a_host() {
+        let s = settings(5000);
+        let same = Fake {
+            others: vec![card("host-a", &s, false, 1), card("host-a", &s, false, 2)],
+        };
+        assert!(round_cards(&same, "host-a", &s, false, 0).unwrap());
+        let apart = Fake {
+            others: vec![card("host-b", &s, false, 0)],
+        };
+        assert!(!round_cards(&apart, "host-a", &s, false, 0).unwrap());
+    }
+
+    #[test]
+    fn a_rank_with_other_settings_is_named_before_anything_else_is_set_up() {
+        let (mine, theirs) = (settings(5000), settings(7000));
+        let other_timeout = Fake {
+            others: vec![
+                card("host-a", &mine, false, 1),
+                card("host-a", &theirs, false, 2),
+            ],
+        };
+        match round_cards(&other_timeout, "host-a", &mine, false, 0) {
+            Err(Error::InvalidSetting { name, reason }) => {
+                assert_eq!(name, "settings");
+                assert!(reason.starts_with("rank 2 uses"), "{reason}");
+            }
+            other => panic!("expected InvalidSetting, got {other:?}"),
+        }
+        let other_sharing = Fake {
+            others: vec![card("host-a", &mine, true, 1)],
+        };
+        assert!(matches!(
+            round_cards(&other_sharing, "host-a", &mine, false, 0),
+            Err(Error::InvalidSetting { .. })
+        ));
+    }
+}
