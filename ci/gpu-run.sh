@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
-#                        [interference] [weights] [weights-procs]   (default: tests examples)
+#                        [interference] [weights] [weights-procs] [one-gpu]
+#                        (default: tests examples)
+# one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
+# 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
+# cost of cudarc's per-buffer events on a 2-rank P2P call, and the timer test, also with the
+# old polled timer (expected to fail).
 # Logs are packed into $OUT/logs.tgz and the benchmarks' CSV, tables and plots into
 # $OUT/results.tgz (the device tool returns at most 8 files); a summary table is printed last.
 set -uo pipefail
@@ -60,6 +65,18 @@ fi
 if want bench-large; then
   run bench-large .gpu/bin/bench-broadcast --bench -b 256K -e 1G --paths nccl,p2p,p2p-chain,copy-engine,copy-engine-raw,auto --repeats 9 --target-ms 10 --out "$out/bench-large" --torch no
   for f in broadcast.csv broadcast.png table.txt; do cp "$out/bench-large/$f" "$res/bench-large-$f" 2>/dev/null; done
+fi
+if want one-gpu; then
+  run one-gpu-nccl .gpu/bin/bench-broadcast --bench --gpus 1 -b 1K -e 1M -f 4 \
+    --paths nccl,nccl-raw,nccl-nowatch,launch-floor --modes eager,idle,graph --torch no \
+    --out "$out/one-gpu-nccl"
+  run one-gpu-tracking .gpu/bin/bench-broadcast --bench --shared -b 1K -e 64K \
+    --paths p2p,p2p-untracked,launch-floor --modes eager --torch no --out "$out/one-gpu-tracking"
+  for d in one-gpu-nccl one-gpu-tracking; do
+    for f in broadcast.csv table.txt; do cp "$out/$d/$f" "$res/$d-$f" 2>/dev/null; done
+  done
+  run timer .gpu/bin/test-timer-test --include-ignored --nocapture
+  run timer-polled-expected-to-fail env GPUCAST_TEST_TIMER=polled .gpu/bin/test-timer-test --include-ignored --nocapture
 fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3
