@@ -94,23 +94,27 @@ impl Foreign {
 }
 
 /// Queues `work` in the ordering sequence of a call with buffers (see the module's doc).
-/// `buffers` names each buffer's local rank and stream. In order: an error cudarc stored on a
+/// `buffers` names each buffer's local rank and stream (it is walked several times, so it
+/// makes the iterator anew: no list is built per call). In order: an error cudarc stored on a
 /// buffer's context is reported (nothing queued); `guard` takes every buffer's cudarc guard
 /// (its waits) and returns them with what `work` needs (the addresses); a failed wait is
 /// reported (nothing queued); `work` queues the call between the foreign streams' orderings
 /// ([`Foreign::around`]); the guards are dropped (their records) and a failed record is
 /// reported (the call is queued).
-pub(crate) fn ordered<G>(
+pub(crate) fn ordered<'s, I, G>(
     engine: &mut EngineGuard<'_>,
-    buffers: &[(usize, &Arc<CudaStream>)],
+    buffers: impl Fn() -> I,
     guard: impl FnOnce() -> G,
     work: impl FnOnce(&mut EngineGuard<'_>, &G) -> Result<()>,
-) -> Result<()> {
+) -> Result<()>
+where
+    I: Iterator<Item = (usize, &'s Arc<CudaStream>)>,
+{
     let mut foreign = Foreign::default();
-    for &(local, s) in buffers {
+    for (local, s) in buffers() {
         foreign.note(local, s, engine.stream(local));
     }
-    let streams = || buffers.iter().map(|&(_, s)| s);
+    let streams = || buffers().map(|(_, s)| s);
     stored_error(streams(), Check::Before)?;
     let guards = guard();
     stored_error(streams(), Check::Waits)?;

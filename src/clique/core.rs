@@ -189,11 +189,10 @@ impl Core {
         let step = self.replan_single(step, shape.bytes, options)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
-        let mut buffers: Vec<(usize, &std::sync::Arc<CudaStream>)> = Vec::new();
-        if let (Some(s), Some(local)) = (&in_stream, root_local) {
-            buffers.push((local, s));
-        }
-        buffers.extend(out_streams.iter().enumerate());
+        let buffers = || {
+            let input = root_local.and_then(|local| in_stream.as_ref().map(|s| (local, s)));
+            input.into_iter().chain(out_streams.iter().enumerate())
+        };
         let n = self.len();
         let (count, dtype) = (shape.count, shape.dtype);
         let (in_stream, out_streams) = (&in_stream, &out_streams);
@@ -224,7 +223,7 @@ impl Core {
         // (`access::ordered`: foreign streams and the guards, dropped after the work is queued)
         // keeps them alive for the queued work. In place, the root's buffer is both source and
         // destination, which every path handles.
-        access::ordered(&mut engine, &buffers, guards, |e, (item, _, _)| unsafe {
+        access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
                 root,
                 std::slice::from_ref(item),
@@ -331,13 +330,16 @@ impl Core {
             .iter()
             .map(|l| l.iter().map(|t| t.stream().clone()).collect())
             .collect();
-        let mut buffers: Vec<(usize, &std::sync::Arc<CudaStream>)> = Vec::new();
-        if let Some(local) = root_local {
-            buffers.extend(in_streams.iter().map(|s| (local, s)));
-        }
-        for (local, list) in out_streams.iter().enumerate() {
-            buffers.extend(list.iter().map(|s| (local, s)));
-        }
+        let buffers = || {
+            let inputs = root_local
+                .into_iter()
+                .flat_map(|local| in_streams.iter().map(move |s| (local, s)));
+            let outputs = out_streams
+                .iter()
+                .enumerate()
+                .flat_map(|(local, list)| list.iter().map(move |s| (local, s)));
+            inputs.chain(outputs)
+        };
         let count = shapes.len();
         let n = self.len();
         let (in_streams, out_streams, shapes) = (&in_streams, &out_streams, &shapes);
@@ -381,7 +383,7 @@ impl Core {
         };
         // SAFETY: validated against the ranks; the borrows and the ordering (`access::ordered`)
         // keep every buffer alive and ordered for the queued work.
-        access::ordered(&mut engine, &buffers, guards, |e, (items, _, _)| unsafe {
+        access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
             e.run(root, items, &steps)
         })?;
         Ok(report)

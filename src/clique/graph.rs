@@ -483,7 +483,12 @@ impl CliqueGraph<'_, '_> {
             (r, w)
         };
         let execs = &self.execs;
-        access::ordered(&mut engine, &buffers, guards, |e, _| e.launch_graphs(execs))
+        access::ordered(
+            &mut engine,
+            || buffers.iter().copied(),
+            guards,
+            |e, _| e.launch_graphs(execs),
+        )
     }
 
     /// Uploads each graph to its device ahead of the first launch.
