@@ -119,7 +119,7 @@ fn child() {
         // NCCL is off: a forced NCCL call says so, and the cases below leave NCCL out.
         let mut b = comm.alloc::<u8>(16).unwrap();
         let e = comm
-            .broadcast_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::Nccl))
+            .broadcast_in_place_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::Nccl))
             .expect_err("NCCL is off where ranks share a GPU");
         assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
     }
@@ -209,11 +209,11 @@ fn one<T: Element>(
         if comm.rank() == root {
             s.memcpy_htod(&data, &mut out).unwrap();
         }
-        comm.broadcast_with(root, &mut out, &opts)
+        comm.broadcast_in_place_with(root, &mut out, &opts)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     } else {
         let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
-        comm.broadcast_from(root, input.as_ref(), &mut out, &opts)
+        comm.broadcast_with(root, input.as_ref(), &mut out, &opts)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
     assert_bytes_eq(s, &out, &data, &what);
@@ -280,7 +280,7 @@ fn many_small(comm: &Communicator, seed: u64) {
         let data: Vec<u8> = random_vec(len, &mut rng);
         let slot = i % RING;
         let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
-        comm.broadcast_from(
+        comm.broadcast_with(
             root,
             input.as_ref(),
             &mut ring[slot].slice_mut(..len),
@@ -333,7 +333,7 @@ fn fused(comm: &Communicator, seed: u64) {
                 .map(|b| b as &mut dyn DeviceTensorMut)
                 .collect();
             let report = comm
-                .broadcast_many_with(root, list, &BroadcastOptions::path(path))
+                .broadcast_many_in_place_with(root, list, &BroadcastOptions::path(path))
                 .unwrap();
             assert_eq!(report.tensors, sizes.len());
             for (t, d) in datas.iter().enumerate() {
@@ -418,7 +418,7 @@ fn nodes(comm: &Communicator, seed: u64) {
     }
     let mut b = comm.alloc::<u8>(10).unwrap();
     assert!(matches!(
-        comm.broadcast_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::P2p)),
+        comm.broadcast_in_place_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::P2p)),
         Err(Error::P2pUnavailable(_))
     ));
 }
@@ -456,7 +456,7 @@ fn faulty(comm: Communicator) {
         }
         let t0 = Instant::now();
         let r = comm
-            .broadcast_with(i % 2, &mut buf, &opts)
+            .broadcast_in_place_with(i % 2, &mut buf, &opts)
             .and_then(|()| comm.synchronize());
         if let Err(e) = r {
             let took = t0.elapsed();

@@ -505,7 +505,7 @@ fn run_rank(args: &Args, opts: &BroadcastOptions) -> Result<()> {
     let fused = |bufs: &mut Vec<GpuTensor>| -> Result<FusedReport> {
         let list: Vec<&mut dyn DeviceTensorMut> =
             bufs.iter_mut().map(GpuTensor::as_dyn_mut).collect();
-        Ok(comm.broadcast_many_with(root, list, opts)?)
+        Ok(comm.broadcast_many_in_place_with(root, list, opts)?)
     };
     let first = fused(&mut bufs).and_then(|r| {
         comm.synchronize()?;

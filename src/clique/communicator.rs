@@ -17,7 +17,7 @@ use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
 use crate::plan::FusedReport;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
-use crate::tensor::DeviceTensorMut;
+use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// Longest a rank that cannot take part keeps trying to tell the others (in the background).
 const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
@@ -407,33 +407,20 @@ impl Communicator {
         self.core.engine.set_watchdog(on);
     }
 
-    /// Broadcasts, in place, rank `root`'s `buffer` into every other rank's `buffer`.
-    pub fn broadcast<T: Element, B: DevicePtrMut<T>>(
-        &self,
-        root: usize,
-        buffer: &mut B,
-    ) -> Result<()> {
-        self.broadcast_with(root, buffer, &BroadcastOptions::default())
+    /// Broadcasts out of place, as [`super::Clique::broadcast`] does: the root passes
+    /// `Some(input)` and receives a copy in `output` too; every other rank passes `None` and
+    /// receives into `output`. (`None` on the root broadcasts its `output` in place.)
+    pub fn broadcast<T, I, O>(&self, root: usize, input: Option<&I>, output: &mut O) -> Result<()>
+    where
+        T: Element,
+        I: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+    {
+        self.broadcast_with(root, input, output, &BroadcastOptions::default())
     }
 
     /// [`Communicator::broadcast`] with per-call options.
-    pub fn broadcast_with<T: Element, B: DevicePtrMut<T>>(
-        &self,
-        root: usize,
-        buffer: &mut B,
-        options: &BroadcastOptions,
-    ) -> Result<()> {
-        self.core.broadcast(
-            root,
-            None::<&CudaSlice<T>>,
-            std::slice::from_mut(buffer),
-            options,
-        )
-    }
-
-    /// Out of place: the root passes `Some(input)` and receives a copy in `output` too; every
-    /// other rank passes `None` and receives into `output`.
-    pub fn broadcast_from<T, I, O>(
+    pub fn broadcast_with<T, I, O>(
         &self,
         root: usize,
         input: Option<&I>,
@@ -449,19 +436,68 @@ impl Communicator {
             .broadcast(root, input, std::slice::from_mut(output), options)
     }
 
-    /// Many tensors in place in one call (as [`Communicator::broadcast`] is in place):
-    /// `buffers[t]` is tensor `t` (the root's are the sources). Every rank passes the same list
-    /// of lengths and types.
+    /// Broadcasts, in place, rank `root`'s `buffer` into every other rank's `buffer` (as
+    /// [`super::Clique::broadcast_in_place`] does, and `torch.distributed.broadcast`).
+    pub fn broadcast_in_place<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        root: usize,
+        buffer: &mut B,
+    ) -> Result<()> {
+        self.broadcast_in_place_with(root, buffer, &BroadcastOptions::default())
+    }
+
+    /// [`Communicator::broadcast_in_place`] with per-call options.
+    pub fn broadcast_in_place_with<T: Element, B: DevicePtrMut<T>>(
+        &self,
+        root: usize,
+        buffer: &mut B,
+        options: &BroadcastOptions,
+    ) -> Result<()> {
+        self.core.broadcast(
+            root,
+            None::<&CudaSlice<T>>,
+            std::slice::from_mut(buffer),
+            options,
+        )
+    }
+
+    /// Many tensors out of place in one call, as [`super::Clique::broadcast_many`] does: the
+    /// root passes `Some(inputs)` (tensor `t` is `inputs[t]`), every other rank `None`; every
+    /// rank receives tensor `t` into `outputs[t]`. Every rank passes the same list of lengths
+    /// and types.
     pub fn broadcast_many(
         &self,
         root: usize,
-        buffers: Vec<&mut dyn DeviceTensorMut>,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: Vec<&mut dyn DeviceTensorMut>,
     ) -> Result<FusedReport> {
-        self.broadcast_many_with(root, buffers, &BroadcastOptions::default())
+        self.broadcast_many_with(root, inputs, outputs, &BroadcastOptions::default())
     }
 
     /// [`Communicator::broadcast_many`] with per-call options.
     pub fn broadcast_many_with(
+        &self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: Vec<&mut dyn DeviceTensorMut>,
+        options: &BroadcastOptions,
+    ) -> Result<FusedReport> {
+        self.core.many(root, inputs, &mut [outputs], options)
+    }
+
+    /// Many tensors in place in one call (as [`Communicator::broadcast_in_place`] is in
+    /// place): `buffers[t]` is tensor `t` (the root's are the sources). Every rank passes the
+    /// same list of lengths and types.
+    pub fn broadcast_many_in_place(
+        &self,
+        root: usize,
+        buffers: Vec<&mut dyn DeviceTensorMut>,
+    ) -> Result<FusedReport> {
+        self.broadcast_many_in_place_with(root, buffers, &BroadcastOptions::default())
+    }
+
+    /// [`Communicator::broadcast_many_in_place`] with per-call options.
+    pub fn broadcast_many_in_place_with(
         &self,
         root: usize,
         buffers: Vec<&mut dyn DeviceTensorMut>,

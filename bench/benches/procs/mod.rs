@@ -220,7 +220,8 @@ impl<'c> Bench<'c> {
             p => {
                 let opts = options_for(p)?;
                 let mut slice = self.pool.slice_mut(off..off + bytes);
-                self.comm.broadcast_with(self.root, &mut slice, &opts)?;
+                self.comm
+                    .broadcast_in_place_with(self.root, &mut slice, &opts)?;
                 Ok(())
             }
         }
