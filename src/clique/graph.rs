@@ -126,7 +126,8 @@ impl<'c, 'buf> Capture<'c, 'buf> {
     /// allocated while any replay of the graph may run, and other work on it must be ordered
     /// with the replays (as for [`Clique::capture_unchecked`]). A buffer of a context whose
     /// cudarc tracks no events (a second `CudaContext` of the same device, say) is not stopped
-    /// by CUDA's capture rules.
+    /// by CUDA's capture rules. Neither the stream nor a clone of it may be used once the
+    /// capture's closure has returned: it records every later capture of the clique.
     pub unsafe fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
         self.session.core.engine.capture_stream(local)
     }
@@ -378,8 +379,10 @@ impl Clique {
     ///
     /// # Safety
     /// Every buffer passed to the capture, or touched by work queued on its streams
-    /// ([`UncheckedCapture::stream`]), must stay allocated, and must not be freed (even by a
-    /// stream-ordered free on another stream) while any replay of the graph may still run;
+    /// ([`UncheckedCapture::stream`]; neither a stream nor a clone of it may be used once the
+    /// closure has returned, since it records every later capture of the clique), must stay
+    /// allocated, and must not be freed (even by a stream-ordered free on another stream) while
+    /// any replay of the graph may still run;
     /// work that produces its inputs or reads its outputs must be ordered with the clique's
     /// streams (run it on them, or use [`Clique::wait_for`] / [`Clique::record`]).
     pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'static>>

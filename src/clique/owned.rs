@@ -7,13 +7,14 @@
 //! What keeps that sound:
 //! - before the capture, the graph notes where each of its buffers lies (device, context,
 //!   address, length); a captured call may only use memory inside those buffers, or it is an
-//!   error before anything is queued, and the capture hands out no stream for work of one's
+//!   error before the call queues anything, and the capture hands out no stream for work of one's
 //!   own (which would touch memory nobody checks);
 //! - every launch visits the buffers again, takes each one's cudarc guard (so the replay comes
 //!   after the buffers' earlier work on any stream, and their later work and their frees come
-//!   after it, as for an eager call), and refuses to launch, before anything is queued, when a
-//!   range a captured call used no longer lies inside a buffer (one was replaced or resized
-//!   while lent out).
+//!   after it, as for an eager call), and refuses to launch, before anything is queued on the
+//!   clique's or the buffers' streams, when a range a captured call used no longer lies inside
+//!   a buffer (one was replaced by a smaller one, or moved, while lent out). A replacement
+//!   that still covers every used range is used as it is: the graph then writes memory it owns.
 
 use std::sync::Arc;
 
@@ -133,8 +134,21 @@ impl<'c> OwnedCapture<'c> {
         self.inner.route(bytes, options)
     }
 
+    /// Runs `call` (which may queue work into the graph) and notes `spans`, its buffers'
+    /// ranges, as used by the graph whatever `call` returns: a call that fails may still have
+    /// recorded some of its steps, and a caller may ignore its error and end the capture.
+    fn queued<R>(
+        &mut self,
+        spans: Vec<Span>,
+        call: impl FnOnce(&mut UncheckedCapture<'c>) -> Result<R>,
+    ) -> Result<R> {
+        let r = call(&mut self.inner);
+        self.used.extend(spans);
+        r
+    }
+
     /// The ranges of a call's buffers (`(local rank, buffer)`), checked to lie inside the
-    /// graph's buffers; the caller notes them in `used` once the call is queued.
+    /// graph's buffers; the caller notes them in `used` ([`OwnedCapture::queued`]).
     fn admit<'t>(
         &self,
         tensors: impl IntoIterator<Item = (usize, &'t dyn DeviceTensor)>,
@@ -180,9 +194,9 @@ impl<'c> OwnedCapture<'c> {
             .enumerate()
             .map(|(r, o)| (r, o as &dyn DeviceTensor));
         let spans = self.admit(std::iter::once((root, input as &dyn DeviceTensor)).chain(outs))?;
-        self.inner.broadcast_with(root, input, outputs, options)?;
-        self.used.extend(spans);
-        Ok(())
+        self.queued(spans, |inner| {
+            inner.broadcast_with(root, input, outputs, options)
+        })
     }
 
     /// Captures [`Clique::broadcast_in_place`]: `buffers[root]` is the source.
@@ -207,9 +221,9 @@ impl<'c> OwnedCapture<'c> {
                 .enumerate()
                 .map(|(r, b)| (r, b as &dyn DeviceTensor)),
         )?;
-        self.inner.broadcast_in_place_with(root, buffers, options)?;
-        self.used.extend(spans);
-        Ok(())
+        self.queued(spans, |inner| {
+            inner.broadcast_in_place_with(root, buffers, options)
+        })
     }
 
     /// Captures [`Clique::broadcast_many`]: `outputs[rank][tensor]`.
@@ -247,8 +261,8 @@ impl<'c> OwnedCapture<'c> {
 /// A captured sequence of broadcasts that owns its buffers: one CUDA graph per GPU of a
 /// clique, and `B`. Between replays, [`OwnedGraph::buffers_mut`] lends the buffers out, to
 /// write an input or read an output on any stream; each launch orders the replay after that
-/// work and before the work that follows, and refuses to run if a buffer a captured call uses
-/// was replaced meanwhile.
+/// work and before the work that follows, and refuses to run if a range a captured call uses
+/// is no longer inside the buffers (a buffer was replaced by one elsewhere, or smaller).
 ///
 /// ```no_run
 /// let clique = gpucast::Clique::new(&[0, 1])?;
@@ -337,8 +351,8 @@ impl<B> OwnedGraph<'_, B> {
     }
 
     /// The buffers, to write an input or read an output between replays (on any stream: the
-    /// next launch is ordered after it). Replacing a buffer the graph's calls use makes the
-    /// next launch an error.
+    /// next launch is ordered after it). Replacing a buffer so that a range the graph's calls
+    /// use is no longer inside the buffers makes the next launch an error.
     pub fn buffers_mut(&mut self) -> &mut B {
         &mut self.buffers
     }
