@@ -450,8 +450,6 @@ impl CliqueGraph<'_, '_> {
     /// ordered after the captured buffers' earlier work and before their later work, as an
     /// eager call is.
     pub fn launch(&mut self) -> Result<()> {
-        let core = self.core;
-        let mut engine = core.engine.lock()?;
         let read_streams: Vec<Arc<CudaStream>> =
             self.reads.iter().map(|(_, t)| t.stream().clone()).collect();
         let write_streams: Vec<Arc<CudaStream>> = self
@@ -485,17 +483,26 @@ impl CliqueGraph<'_, '_> {
                 .collect();
             (r, w)
         };
-        let execs = &self.execs;
-        access::ordered(
-            &mut engine,
-            || buffers.iter().copied(),
-            guards,
-            |e, _| e.launch_graphs(execs),
-        )
+        replay(self.core, &self.execs, || buffers.iter().copied(), guards)
     }
 
     /// Uploads each graph to its device ahead of the first launch.
     pub fn upload(&self) -> Result<()> {
         self.core.engine.lock()?.upload_graphs(&self.execs)
     }
+}
+
+/// Replays `execs` on `core`'s ranks in the ordering sequence of a call with buffers
+/// ([`access::ordered`]: `buffers` names them, `guards` takes their guards), under the lock.
+pub(crate) fn replay<'s, I, G>(
+    core: &Core,
+    execs: &[GraphExec],
+    buffers: impl Fn() -> I,
+    guards: impl FnOnce() -> G,
+) -> Result<()>
+where
+    I: Iterator<Item = (usize, &'s Arc<CudaStream>)>,
+{
+    let mut engine = core.engine.lock()?;
+    access::ordered(&mut engine, buffers, guards, |e, _| e.launch_graphs(execs))
 }

@@ -319,7 +319,6 @@ impl<B: GraphBuffers> OwnedGraph<'_, B> {
                 self.used[i].len
             )));
         }
-        let mut engine = core.engine.lock()?;
         let ss = &streams;
         let guards = move || {
             let tensors = tensors;
@@ -329,13 +328,7 @@ impl<B: GraphBuffers> OwnedGraph<'_, B> {
                 .map(|(t, s)| t.write_ptr(s).1)
                 .collect::<Vec<_>>()
         };
-        let execs = &self.execs;
-        access::ordered(
-            &mut engine,
-            || buffers.iter().copied(),
-            guards,
-            |e, _| e.launch_graphs(execs),
-        )
+        super::graph::replay(core, &self.execs, || buffers.iter().copied(), guards)
     }
 
     /// Uploads each graph to its device ahead of the first launch.
