@@ -172,15 +172,7 @@ impl RawNccl {
         let root = c_int::try_from(root).context("root")?;
         // SAFETY: per this function's contract; in place (send = receive) is allowed.
         let code = unsafe {
-            (self.lib.broadcast)(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                bytes,
-                ncclDataType_t::ncclUint8,
-                root,
-                self.comm,
-                stream,
-            )
+            broadcast_bytes(self.lib.broadcast, ptr, ptr, bytes, root, self.comm, stream)
         };
         self.lib.check(code, "ncclBroadcast")
     }
@@ -317,11 +309,11 @@ impl RawNcclAll {
         let send = if root == 0 { src } else { dsts[0] };
         // SAFETY: per this function's contract.
         let code = unsafe {
-            (self.lib.broadcast)(
-                send as *const c_void,
-                dsts[0] as *mut c_void,
+            broadcast_bytes(
+                self.lib.broadcast,
+                send,
+                dsts[0],
                 bytes,
-                ncclDataType_t::ncclUint8,
                 root_c,
                 self.comms[0],
                 streams[0],
@@ -365,11 +357,11 @@ impl RawNcclAll {
             let send = if r == root { src } else { dsts[r] };
             // SAFETY: per this function's contract.
             let code = unsafe {
-                (self.lib.broadcast)(
-                    send as *const c_void,
-                    dsts[r] as *mut c_void,
+                broadcast_bytes(
+                    self.lib.broadcast,
+                    send,
+                    dsts[r],
                     bytes,
-                    ncclDataType_t::ncclUint8,
                     root_c,
                     *comm,
                     streams[r],
@@ -414,11 +406,11 @@ fn worker(slot: &Slot, broadcast: BroadcastFn, comm: usize) {
         // SAFETY: the caller of `broadcast_threads` vouches for the pointers and the stream
         // and waits for `done`; `comm` is alive until this thread is joined.
         let code = unsafe {
-            broadcast(
-                slot.send.load(Ordering::Relaxed) as *const c_void,
-                slot.recv.load(Ordering::Relaxed) as *mut c_void,
+            broadcast_bytes(
+                broadcast,
+                slot.send.load(Ordering::Relaxed),
+                slot.recv.load(Ordering::Relaxed),
                 slot.bytes.load(Ordering::Relaxed),
-                ncclDataType_t::ncclUint8,
                 root,
                 comm as ncclComm_t,
                 slot.stream.load(Ordering::Relaxed) as CUstream,
@@ -426,5 +418,33 @@ fn worker(slot: &Slot, broadcast: BroadcastFn, comm: usize) {
         };
         slot.code.store(code, Ordering::Relaxed);
         slot.done.store(seen, Ordering::Release);
+    }
+}
+
+/// `ncclBroadcast` through `f` of `bytes` bytes from `send` (read on the root) into `recv`.
+///
+/// # Safety
+/// `f` is NCCL's `ncclBroadcast`; `send` and `recv` address `bytes` bytes of the device of
+/// `comm`, valid until `stream` (of that device) has run the broadcast.
+unsafe fn broadcast_bytes(
+    f: BroadcastFn,
+    send: u64,
+    recv: u64,
+    bytes: usize,
+    root: c_int,
+    comm: ncclComm_t,
+    stream: CUstream,
+) -> u32 {
+    // SAFETY: per this function's contract; in place (send = receive) is allowed.
+    unsafe {
+        f(
+            send as *const c_void,
+            recv as *mut c_void,
+            bytes,
+            ncclDataType_t::ncclUint8,
+            root,
+            comm,
+            stream,
+        )
     }
 }
