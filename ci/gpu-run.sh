@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
-#                        [interference] [weights] [weights-procs] [one-gpu]
+#                        [interference] [weights] [weights-procs] [one-gpu] [python]
+#                        [python-bench]
 #                        (default: tests examples)
 # one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
 # 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
@@ -51,6 +52,22 @@ fi
 if want weights; then
   run example-weights .gpu/bin/example-broadcast_weights --compare
   run example-weights-100M .gpu/bin/example-broadcast_weights --compare --size 100M
+fi
+if want python || want python-bench; then
+  # The Python package staged by ci/gpu-stage.sh, with pytest carried in .gpu/pylib.
+  export PYTHONPATH=$PWD/.gpu/py:$PWD/.gpu/pylib
+  shared=$([ "$(nvidia-smi -L | wc -l)" -lt 2 ] && echo --shared)
+fi
+if want python; then
+  run python-tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=100 .gpu/py/tests
+  run python-weight-sync python3 -m torch.distributed.run --standalone --nproc-per-node 2 .gpu/py/examples/weight_sync.py $shared --size 256M
+fi
+if want python-bench; then
+  run python-bench-clique python3 .gpu/py/bench/broadcast.py --clique "$([ -n "$shared" ] && echo 0,0 || echo 0,1)" -e 64M --out "$out/py-clique"
+  run python-bench-procs python3 -m torch.distributed.run --standalone --nproc-per-node 2 .gpu/py/bench/broadcast.py -e 64M --out "$out/py-procs"
+  for d in py-clique py-procs; do
+    for f in broadcast.csv table.txt; do cp "$out/$d/$f" "$res/$d-$f" 2>/dev/null; done
+  done
 fi
 if want weights-procs; then
   run example-weights-procs .gpu/bin/example-broadcast_weights --procs 2

@@ -41,6 +41,20 @@ rm -f "$json"
 for ex in broadcast broadcast_weights; do
   cp "target/release/examples/$ex" ".gpu/bin/example-$ex"
 done
-strip .gpu/bin/* 2>/dev/null || true
+# The Python package: the extension module next to its Python files, importable with
+# PYTHONPATH=.gpu/py (abi3, so any CPython >= 3.9 there loads it), with its tests, example
+# and bench.
+cargo build --release -p gpucast-python --features extension-module
+mkdir -p .gpu/py/gpucast
+cp python/gpucast/*.py .gpu/py/gpucast/
+cp target/release/lib_native.so .gpu/py/gpucast/_native.abi3.so
+cp -r python/tests .gpu/py/tests
+mkdir -p .gpu/py/examples .gpu/py/bench
+cp examples/python/*.py .gpu/py/examples/ 2>/dev/null || true
+cp python/bench/*.py .gpu/py/bench/ 2>/dev/null || true
+# pytest for the GPU machine, which has torch but no network.
+python3 -m pip install --quiet --disable-pip-version-check --target .gpu/pylib pytest
+find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
+strip .gpu/bin/* .gpu/py/gpucast/_native.abi3.so 2>/dev/null || true
 cp ci/gpu-run.sh bench/benches/torch_broadcast.py .gpu/
 du -sh .gpu

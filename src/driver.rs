@@ -73,3 +73,55 @@ fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
         }
     }
 }
+
+/// The device allocation that holds an address, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Allocation {
+    /// Ordinal of the GPU that holds it.
+    pub(crate) ordinal: usize,
+    /// Its first address.
+    pub(crate) start: u64,
+    /// Its size in bytes.
+    pub(crate) size: u64,
+}
+
+/// The device allocation that holds `ptr`, or [`Error::InvalidArgument`] when `ptr` is not
+/// device memory the driver knows (host memory, a freed or made-up address).
+pub(crate) fn allocation_of(ctx: &CudaContext, ptr: u64) -> Result<Allocation> {
+    use sys::CUpointer_attribute as A;
+    make_current(ctx).map_err(Error::cuda("binding a context"))?;
+    let mut memory_type: u32 = 0;
+    let mut ordinal: i32 = -1;
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    let mut attributes = [
+        A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+    ];
+    let mut data: [*mut std::ffi::c_void; 4] = [
+        (&raw mut memory_type).cast(),
+        (&raw mut ordinal).cast(),
+        (&raw mut start).cast(),
+        (&raw mut size).cast(),
+    ];
+    // SAFETY: four attributes, each with a pointer to a live local of the type the driver
+    // writes for it (unsigned int, int, CUdeviceptr, size_t). For an address that is not a
+    // CUDA pointer the driver writes zeros and still returns success.
+    unsafe { sys::cuPointerGetAttributes(4, attributes.as_mut_ptr(), data.as_mut_ptr(), ptr) }
+        .result()
+        .map_err(Error::cuda("querying an address"))?;
+    if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || size == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{ptr:#x} is not device memory the CUDA driver knows (host memory, or freed?)"
+        )));
+    }
+    Ok(Allocation {
+        ordinal: usize::try_from(ordinal).map_err(|_| {
+            Error::InvalidArgument(format!("{ptr:#x}: the driver gives no device for it"))
+        })?,
+        start,
+        size: size as u64,
+    })
+}

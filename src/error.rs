@@ -234,6 +234,21 @@ pub enum Error {
         /// The clique's timeout.
         timeout_ms: u64,
     },
+    /// Ranks of one job made different calls: a rank on this host posted call `call` with
+    /// other lengths, element types, root or paths than this rank. The rank that posts second
+    /// gets this before anything is queued; the other at its next call or `synchronize`
+    /// (instead of the timeout its call then ends in).
+    #[error("ranks disagree on call {call}: rank {rank} passed {theirs}, this rank {mine}. Every rank must make the same calls, in the same order, with the same lengths, types, root and paths; this call's outputs are undefined")]
+    CallMismatch {
+        /// The call's number among this communicator's calls (from 0).
+        call: u64,
+        /// The peer whose call differs.
+        rank: usize,
+        /// What the peer passed.
+        theirs: String,
+        /// What this rank passed.
+        mine: String,
+    },
 }
 
 impl Error {

@@ -112,7 +112,7 @@ pub use error::{Error, Result};
 pub use limits::{MAX_GPUS, PACKET_MAX_BYTES};
 pub use nccl::nccl_version;
 pub use plan::FusedReport;
-pub use tensor::{DeviceTensor, DeviceTensorMut};
+pub use tensor::{DeviceTensor, DeviceTensorMut, ExternalSlice};
 pub use topology::{Link, Topology};
 
 /// Re-export of the cudarc version gpucast is built with, so callers name the same buffer types.

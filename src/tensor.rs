@@ -13,7 +13,7 @@ mod sealed {
 }
 
 /// A device buffer of any [`Element`] type that a broadcast can read: cudarc's `CudaSlice<T>`,
-/// `CudaView<T>` and `CudaViewMut<T>`. Used as `&dyn DeviceTensor` in
+/// `CudaView<T>` and `CudaViewMut<T>`, and [`ExternalSlice<T>`]. Used as `&dyn DeviceTensor` in
 /// [`crate::Clique::broadcast_many`] and in graph captures.
 pub trait DeviceTensor: sealed::Sealed + Send + Sync {
     /// Element type.
@@ -42,8 +42,8 @@ pub trait DeviceTensor: sealed::Sealed + Send + Sync {
     fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>);
 }
 
-/// A device buffer of any [`Element`] type that a broadcast can write: `CudaSlice<T>` and
-/// `CudaViewMut<T>`.
+/// A device buffer of any [`Element`] type that a broadcast can write: `CudaSlice<T>`,
+/// `CudaViewMut<T>` and [`ExternalSlice<T>`].
 pub trait DeviceTensorMut: DeviceTensor {
     /// cudarc's write access (see [`DeviceTensor::read_ptr`]).
     #[doc(hidden)]
@@ -70,9 +70,20 @@ macro_rules! readable {
     )*};
 }
 
-readable!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
+readable!(
+    CudaSlice<T>,
+    CudaView<'_, T>,
+    CudaViewMut<'_, T>,
+    ExternalSlice<T>
+);
 
 impl<T: Element> DeviceTensorMut for CudaSlice<T> {
+    fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        self.device_ptr_mut(stream)
+    }
+}
+
+impl<T: Element> DeviceTensorMut for ExternalSlice<T> {
     fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
         self.device_ptr_mut(stream)
     }
@@ -81,5 +92,120 @@ impl<T: Element> DeviceTensorMut for CudaSlice<T> {
 impl<T: Element> DeviceTensorMut for CudaViewMut<'_, T> {
     fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
         self.device_ptr_mut(stream)
+    }
+}
+
+/// Device memory that cudarc does not own (a PyTorch, CuPy or JAX tensor, memory of another
+/// library), as a buffer of `T` that every gpucast call accepts, ordered with a stream of its
+/// owner.
+///
+/// A call that takes it is ordered with its stream both ways: the call starts after the work
+/// queued on that stream so far, and work queued on that stream after the call returns starts
+/// after the call is done with the buffer (so a stream-ordered free or overwrite queued there
+/// is safe). Unlike cudarc's buffers it carries no events of its own: work its owner queues on
+/// other streams is the owner's to order (as `torch.Tensor.record_stream` does for PyTorch).
+pub struct ExternalSlice<T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _element: std::marker::PhantomData<fn() -> T>,
+}
+
+impl<T> std::fmt::Debug for ExternalSlice<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalSlice")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("stream", &self.stream.cu_stream())
+            .finish()
+    }
+}
+
+impl<T: Element> ExternalSlice<T> {
+    /// `len` elements of `T` at device address `ptr`, ordered with `stream` (a stream of the
+    /// context whose GPU holds the memory: wrap a foreign handle with
+    /// [`CudaContext::wrap_borrowed_stream`](cudarc::driver::CudaContext::wrap_borrowed_stream);
+    /// the legacy and per-thread default streams are fine).
+    ///
+    /// Checked here, as errors: the byte count fits in `usize`; for `len > 0`, `ptr` is aligned
+    /// to `T`, and `ptr .. ptr + len * size_of::<T>()` lies inside one device allocation of
+    /// the stream's GPU ([`Error::InvalidArgument`](crate::Error::InvalidArgument),
+    /// [`Error::WrongDevice`](crate::Error::WrongDevice) otherwise).
+    ///
+    /// # Safety
+    /// - The memory is device memory allocated in the primary context of its GPU
+    ///   (`cudaMalloc`, `cuMemAlloc`, a memory pool that grants the clique's other GPUs access,
+    ///   or what PyTorch's default allocator returns): a peer's kernel may read or write it.
+    /// - It stays allocated, and nothing touches it except work ordered through `stream`, until
+    ///   the work queued on `stream` by the time the last call given this buffer returns has
+    ///   run: free it only stream-ordered on `stream` or after synchronizing with that stream.
+    /// - `stream` stays a live stream of its context for as long as this value or a call
+    ///   given it may use it.
+    /// - Outputs of one call do not overlap each other or the call's input (an in-place
+    ///   root's buffer is both, by design).
+    pub unsafe fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> crate::Result<Self> {
+        let size = std::mem::size_of::<T>();
+        let bytes = len
+            .checked_mul(size)
+            .ok_or_else(|| crate::Error::TooLarge {
+                what: "external buffer".into(),
+                elements: len,
+                element_size: size,
+            })?;
+        if len > 0 {
+            if !ptr.is_multiple_of(std::mem::align_of::<T>() as u64) {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "external buffer at {ptr:#x} is not aligned to its {}-byte elements",
+                    std::mem::align_of::<T>()
+                )));
+            }
+            let expected = stream.context().ordinal();
+            let range = crate::driver::allocation_of(stream.context(), ptr)?;
+            if range.ordinal != expected {
+                return Err(crate::Error::WrongDevice {
+                    what: format!("external buffer at {ptr:#x}"),
+                    rank: 0,
+                    expected,
+                    found: range.ordinal,
+                });
+            }
+            let end = ptr.checked_add(bytes as u64);
+            if end.is_none_or(|end| end > range.start.saturating_add(range.size)) {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "external buffer at {ptr:#x} of {bytes} bytes runs past the end of its \
+                     allocation ({:#x}, {} bytes)",
+                    range.start, range.size
+                )));
+            }
+        }
+        Ok(ExternalSlice {
+            ptr,
+            len,
+            stream,
+            _element: std::marker::PhantomData,
+        })
+    }
+}
+
+impl<T: Element> DeviceSlice<T> for ExternalSlice<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T: Element> DevicePtr<T> for ExternalSlice<T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        // No event: ordering is with `self.stream`, which every call orders both ways.
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+impl<T: Element> DevicePtrMut<T> for ExternalSlice<T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
     }
 }

@@ -143,10 +143,44 @@ fn child() {
             faulty(comm);
             return;
         }
+        "mismatch" => {
+            mismatch(&comm);
+            return;
+        }
         other => panic!("unknown case {other}"),
     }
     comm.synchronize().unwrap();
     println!("RANK {} done", comm.rank());
+}
+
+/// Ranks that pass different lengths to one call: every rank gets [`Error::CallMismatch`]
+/// for that call (the rank that posts it second before anything is queued, the other at
+/// `synchronize`), within the timeout; never a hang, never a message of the wrong size.
+fn mismatch(comm: &Communicator) {
+    let rank = comm.rank();
+    let mut agreed = comm.alloc::<f32>(1024).unwrap();
+    comm.broadcast_in_place(0, &mut agreed).unwrap();
+    comm.synchronize().unwrap();
+    let n = if rank == 0 { 4096 } else { 8192 };
+    let mut b = comm.alloc::<f32>(n).unwrap();
+    let start = Instant::now();
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+    let err = match comm.broadcast_in_place_with(0, &mut b, &p2p) {
+        Err(e) => e,
+        Ok(()) => comm
+            .synchronize()
+            .expect_err("a call that differs is an error on every rank"),
+    };
+    assert!(
+        matches!(err, Error::CallMismatch { call: 1, rank: r, .. } if r == 1 - rank),
+        "{err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    println!("RANK {rank} mismatch after {:?}: {err}", start.elapsed());
 }
 
 /// Whether this rank shares GPU 0 with the others (`PROCS_SHARED`, set where there are fewer
@@ -594,6 +628,16 @@ fn the_rendezvous_host_missing_is_an_error() {
     let e = r.err().expect("no rank 0");
     assert!(matches!(e, Error::Rendezvous(_)), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(6), "{:?}", t0.elapsed());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ranks_that_disagree_on_a_call_all_get_a_mismatch_error() {
+    run_ranks("mismatch", Duration::from_secs(120), |rank| {
+        let mut vars = host_env(rank);
+        vars.push(("GPUCAST_TIMEOUT_MS".into(), "2000".into()));
+        vars
+    });
 }
 
 #[test]

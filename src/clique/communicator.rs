@@ -300,6 +300,11 @@ impl Communicator {
         }
         let nccl = round_nccl(exchange.as_ref(), &ctx, shared, init_timeout)?;
         let p2p = rounds_p2p(exchange.as_ref(), &ctx, same_host, &settings, deadline);
+        let calls = if same_host && world > 1 {
+            super::calls::setup(exchange.as_ref(), deadline)?
+        } else {
+            None
+        };
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
         let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, nccl, p2p)?;
         let init_time = started.elapsed();
@@ -325,6 +330,7 @@ impl Communicator {
                             .into(),
                     )),
                     nccl_on: !shared,
+                    calls,
                 },
             ),
             job,

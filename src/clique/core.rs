@@ -28,6 +28,8 @@ pub(crate) struct Core {
     pub(crate) copy_engine: std::result::Result<(), Error>,
     /// Whether NCCL runs here (off where a device holds several ranks).
     pub(crate) nccl_on: bool,
+    /// See [`Placement::calls`].
+    pub(crate) calls: Option<super::calls::Log>,
     /// Whether this process drives every rank of the job. Then P2P tensors of one call may
     /// share a launch and the P2P kernel may chain; across processes peers read the root's
     /// tensors from a staging buffer, one at a time.
@@ -46,6 +48,9 @@ pub(crate) struct Placement {
     pub(crate) copy_engine: std::result::Result<(), Error>,
     /// Whether NCCL runs here.
     pub(crate) nccl_on: bool,
+    /// The log that checks this rank's calls against its peers' on the host (across
+    /// processes; a clique checks all its ranks' buffers in one call instead).
+    pub(crate) calls: Option<super::calls::Log>,
 }
 
 impl Core {
@@ -62,6 +67,7 @@ impl Core {
             world: job.world,
             copy_engine: job.copy_engine,
             nccl_on: job.nccl_on,
+            calls: job.calls,
         }
     }
 
@@ -181,7 +187,9 @@ impl Core {
         let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
         let input_info = input.map(access::info_of::<T, I>);
         let shape = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)?;
-        let Some(step) = self.single_step(shape.bytes, options)? else {
+        let route = self.route(shape.bytes, options)?;
+        self.post_call(root, [(shape.bytes, shape.dtype, route)])?;
+        let Some(step) = plan::single(0, route) else {
             return Ok(());
         };
         let root_local = self.globals.iter().position(|&g| g == root);
@@ -309,6 +317,13 @@ impl Core {
     ) -> Result<FusedReport> {
         let shapes = self.check_lists(root, inputs, outputs, false)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
+        if self.calls.is_some() {
+            let routes = shapes
+                .iter()
+                .map(|s| Ok((s.bytes, s.dtype, self.route(s.bytes, options)?)))
+                .collect::<Result<Vec<_>>>()?;
+            self.post_call(root, routes)?;
+        }
         let mut steps = self.plan(&bytes, options, false)?;
         let mut report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
@@ -409,7 +424,25 @@ impl Core {
 
     /// Blocks until every broadcast queued so far has finished on every local GPU.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.engine.lock()?.synchronize()
+        let done = self.engine.lock().and_then(|mut e| e.synchronize());
+        // A call that differed from a peer's explains a failure better than its timeout.
+        match self.calls.as_ref().map(super::calls::Log::check) {
+            Some(Err(mismatch)) => Err(mismatch),
+            _ => done,
+        }
+    }
+
+    /// Posts a call's card to the log (across processes): [`Error::CallMismatch`], before
+    /// anything is queued, when a peer's card of the same call differs.
+    fn post_call(
+        &self,
+        root: usize,
+        tensors: impl IntoIterator<Item = (usize, crate::dtype::DType, Route)>,
+    ) -> Result<()> {
+        match &self.calls {
+            Some(log) => log.post(super::calls::Card::of(root, tensors)),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn wait_for(&self, streams: &[&CudaStream]) -> Result<()> {

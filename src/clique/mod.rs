@@ -7,6 +7,7 @@
 
 mod access;
 pub(crate) mod args;
+mod calls;
 mod communicator;
 mod core;
 mod fused;
@@ -146,6 +147,7 @@ impl CliqueBuilder {
             world: n,
             copy_engine: built.topology.copy_engine_support(),
             nccl_on: built.nccl_on,
+            calls: None,
         };
         let clique = Clique {
             ordinals: built.topology.ordinals().to_vec(),

@@ -5,7 +5,7 @@
 
 pub(crate) mod abi;
 pub(crate) mod compile;
-mod ipc;
+pub(crate) mod ipc;
 mod launcher;
 mod shared;
 

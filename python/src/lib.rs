@@ -1,0 +1,658 @@
+//! `gpucast._native`: the Python face of gpucast. Tensors come in as torch tensors, DLPack
+//! producers (`__dlpack__`) or `__cuda_array_interface__` objects, without copies; each call is
+//! ordered after the work queued on the tensor's current stream, and that stream waits for the
+//! call, as a torch operation on that stream would be. Calls release the GIL.
+
+mod errors;
+mod pending;
+mod tensors;
+
+use std::time::Duration;
+
+use gpucast::cudarc::driver::{CudaContext, CudaStream};
+use gpucast::{
+    BroadcastOptions, BroadcastPath, Clique, CliqueBuilder, Communicator, CommunicatorBuilder,
+    DeviceTensor, DeviceTensorMut, Error,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use errors::to_py;
+use pending::Pending;
+use tensors::{describe, external, Desc, Where};
+
+/// The settings both builders take, from Python keyword arguments.
+#[derive(Default)]
+struct Settings {
+    path: Option<BroadcastPath>,
+    timeout: Option<Duration>,
+    p2p_threshold: Option<usize>,
+    packet_threshold: Option<usize>,
+    copy_engine_threshold: Option<usize>,
+    p2p_chain_threshold: Option<usize>,
+}
+
+/// A byte count from an int or a string such as `"64K"`.
+fn bytes_arg(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    let Some(v) = value else { return Ok(None) };
+    if let Ok(n) = v.extract::<usize>() {
+        return Ok(Some(n));
+    }
+    let parsed = v
+        .extract::<String>()
+        .ok()
+        .and_then(|s| gpucast::parse_bytes(&s));
+    match parsed {
+        Some(n) => Ok(Some(n)),
+        None => Err(errors::argument(format!(
+            "{name} must be a byte count (an int >= 0, or a string such as \"64K\"), not {v}"
+        ))),
+    }
+}
+
+fn path_arg(path: Option<&str>) -> PyResult<Option<BroadcastPath>> {
+    path.map(|p| p.parse::<BroadcastPath>().map_err(to_py))
+        .transpose()
+}
+
+fn seconds_arg(name: &str, s: Option<f64>) -> PyResult<Option<Duration>> {
+    match s {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(errors::argument(format!(
+            "{name} must be a number of seconds > 0, not {s}"
+        ))),
+    }
+}
+
+impl Settings {
+    fn from_args(
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Settings> {
+        Ok(Settings {
+            path: path_arg(path)?,
+            timeout: seconds_arg("timeout", timeout)?,
+            p2p_threshold: bytes_arg("p2p_threshold", p2p_threshold)?,
+            packet_threshold: bytes_arg("packet_threshold", packet_threshold)?,
+            copy_engine_threshold: bytes_arg("copy_engine_threshold", copy_engine_threshold)?,
+            p2p_chain_threshold: bytes_arg("p2p_chain_threshold", p2p_chain_threshold)?,
+        })
+    }
+}
+
+/// Applies [`Settings`] to either builder (both have the same setters).
+macro_rules! apply_settings {
+    ($builder:expr, $s:expr) => {{
+        let mut b = $builder;
+        let s = $s;
+        if let Some(v) = s.path {
+            b = b.path(v);
+        }
+        if let Some(v) = s.timeout {
+            b = b.timeout(v);
+        }
+        if let Some(v) = s.p2p_threshold {
+            b = b.p2p_threshold(v);
+        }
+        if let Some(v) = s.packet_threshold {
+            b = b.packet_threshold(v);
+        }
+        if let Some(v) = s.copy_engine_threshold {
+            b = b.copy_engine_threshold(v);
+        }
+        if let Some(v) = s.p2p_chain_threshold {
+            b = b.p2p_chain_threshold(v);
+        }
+        b
+    }};
+}
+
+fn options(path: Option<&str>) -> PyResult<BroadcastOptions> {
+    Ok(match path_arg(path)? {
+        Some(p) => BroadcastOptions::path(p),
+        None => BroadcastOptions::default(),
+    })
+}
+
+/// Wraps a stream handle of another library (torch's current stream, the legacy default
+/// stream) for ordering.
+///
+/// # Safety
+/// `handle` is a live stream of `ctx` (the primary context of its device) or one of the
+/// legacy and per-thread default stream handles (0, 1, 2), and stays live until the work
+/// queued on it by the call that uses the wrapper has run.
+unsafe fn borrowed(ctx: &std::sync::Arc<CudaContext>, handle: u64) -> std::sync::Arc<CudaStream> {
+    // SAFETY: per this function's contract; the wrapper never destroys the handle, and gpucast
+    // orders its own work with the stream through events (both ways).
+    unsafe { ctx.wrap_borrowed_stream(handle as _) }
+}
+
+/// One rank of a job that runs one process per GPU (torchrun, Slurm): see
+/// `gpucast.Communicator`.
+#[pyclass(module = "gpucast._native", name = "Communicator", frozen)]
+struct PyCommunicator {
+    inner: Communicator,
+    pending: Pending,
+}
+
+#[pymethods]
+impl PyCommunicator {
+    /// Joins the job described by the environment (torchrun's or Slurm's variables).
+    #[staticmethod]
+    #[pyo3(signature = (*, device=None, shared_devices=false, init_timeout=None, path=None,
+        timeout=None, p2p_threshold=None, packet_threshold=None, copy_engine_threshold=None,
+        p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_env(
+        py: Python<'_>,
+        device: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<f64>,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCommunicator> {
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let init_timeout = seconds_arg("init_timeout", init_timeout)?;
+        let mut b: CommunicatorBuilder =
+            apply_settings!(Communicator::builder(), settings).shared_devices(shared_devices);
+        if let Some(d) = device {
+            b = b.device(d);
+        }
+        if let Some(t) = init_timeout {
+            b = b.init_timeout(t);
+        }
+        let inner = py.detach(|| b.build()).map_err(to_py)?;
+        let pending = Pending::new(vec![inner.stream().clone()]);
+        Ok(PyCommunicator { inner, pending })
+    }
+
+    /// This process's rank in the job.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    /// Number of ranks in the job.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    /// This process's rank on its host.
+    #[getter]
+    fn local_rank(&self) -> usize {
+        self.inner.local_rank()
+    }
+
+    /// The CUDA device of this rank.
+    #[getter]
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
+
+    /// Whether every rank runs on this host (then the P2P kernel can run between them).
+    #[getter]
+    fn single_host(&self) -> bool {
+        self.inner.single_host()
+    }
+
+    /// The route a broadcast of `nbytes` bytes takes (`"p2p-packet"`, `"nccl"`, ...).
+    #[pyo3(signature = (nbytes, *, path=None))]
+    fn route(&self, nbytes: usize, path: Option<&str>) -> PyResult<String> {
+        let options = options(path)?;
+        Ok(self
+            .inner
+            .route(nbytes, &options)
+            .map_err(to_py)?
+            .to_string())
+    }
+
+    /// Broadcasts, in place, rank `src`'s `tensor` into every other rank's `tensor`.
+    #[pyo3(signature = (tensor, src=0, *, path=None, stream=None))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src: usize,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let desc = describe(tensor, Where::at(self.inner.device(), stream))?;
+        self.pending.prune();
+        let ctx = self.inner.context().clone();
+        let comm = &self.inner;
+        let d = &desc;
+        let result = py.detach(|| {
+            // SAFETY: `d.stream` is the tensor's stream, a stream of this device's primary
+            // context (torch's current stream, the caller's or a default stream handle), live
+            // while the tensor's library runs; `keep` below holds the tensor until the work
+            // queued on this rank's stream by this call has run.
+            let stream = unsafe { borrowed(&ctx, d.stream) };
+            // SAFETY: `d` describes the memory of a live, contiguous tensor of `d.len`
+            // elements on this device, kept alive (by `keep`) until this call's work has run.
+            let mut buf = unsafe { external(d, stream) }?;
+            comm.broadcast_many_in_place_with(src, vec![&mut *buf], &options)
+                .map(|_| ())
+        });
+        self.pending.keep(vec![desc.keep]);
+        result.map_err(to_py)
+    }
+
+    /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
+    /// of tensors (lengths and types); rank `src`'s are the sources.
+    #[pyo3(signature = (tensors, src=0, *, path=None, stream=None))]
+    fn broadcast_many(
+        &self,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyAny>,
+        src: usize,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let at = Where::at(self.inner.device(), stream);
+        let descs = tensors
+            .try_iter()?
+            .map(|t| describe(&t?, at))
+            .collect::<PyResult<Vec<Desc>>>()?;
+        self.pending.prune();
+        let ctx = self.inner.context().clone();
+        let comm = &self.inner;
+        let ds = &descs;
+        let result = py.detach(|| {
+            let mut bufs: Vec<Box<Buffer>> = Vec::with_capacity(ds.len());
+            for d in ds {
+                // SAFETY: as in `broadcast`, for each tensor.
+                let stream = unsafe { borrowed(&ctx, d.stream) };
+                // SAFETY: as in `broadcast`.
+                bufs.push(unsafe { external(d, stream) }?);
+            }
+            let list: Vec<&mut dyn DeviceTensorMut> = bufs
+                .iter_mut()
+                .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
+                .collect();
+            comm.broadcast_many_in_place_with(src, list, &options)
+                .map(|_| ())
+        });
+        self.pending
+            .keep(descs.into_iter().map(|d| d.keep).collect());
+        result.map_err(to_py)
+    }
+
+    /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
+    /// failure of them.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = &self.inner;
+        py.detach(|| comm.synchronize()).map_err(to_py)?;
+        self.pending.prune();
+        Ok(())
+    }
+
+    /// The CUDA stream (a raw `cudaStream_t` as an int) that this rank's broadcasts run on.
+    #[getter]
+    fn stream_handle(&self) -> u64 {
+        self.inner.stream().cu_stream() as u64
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpucast.Communicator(rank={}, world_size={}, device={})",
+            self.inner.rank(),
+            self.inner.world_size(),
+            self.inner.device()
+        )
+    }
+}
+
+/// Several GPUs (ranks) driven by this one process: see `gpucast.Clique`.
+#[pyclass(module = "gpucast._native", name = "Clique", frozen)]
+struct PyClique {
+    inner: Clique,
+    devices: Vec<usize>,
+    pending: Pending,
+}
+
+impl PyClique {
+    /// Where each rank's tensors must be, with the caller's stream if given.
+    fn at(&self, rank: usize, stream: Option<u64>) -> Where {
+        Where::at(self.devices[rank], stream)
+    }
+
+    fn check_count(&self, what: &str, got: usize) -> PyResult<()> {
+        if got == self.devices.len() {
+            Ok(())
+        } else {
+            Err(to_py(Error::InvalidArgument(format!(
+                "{what}: {got} given, the clique has {} ranks",
+                self.devices.len()
+            ))))
+        }
+    }
+
+    fn root(&self, src: usize) -> PyResult<usize> {
+        if src < self.devices.len() {
+            Ok(src)
+        } else {
+            Err(to_py(Error::RootOutOfRange {
+                root: src,
+                size: self.devices.len(),
+            }))
+        }
+    }
+
+    /// Buffers of rank `rank` from descriptions that are kept alive by the caller.
+    ///
+    /// # Safety
+    /// Every `Desc` describes a live tensor of rank `rank`'s device, kept alive until the work
+    /// queued by the call that uses the buffers has run.
+    unsafe fn buffers_of(&self, rank: usize, descs: &[Desc]) -> gpucast::Result<Vec<Box<Buffer>>> {
+        let ctx = self.inner.context(rank);
+        descs
+            .iter()
+            .map(|d| {
+                // SAFETY: per this function's contract.
+                let stream = unsafe { borrowed(ctx, d.stream) };
+                // SAFETY: per this function's contract.
+                unsafe { external(d, stream) }
+            })
+            .collect()
+    }
+
+    /// [`PyClique::buffers_of`] for one list per rank.
+    ///
+    /// # Safety
+    /// As for [`PyClique::buffers_of`], `lists[rank]` being rank `rank`'s.
+    unsafe fn buffers(&self, lists: &[Vec<Desc>]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+        lists
+            .iter()
+            .enumerate()
+            // SAFETY: per this function's contract.
+            .map(|(rank, list)| unsafe { self.buffers_of(rank, list) })
+            .collect()
+    }
+}
+
+/// What [`tensors::external`] returns.
+type Buffer = dyn DeviceTensorMut;
+
+#[pymethods]
+impl PyClique {
+    /// A clique of the GPUs `devices` (default: every visible GPU).
+    #[new]
+    #[pyo3(signature = (devices=None, *, shared_devices=false, path=None, timeout=None,
+        p2p_threshold=None, packet_threshold=None, copy_engine_threshold=None,
+        p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        devices: Option<Vec<usize>>,
+        shared_devices: bool,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyClique> {
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let mut b: CliqueBuilder =
+            apply_settings!(Clique::builder(), settings).shared_devices(shared_devices);
+        if let Some(d) = &devices {
+            b = b.devices(d);
+        }
+        let inner = py.detach(|| b.build()).map_err(to_py)?;
+        let devices = (0..inner.len())
+            .map(|r| inner.context(r).ordinal())
+            .collect();
+        let pending = Pending::new((0..inner.len()).map(|r| inner.stream(r).clone()).collect());
+        Ok(PyClique {
+            inner,
+            devices,
+            pending,
+        })
+    }
+
+    /// The CUDA device of each rank.
+    #[getter]
+    fn devices(&self) -> Vec<usize> {
+        self.devices.clone()
+    }
+
+    fn __len__(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// The route a broadcast of `nbytes` bytes takes.
+    #[pyo3(signature = (nbytes, *, path=None))]
+    fn route(&self, nbytes: usize, path: Option<&str>) -> PyResult<String> {
+        let options = options(path)?;
+        Ok(self
+            .inner
+            .route(nbytes, &options)
+            .map_err(to_py)?
+            .to_string())
+    }
+
+    /// Copies `tensor` (on rank `src`'s GPU) into `outputs[rank]` for every rank (the root's
+    /// own output included).
+    #[pyo3(signature = (src, tensor, outputs, *, path=None, stream=None))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        tensor: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("outputs", outputs.len())?;
+        let input = describe(tensor, self.at(root, stream))?;
+        let outs = outputs
+            .iter()
+            .enumerate()
+            .map(|(r, o)| describe(&o, self.at(r, stream)).map(|d| vec![d]))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.pending.prune();
+        let result = py.detach(|| {
+            // SAFETY: every description is of a live tensor of its rank's device, kept alive
+            // (below) until this call's work has run.
+            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(&input)) }?;
+            // SAFETY: as above.
+            let mut out = unsafe { self.buffers(&outs) }?;
+            let inputs: Vec<&dyn DeviceTensor> = vec![&*inp[0]];
+            let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = out
+                .iter_mut()
+                .map(|l| {
+                    l.iter_mut()
+                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
+                        .collect()
+                })
+                .collect();
+            self.inner
+                .broadcast_many_with(root, &inputs, &mut lists, &options)
+                .map(|_| ())
+        });
+        let mut keep = vec![input.keep];
+        keep.extend(outs.into_iter().flatten().map(|d| d.keep));
+        self.pending.keep(keep);
+        result.map_err(to_py)
+    }
+
+    /// Broadcasts, in place, `tensors[src]` into `tensors[rank]` of every other rank.
+    #[pyo3(signature = (src, tensors, *, path=None, stream=None))]
+    fn broadcast_in_place(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        tensors: &Bound<'_, PyList>,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let lists = PyList::empty(py);
+        for t in tensors.iter() {
+            lists.append(PyList::new(py, [t])?)?;
+        }
+        self.broadcast_many_in_place(py, src, &lists, path, stream)
+    }
+
+    /// Many tensors out of place in one fused call: `inputs[t]` is tensor `t` on rank `src`'s
+    /// GPU, `outputs[rank][t]` its destination on every rank (the root's included).
+    #[pyo3(signature = (src, inputs, outputs, *, path=None, stream=None))]
+    fn broadcast_many(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        inputs: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("output lists", outputs.len())?;
+        let ins = inputs
+            .try_iter()?
+            .map(|t| describe(&t?, self.at(root, stream)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let outs = self.describe_lists(outputs, stream)?;
+        self.pending.prune();
+        let result = py.detach(|| {
+            // SAFETY: as in `broadcast`.
+            let inp = unsafe { self.buffers_of(root, &ins) }?;
+            // SAFETY: as in `broadcast`.
+            let mut out = unsafe { self.buffers(&outs) }?;
+            let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
+            let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = out
+                .iter_mut()
+                .map(|l| {
+                    l.iter_mut()
+                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
+                        .collect()
+                })
+                .collect();
+            self.inner
+                .broadcast_many_with(root, &inputs, &mut lists, &options)
+                .map(|_| ())
+        });
+        let mut keep: Vec<Py<PyAny>> = ins.into_iter().map(|d| d.keep).collect();
+        keep.extend(outs.into_iter().flatten().map(|d| d.keep));
+        self.pending.keep(keep);
+        result.map_err(to_py)
+    }
+
+    /// Many tensors in place in one fused call: `tensors[rank][t]` is tensor `t` of rank
+    /// `rank` (rank `src`'s are the sources).
+    #[pyo3(signature = (src, tensors, *, path=None, stream=None))]
+    fn broadcast_many_in_place(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        tensors: &Bound<'_, PyList>,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("tensor lists", tensors.len())?;
+        let lists = self.describe_lists(tensors, stream)?;
+        self.pending.prune();
+        let result = py.detach(|| {
+            // SAFETY: as in `broadcast`.
+            let mut bufs = unsafe { self.buffers(&lists) }?;
+            let mut refs: Vec<Vec<&mut dyn DeviceTensorMut>> = bufs
+                .iter_mut()
+                .map(|l| {
+                    l.iter_mut()
+                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
+                        .collect()
+                })
+                .collect();
+            self.inner
+                .broadcast_many_in_place_with(root, &mut refs, &options)
+                .map(|_| ())
+        });
+        self.pending
+            .keep(lists.into_iter().flatten().map(|d| d.keep).collect());
+        result.map_err(to_py)
+    }
+
+    /// Waits (bounded) until every rank's broadcasts so far have finished, and reports any
+    /// failure of them.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let clique = &self.inner;
+        py.detach(|| clique.synchronize()).map_err(to_py)?;
+        self.pending.prune();
+        Ok(())
+    }
+
+    /// The CUDA stream (a raw `cudaStream_t` as an int) that rank `rank`'s broadcasts run on.
+    fn stream_handle(&self, rank: usize) -> PyResult<u64> {
+        self.root(rank)?;
+        Ok(self.inner.stream(rank).cu_stream() as u64)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("gpucast.Clique(devices={:?})", self.devices)
+    }
+}
+
+impl PyClique {
+    /// Descriptions of `lists[rank][t]`, one list per rank.
+    fn describe_lists(
+        &self,
+        lists: &Bound<'_, PyList>,
+        stream: Option<u64>,
+    ) -> PyResult<Vec<Vec<Desc>>> {
+        lists
+            .iter()
+            .enumerate()
+            .map(|(rank, list)| {
+                list.try_iter()?
+                    .map(|t| describe(&t?, self.at(rank, stream)))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// NCCL's version as `(major, minor, patch)`.
+#[pyfunction]
+fn nccl_version() -> PyResult<(i32, i32, i32)> {
+    gpucast::nccl_version().map_err(to_py)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCommunicator>()?;
+    m.add_class::<PyClique>()?;
+    m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(tensors::describe_tensor, m)?)?;
+    m.add("MAX_GPUS", gpucast::MAX_GPUS)?;
+    Ok(())
+}

@@ -1,0 +1,543 @@
+//! Tensors from Python, without copies: torch tensors (read directly), DLPack producers
+//! (`__dlpack__`, `__dlpack_device__`) and `__cuda_array_interface__` objects.
+//!
+//! Each becomes a [`Desc`]: its device address, its length in one of gpucast's element types,
+//! the stream its library queues work on (torch's or CuPy's current stream, the stream a
+//! `__cuda_array_interface__` names, else the legacy default stream, unless the caller names
+//! one), and the Python object that owns the memory, which the caller keeps alive until the
+//! call's work has run.
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use gpucast::cudarc::driver::CudaStream;
+use gpucast::half::{bf16, f16};
+use gpucast::{DType, DeviceTensorMut, ExternalSlice};
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyDict, PyTuple};
+use pyo3::{intern, IntoPyObjectExt};
+
+use crate::errors::argument;
+
+/// The legacy default stream, as a driver handle.
+const LEGACY: u64 = 0;
+
+/// A tensor as a call sees it.
+pub(crate) struct Desc {
+    /// Device address of its first byte.
+    pub(crate) ptr: u64,
+    /// Length in elements of `dtype`.
+    pub(crate) len: usize,
+    /// The element type the bytes are carried as.
+    pub(crate) dtype: DType,
+    /// The stream handle to order the call with.
+    pub(crate) stream: u64,
+    /// What owns the memory (the tensor, or a DLPack capsule and its producer).
+    pub(crate) keep: Py<PyAny>,
+}
+
+/// Where a call wants a tensor: on which device (`None`: any, and host memory too, for the
+/// parsing tests), with which stream if the caller named one.
+#[derive(Clone, Copy)]
+pub(crate) struct Where {
+    device: Option<usize>,
+    stream: Option<u64>,
+}
+
+impl Where {
+    pub(crate) fn at(device: usize, stream: Option<u64>) -> Where {
+        Where {
+            device: Some(device),
+            stream,
+        }
+    }
+}
+
+/// Element type and how many elements of it one source element is (2 for complex types).
+fn carried(dtype: DType) -> (DType, usize) {
+    (dtype, 1)
+}
+
+/// torch's `str(dtype)` as a carried type. Types outside gpucast's ten travel as a type of
+/// their size (bool and 8-bit floats as u8, 16-bit integers as f16 bits, complex as pairs).
+fn torch_dtype(name: &str) -> Option<(DType, usize)> {
+    let name = name.strip_prefix("torch.")?;
+    Some(match name {
+        "float32" => carried(DType::F32),
+        "float64" => carried(DType::F64),
+        "float16" => carried(DType::F16),
+        "bfloat16" => carried(DType::BF16),
+        "int8" => carried(DType::I8),
+        "uint8" => carried(DType::U8),
+        "int32" => carried(DType::I32),
+        "uint32" => carried(DType::U32),
+        "int64" => carried(DType::I64),
+        "uint64" => carried(DType::U64),
+        "bool" => carried(DType::U8),
+        "int16" | "uint16" => carried(DType::F16),
+        "complex32" => (DType::F16, 2),
+        "complex64" => (DType::F32, 2),
+        "complex128" => (DType::F64, 2),
+        n if n.starts_with("float8_") => carried(DType::U8),
+        _ => return None,
+    })
+}
+
+/// DLPack's `(code, bits, lanes)` as a carried type.
+fn dlpack_dtype(code: u8, bits: u8, lanes: u16) -> Option<(DType, usize)> {
+    if lanes != 1 {
+        return None;
+    }
+    Some(match (code, bits) {
+        (0, 8) => carried(DType::I8),
+        (0, 16) | (1, 16) => carried(DType::F16),
+        (0, 32) => carried(DType::I32),
+        (0, 64) => carried(DType::I64),
+        (1, 8) => carried(DType::U8),
+        (1, 32) => carried(DType::U32),
+        (1, 64) => carried(DType::U64),
+        (2, 16) => carried(DType::F16),
+        (2, 32) => carried(DType::F32),
+        (2, 64) => carried(DType::F64),
+        (4, 16) => carried(DType::BF16),
+        (5, 32) => (DType::F16, 2),
+        (5, 64) => (DType::F32, 2),
+        (5, 128) => (DType::F64, 2),
+        // kDLBool, and the 8-bit float codes of DLPack 1.1 (7..=11).
+        (6, 8) | (7..=11, 8) => carried(DType::U8),
+        _ => return None,
+    })
+}
+
+/// `__cuda_array_interface__`'s `typestr` as a carried type.
+fn typestr_dtype(typestr: &str) -> Option<(DType, usize)> {
+    let b = typestr.as_bytes();
+    if b.len() < 3 || !matches!(b[0], b'<' | b'|' | b'=') {
+        return None;
+    }
+    Some(match &typestr[1..] {
+        "f2" => carried(DType::F16),
+        "f4" => carried(DType::F32),
+        "f8" => carried(DType::F64),
+        "i1" => carried(DType::I8),
+        "u1" | "b1" => carried(DType::U8),
+        "i2" | "u2" => carried(DType::F16),
+        "i4" => carried(DType::I32),
+        "u4" => carried(DType::U32),
+        "i8" => carried(DType::I64),
+        "u8" => carried(DType::U64),
+        "c8" => (DType::F32, 2),
+        "c16" => (DType::F64, 2),
+        _ => return None,
+    })
+}
+
+/// Whether `strides` (in elements) describe a C-contiguous tensor of `shape`; dimensions of
+/// size 1 may have any stride, and an empty tensor is contiguous.
+fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
+    if shape.contains(&0) {
+        return true;
+    }
+    let mut expected: i64 = 1;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n != 1 && s != expected {
+            return false;
+        }
+        expected = expected.saturating_mul(n);
+    }
+    true
+}
+
+/// Number of elements of `shape`, or an error for a negative or overflowing one.
+fn elements(shape: &[i64]) -> PyResult<usize> {
+    shape.iter().try_fold(1usize, |acc, &n| {
+        usize::try_from(n)
+            .ok()
+            .and_then(|n| acc.checked_mul(n))
+            .ok_or_else(|| argument(format!("bad tensor shape {shape:?}")))
+    })
+}
+
+/// A length in source elements as a length in carried elements.
+fn carried_len(n: usize, per: usize, dtype: DType) -> PyResult<(usize, DType)> {
+    n.checked_mul(per)
+        .map(|len| (len, dtype))
+        .ok_or_else(|| argument("tensor too large".to_string()))
+}
+
+fn not_cuda(what: &str) -> PyErr {
+    argument(format!(
+        "{what} is not in CUDA device memory: gpucast broadcasts between GPUs (move it with \
+         .cuda() or .to(device))"
+    ))
+}
+
+fn wrong_device(found: usize, expected: usize) -> PyErr {
+    argument(format!(
+        "tensor is on cuda:{found}, this rank's device is cuda:{expected}"
+    ))
+}
+
+/// `torch._C._cuda_getCurrentRawStream`, looked up once.
+fn torch_current_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
+    static RAW: OnceLock<Option<Py<PyAny>>> = OnceLock::new();
+    let raw = RAW.get_or_init(|| {
+        py.import("torch")
+            .and_then(|t| t.getattr("_C"))
+            .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
+            .ok()
+            .map(Bound::unbind)
+    });
+    match raw {
+        Some(f) => f.bind(py).call1((device,))?.extract(),
+        None => py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method1("current_stream", (device,))?
+            .getattr("cuda_stream")?
+            .extract(),
+    }
+}
+
+/// The module of `obj`'s type (`"torch"`, `"cupy._core.core"`, ...).
+fn module_of(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .getattr(intern!(obj.py(), "__module__"))
+        .and_then(|m| m.extract::<String>())
+        .unwrap_or_default()
+}
+
+/// A torch tensor, read through its own methods (no DLPack capsule per call).
+fn describe_torch(t: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
+    let py = t.py();
+    if !t.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
+        return Err(not_cuda("tensor"));
+    }
+    let device: usize = t.call_method0(intern!(py, "get_device"))?.extract()?;
+    if let Some(expected) = at.device.filter(|&e| e != device) {
+        return Err(wrong_device(device, expected));
+    }
+    if !t
+        .call_method0(intern!(py, "is_contiguous"))?
+        .extract::<bool>()?
+    {
+        return Err(argument(
+            "tensor is not contiguous: pass tensor.contiguous() (and copy the result back)"
+                .to_string(),
+        ));
+    }
+    let name = t.getattr(intern!(py, "dtype"))?.str()?.to_string();
+    let (dtype, per) =
+        torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
+    let numel: usize = t.call_method0(intern!(py, "numel"))?.extract()?;
+    let (len, dtype) = carried_len(numel, per, dtype)?;
+    let ptr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let stream = match at.stream {
+        Some(s) => s,
+        None => torch_current_stream(py, device)?,
+    };
+    Ok(Desc {
+        ptr,
+        len,
+        dtype,
+        stream,
+        keep: t.clone().unbind(),
+    })
+}
+
+/// DLPack's structs (v0.8, the unversioned capsule every producer hands out by default).
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+const KDL_CPU: i32 = 1;
+const KDL_CUDA: i32 = 2;
+/// The most dimensions a DLPack tensor may claim here (bounds what a hostile producer costs).
+const MAX_DIMS: i32 = 64;
+
+/// A DLPack producer: `__dlpack_device__` first (so a host array is refused before any
+/// capsule), then `__dlpack__(stream=...)`; the capsule stays unconsumed, so its own
+/// destructor returns the tensor to its producer when the caller drops it.
+fn describe_dlpack(obj: &Bound<'_, PyAny>, at: Where, stream: u64) -> PyResult<Desc> {
+    let py = obj.py();
+    let (device_type, device_id): (i32, i32) = obj
+        .call_method0(intern!(py, "__dlpack_device__"))?
+        .extract()?;
+    let host_ok = at.device.is_none() && device_type == KDL_CPU;
+    if device_type != KDL_CUDA && !host_ok {
+        return Err(not_cuda(&format!(
+            "tensor (DLPack device type {device_type})"
+        )));
+    }
+    if let Some(expected) = at.device {
+        let found = usize::try_from(device_id).map_err(|_| argument("bad DLPack device".into()))?;
+        if found != expected {
+            return Err(wrong_device(found, expected));
+        }
+    }
+    let kwargs = PyDict::new(py);
+    if !host_ok {
+        // DLPack names the legacy default stream 1 (0 is ambiguous there).
+        kwargs.set_item("stream", if stream == LEGACY { 1 } else { stream })?;
+    }
+    let capsule = obj
+        .call_method(intern!(py, "__dlpack__"), (), Some(&kwargs))
+        .map_err(|e| {
+            let err = argument(format!("the tensor's __dlpack__ failed: {e}"));
+            err.set_cause(py, Some(e));
+            err
+        })?;
+    let refused = || argument("__dlpack__ did not return a \"dltensor\" capsule".to_string());
+    if capsule.cast::<PyCapsule>().is_err() {
+        return Err(refused());
+    }
+    // SAFETY: `capsule` is a live capsule; PyCapsule_GetPointer checks its name ("dltensor",
+    // else it returns null with an exception set) and reads nothing else.
+    let managed =
+        unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) };
+    if managed.is_null() {
+        drop(PyErr::take(py));
+        return Err(refused());
+    }
+    // SAFETY: a "dltensor" capsule holds a DLManagedTensor, valid while the capsule is alive
+    // and unconsumed (we hold it, and never rename it).
+    let t = unsafe { &(*managed.cast::<DLManagedTensor>()).dl_tensor };
+    if !(0..=MAX_DIMS).contains(&t.ndim) {
+        return Err(argument(format!(
+            "DLPack tensor with {} dimensions",
+            t.ndim
+        )));
+    }
+    let ndim = t.ndim as usize;
+    let shape: &[i64] = if ndim == 0 {
+        &[]
+    } else {
+        // SAFETY: DLPack's `shape` points to `ndim` int64 values owned by the managed tensor.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
+    };
+    if !t.strides.is_null() && ndim > 0 {
+        // SAFETY: as for `shape`: a non-null `strides` holds `ndim` int64 values.
+        let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
+        if !contiguous(shape, strides) {
+            return Err(argument(format!(
+                "tensor is not contiguous (shape {shape:?}, strides {strides:?})"
+            )));
+        }
+    }
+    let DLDataType { code, bits, lanes } = t.dtype;
+    let (dtype, per) = dlpack_dtype(code, bits, lanes).ok_or_else(|| {
+        argument(format!(
+            "unsupported DLPack dtype (code {code}, bits {bits}, lanes {lanes})"
+        ))
+    })?;
+    let (len, dtype) = carried_len(elements(shape)?, per, dtype)?;
+    let ptr = (t.data as u64)
+        .checked_add(t.byte_offset)
+        .ok_or_else(|| argument("bad DLPack byte offset".to_string()))?;
+    Ok(Desc {
+        ptr,
+        len,
+        dtype,
+        stream,
+        keep: PyTuple::new(py, [obj.clone(), capsule])?
+            .into_any()
+            .unbind(),
+    })
+}
+
+/// A `__cuda_array_interface__` (version 2 or 3) object.
+fn describe_cai(obj: &Bound<'_, PyAny>, cai: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
+    let cai = cai
+        .cast::<PyDict>()
+        .map_err(|_| argument("__cuda_array_interface__ is not a dict".to_string()))?;
+    let item = |key: &str| -> PyResult<Bound<'_, PyAny>> {
+        cai.get_item(key)?
+            .ok_or_else(|| argument(format!("__cuda_array_interface__ has no `{key}`")))
+    };
+    let (ptr, _readonly): (u64, bool) = item("data")?.extract()?;
+    let shape: Vec<i64> = item("shape")?.extract()?;
+    if shape.len() > MAX_DIMS as usize {
+        return Err(argument(format!("tensor with {} dimensions", shape.len())));
+    }
+    let typestr: String = item("typestr")?.extract()?;
+    let (dtype, per) = typestr_dtype(&typestr)
+        .ok_or_else(|| argument(format!("unsupported typestr {typestr:?}")))?;
+    let size = (dtype.size() * per) as i64;
+    if let Some(strides) = cai.get_item("strides")?.filter(|s| !s.is_none()) {
+        let strides: Vec<i64> = strides.extract()?;
+        let in_elements: Vec<i64> = strides.iter().map(|s| s / size).collect();
+        let whole = strides.iter().all(|s| s % size == 0);
+        if strides.len() != shape.len() || !whole || !contiguous(&shape, &in_elements) {
+            return Err(argument(format!(
+                "tensor is not contiguous (shape {shape:?}, strides {strides:?} bytes)"
+            )));
+        }
+    }
+    let (len, dtype) = carried_len(elements(&shape)?, per, dtype)?;
+    // Version 3: the stream the producer's work is on; 1 and 2 name the default streams.
+    let named = match cai.get_item("stream")? {
+        Some(s) if !s.is_none() => Some(match s.extract::<u64>()? {
+            1 => LEGACY,
+            s => s,
+        }),
+        _ => None,
+    };
+    Ok(Desc {
+        ptr,
+        len,
+        dtype,
+        stream: at.stream.or(named).unwrap_or(LEGACY),
+        keep: obj.clone().unbind(),
+    })
+}
+
+/// CuPy's current stream, for a CuPy array.
+fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
+    py.import("cupy")?
+        .getattr("cuda")?
+        .call_method0("get_current_stream")?
+        .getattr("ptr")?
+        .extract()
+}
+
+/// Reads a tensor for a call that wants it `at`.
+pub(crate) fn describe(obj: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
+    let py = obj.py();
+    let module = module_of(obj);
+    if module.starts_with("torch") && obj.hasattr(intern!(py, "data_ptr"))? {
+        return describe_torch(obj, at);
+    }
+    if obj.hasattr(intern!(py, "__dlpack__"))? {
+        let stream = match at.stream {
+            Some(s) => s,
+            None if module.starts_with("cupy") => cupy_current_stream(py)?,
+            None => LEGACY,
+        };
+        return describe_dlpack(obj, at, stream);
+    }
+    if let Ok(cai) = obj.getattr(intern!(py, "__cuda_array_interface__")) {
+        return describe_cai(obj, &cai, at);
+    }
+    Err(argument(format!(
+        "expected a tensor (torch.Tensor, or an object with __dlpack__ or \
+         __cuda_array_interface__), got {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// How gpucast reads a tensor: a dict of its address, length, element type and stream.
+/// `device=None` accepts any device, host memory included (for tests of the reading).
+#[pyfunction]
+#[pyo3(signature = (tensor, device=None, stream=None))]
+pub(crate) fn describe_tensor<'py>(
+    tensor: &Bound<'py, PyAny>,
+    device: Option<usize>,
+    stream: Option<u64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let py = tensor.py();
+    let d = describe(tensor, Where { device, stream })?;
+    let out = PyDict::new(py);
+    out.set_item("ptr", d.ptr)?;
+    out.set_item("len", d.len)?;
+    out.set_item("dtype", d.dtype.name())?;
+    out.set_item("nbytes", d.len * d.dtype.size())?;
+    out.set_item("stream", d.stream)?;
+    out.set_item("owner", d.keep.into_bound_py_any(py)?)?;
+    Ok(out)
+}
+
+/// A gpucast buffer of the described memory, ordered with `stream`.
+///
+/// # Safety
+/// `d` describes live device memory of `stream`'s device (allocated in its primary context),
+/// which stays allocated until the work queued on `stream` by the call given the buffer has
+/// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]).
+pub(crate) unsafe fn external(
+    d: &Desc,
+    stream: Arc<CudaStream>,
+) -> gpucast::Result<Box<dyn DeviceTensorMut>> {
+    macro_rules! boxed {
+        ($t:ty) => {
+            // SAFETY: per this function's contract.
+            Box::new(unsafe { ExternalSlice::<$t>::new(d.ptr, d.len, stream) }?)
+        };
+    }
+    Ok(match d.dtype {
+        DType::F32 => boxed!(f32),
+        DType::F64 => boxed!(f64),
+        DType::F16 => boxed!(f16),
+        DType::BF16 => boxed!(bf16),
+        DType::I8 => boxed!(i8),
+        DType::U8 => boxed!(u8),
+        DType::I32 => boxed!(i32),
+        DType::U32 => boxed!(u32),
+        DType::I64 => boxed!(i64),
+        DType::U64 => boxed!(u64),
+        other => {
+            return Err(gpucast::Error::InvalidArgument(format!(
+                "element type {other} has no buffer type here"
+            )))
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_of_a_transpose_are_not_contiguous_but_unit_dimensions_are_free() {
+        assert!(contiguous(&[2, 3], &[3, 1]));
+        assert!(!contiguous(&[2, 3], &[1, 2]));
+        assert!(contiguous(&[2, 1, 3], &[3, 99, 1]));
+        assert!(contiguous(&[0, 5], &[7, 7]));
+        assert!(contiguous(&[], &[]));
+    }
+
+    #[test]
+    fn every_element_type_has_a_carrier_of_its_size() {
+        for (name, size) in [
+            ("torch.float32", 4),
+            ("torch.bfloat16", 2),
+            ("torch.bool", 1),
+            ("torch.int16", 2),
+            ("torch.complex64", 8),
+            ("torch.float8_e4m3fn", 1),
+        ] {
+            let (d, per) = torch_dtype(name).unwrap();
+            assert_eq!(d.size() * per, size, "{name}");
+        }
+        assert!(torch_dtype("torch.quint8").is_none());
+        assert_eq!(dlpack_dtype(4, 16, 1), Some((DType::BF16, 1)));
+        assert_eq!(dlpack_dtype(2, 32, 4), None);
+        assert_eq!(typestr_dtype("<c16"), Some((DType::F64, 2)));
+        assert_eq!(typestr_dtype(">f4"), None);
+    }
+}

@@ -1,0 +1,204 @@
+"""What gpucast's Python package does without a GPU: it imports, reads tensors (shapes,
+strides, dtypes, streams) exactly, and turns bad arguments and a missing driver into
+gpucast's exceptions, before any GPU work."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gpucast
+from gpucast import errors
+
+np = pytest.importorskip("numpy")
+
+
+class CudaArray:
+    """A fake device array that speaks __cuda_array_interface__ (version 3)."""
+
+    def __init__(self, ptr=0x7F0000000000, shape=(4, 3), typestr="<f4", strides=None,
+                 stream=None):
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "version": 3,
+        }
+        if stream is not None:
+            self.__cuda_array_interface__["stream"] = stream
+
+
+def test_the_package_exports_its_api_and_exceptions():
+    for name in ["Communicator", "Clique", "nccl_version", "describe_tensor", "Error",
+                 "ArgumentError", "TimeoutError", "AbortedError", "UnavailableError",
+                 "LibraryError", "RendezvousError"]:
+        assert hasattr(gpucast, name), name
+    assert gpucast.MAX_GPUS == 8
+    assert issubclass(gpucast.ArgumentError, ValueError)
+    assert issubclass(gpucast.TimeoutError, TimeoutError)
+    assert issubclass(gpucast.LibraryError, ImportError)
+    for cls in [gpucast.ArgumentError, gpucast.TimeoutError, gpucast.AbortedError,
+                gpucast.UnavailableError, gpucast.LibraryError, gpucast.RendezvousError]:
+        assert issubclass(cls, gpucast.Error)
+
+
+def test_signatures_are_torch_distributed_s_shape():
+    c = gpucast.Communicator
+    assert str(inspect.signature(c.broadcast)) == "(self, /, tensor, src=0, *, path=None, stream=None)"
+    assert str(inspect.signature(c.broadcast_many)) == "(self, /, tensors, src=0, *, path=None, stream=None)"
+    params = inspect.signature(c.from_env).parameters
+    for name in ["device", "shared_devices", "init_timeout", "path", "timeout",
+                 "p2p_threshold", "packet_threshold", "copy_engine_threshold"]:
+        assert params[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    q = gpucast.Clique
+    assert str(inspect.signature(q.broadcast)) == "(self, /, src, tensor, outputs, *, path=None, stream=None)"
+    for name in ["broadcast_in_place", "broadcast_many", "broadcast_many_in_place",
+                 "synchronize", "route"]:
+        assert callable(getattr(q, name)), name
+
+
+def test_host_arrays_are_read_exactly_through_dlpack():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    d = gpucast.describe_tensor(a)
+    assert d["ptr"] == a.ctypes.data
+    assert (d["len"], d["dtype"], d["nbytes"]) == (12, "f32", 48)
+    assert d["owner"][0] is a
+    for dtype, name, per in [(np.float64, "f64", 1), (np.float16, "f16", 1), (np.int8, "i8", 1),
+                             (np.uint8, "u8", 1), (np.int32, "i32", 1), (np.uint32, "u32", 1),
+                             (np.int64, "i64", 1), (np.uint64, "u64", 1), (np.bool_, "u8", 1),
+                             (np.int16, "f16", 1), (np.complex64, "f32", 2),
+                             (np.complex128, "f64", 2)]:
+        d = gpucast.describe_tensor(np.zeros(5, dtype=dtype))
+        assert (d["dtype"], d["len"]) == (name, 5 * per), dtype
+    zero = gpucast.describe_tensor(np.zeros((0, 7), dtype=np.float32))
+    assert zero["len"] == 0
+    scalar = gpucast.describe_tensor(np.array(3.0, dtype=np.float32))
+    assert scalar["len"] == 1
+    # A slice that starts inside the array: the address is the slice's.
+    b = np.arange(10, dtype=np.int64)[2:]
+    assert gpucast.describe_tensor(b)["ptr"] == b.ctypes.data
+
+
+def test_non_contiguous_tensors_are_refused_before_any_work():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with pytest.raises(gpucast.ArgumentError, match="not contiguous"):
+        gpucast.describe_tensor(a.T)
+    with pytest.raises(gpucast.ArgumentError, match="not contiguous"):
+        gpucast.describe_tensor(a[:, ::2])
+    # Dimensions of size one may have any stride.
+    gpucast.describe_tensor(a[1:2, :])
+
+
+def test_host_memory_is_refused_where_a_device_is_wanted():
+    with pytest.raises(gpucast.ArgumentError, match="not in CUDA device memory"):
+        gpucast.describe_tensor(np.zeros(4, dtype=np.float32), device=0)
+
+
+def test_cuda_array_interface_is_read_with_its_stream():
+    d = gpucast.describe_tensor(CudaArray(shape=(4, 3), typestr="<f2"))
+    assert (d["ptr"], d["len"], d["dtype"], d["stream"]) == (0x7F0000000000, 12, "f16", 0)
+    assert gpucast.describe_tensor(CudaArray(stream=1))["stream"] == 0  # legacy default
+    assert gpucast.describe_tensor(CudaArray(stream=0x1234))["stream"] == 0x1234
+    assert gpucast.describe_tensor(CudaArray(stream=0x1234), stream=0x99)["stream"] == 0x99
+    # C-contiguous strides in bytes are fine; a transpose is not.
+    gpucast.describe_tensor(CudaArray(shape=(4, 3), strides=(12, 4)))
+    with pytest.raises(gpucast.ArgumentError, match="not contiguous"):
+        gpucast.describe_tensor(CudaArray(shape=(4, 3), strides=(4, 16)))
+    with pytest.raises(gpucast.ArgumentError, match="unsupported typestr"):
+        gpucast.describe_tensor(CudaArray(typestr=">f4"))
+    with pytest.raises(gpucast.ArgumentError, match="shape"):
+        gpucast.describe_tensor(CudaArray(shape=(-1, 3)))
+    with pytest.raises(gpucast.ArgumentError, match="shape"):
+        gpucast.describe_tensor(CudaArray(shape=(1 << 40, 1 << 40)))
+
+
+def test_garbage_tensors_raise_argument_errors():
+    class NotACapsule:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None):
+            return "not a capsule"
+
+    with pytest.raises(gpucast.ArgumentError, match="capsule"):
+        gpucast.describe_tensor(NotACapsule())
+
+    class Failing:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None):
+            raise BufferError("cannot export")
+
+    with pytest.raises(gpucast.ArgumentError, match="cannot export"):
+        gpucast.describe_tensor(Failing())
+    with pytest.raises(gpucast.ArgumentError, match="expected a tensor"):
+        gpucast.describe_tensor(object())
+    with pytest.raises(gpucast.ArgumentError):
+        gpucast.describe_tensor(CudaArray(typestr="<V2"))
+
+    class NotADict:
+        __cuda_array_interface__ = [1, 2]
+
+    with pytest.raises(gpucast.ArgumentError, match="not a dict"):
+        gpucast.describe_tensor(NotADict())
+
+
+def test_bad_settings_are_argument_errors_before_any_device_is_touched():
+    with pytest.raises(gpucast.ArgumentError, match="unknown path"):
+        gpucast.Clique([0], path="warp-drive")
+    with pytest.raises(gpucast.ArgumentError, match="seconds"):
+        gpucast.Clique([0], timeout=-1.0)
+    with pytest.raises(gpucast.ArgumentError, match="byte count"):
+        gpucast.Clique([0], p2p_threshold="12Q")
+    with pytest.raises(gpucast.ArgumentError, match="seconds"):
+        gpucast.Communicator.from_env(init_timeout=float("nan"))
+
+
+def run_isolated(code, env):
+    """Runs `code` in a fresh interpreter with `env` added; returns its stdout."""
+    full = dict(os.environ, **env)
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has a GPU driver")
+def test_without_a_driver_a_clique_is_a_library_error_with_a_fix():
+    out = run_isolated(
+        "import gpucast\n"
+        "try:\n"
+        "    gpucast.Clique([0])\n"
+        "except gpucast.LibraryError as e:\n"
+        "    print('LibraryError', e)\n",
+        {},
+    )
+    assert out.startswith("LibraryError"), out
+    assert "Fix:" in out
+
+
+def test_a_communicator_outside_a_job_names_what_is_missing():
+    env = {}
+    code = (
+        "import os, gpucast\n"
+        "for k in ['RANK', 'WORLD_SIZE', 'SLURM_PROCID', 'LOCAL_RANK']:\n"
+        "    os.environ.pop(k, None)\n"
+        "try:\n"
+        "    gpucast.Communicator.from_env()\n"
+        "except gpucast.Error as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    out = run_isolated(code, env)
+    assert out.startswith("RendezvousError"), out
+    assert "RANK" in out
+
+
+def test_importing_needs_no_torch():
+    out = run_isolated(
+        "import sys, gpucast\nprint('torch' in sys.modules)\n", {}
+    )
+    assert out.strip() == "False"

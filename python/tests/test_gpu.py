@@ -1,0 +1,280 @@
+"""gpucast's Python package on a GPU, with torch: bit-exact broadcasts of every dtype on every
+path, fused calls, torch streams held back, tensors dropped at once, and several processes.
+
+With one GPU, ranks share it (`shared_devices=True`); with two or more, a clique takes two
+distinct GPUs too. The multi-process cases run every process on GPU 0 in the shared-device
+mode (NCCL needs one GPU per process; with one GPU the NCCL path of a communicator is not
+run here)."""
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import gpucast  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPUS = torch.cuda.device_count()
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(SAFE_ENV)
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.uint32, torch.int64, torch.uint64, torch.bool, torch.complex64,
+          torch.int16]
+
+
+def random_bits(n, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).to(device)
+
+
+def poisoned_like(t, device):
+    p = torch.empty(t.shape, dtype=t.dtype, device=device)
+    p.view(torch.uint8).fill_(0xA5) if p.numel() else None
+    return p
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def cliques():
+    """Cliques to run: three ranks sharing GPU 0, and two GPUs when present."""
+    out = [("shared", gpucast.Clique([0, 0, 0], shared_devices=True))]
+    if GPUS >= 2:
+        out.append(("two-gpus", gpucast.Clique([0, 1])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def all_cliques():
+    return cliques()
+
+
+def test_every_dtype_and_size_arrives_bit_exact_on_every_path(all_cliques):
+    seed = 0
+    for label, clique in all_cliques:
+        paths = [None, "p2p", "copy-engine"] + (["nccl"] if label == "two-gpus" else [])
+        for dtype in DTYPES:
+            for n in [0, 1, 7, 4096, 65537, (1 << 21) + 3]:
+                for path in paths:
+                    seed += 1
+                    x = random_bits(n, dtype, f"cuda:{clique.devices[0]}", seed)
+                    outs = [poisoned_like(x, f"cuda:{d}") for d in clique.devices]
+                    clique.broadcast(0, x, outs, path=path)
+                    want = bits(x)
+                    for r, o in enumerate(outs):
+                        assert torch.equal(bits(o), want), (label, dtype, n, path, r)
+
+
+def test_a_forced_path_that_cannot_run_is_an_unavailable_error():
+    clique = gpucast.Clique([0, 0], shared_devices=True)
+    x = torch.ones(16, device="cuda:0")
+    with pytest.raises(gpucast.UnavailableError):
+        clique.broadcast(0, x, [torch.empty_like(x), torch.empty_like(x)], path="nccl")
+
+
+def test_in_place_and_fused_calls_of_mixed_tensors(all_cliques):
+    for label, clique in all_cliques:
+        devs = clique.devices
+        shapes = [(i * 53 % 500 + 1,) for i in range(150)] + [(512, 1024), (0,), (3, 4, 5)]
+        dts = [torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float16]
+        src = [random_bits(int(torch.tensor(s).prod()), dts[i % 5], f"cuda:{devs[1]}", 500 + i)
+               .view(s) for i, s in enumerate(shapes)]
+        outs = [[poisoned_like(t, f"cuda:{d}") for t in src] for d in devs]
+        clique.broadcast_many(1, src, outs)
+        for r in range(len(devs)):
+            for t, o in zip(src, outs[r]):
+                assert torch.equal(bits(o), bits(t)), (label, r)
+        # In place, the root's own list as the source.
+        lists = [[t.to(f"cuda:{d}") if r == 0 else poisoned_like(t, f"cuda:{d}") for t in src]
+                 for r, d in enumerate(devs)]
+        clique.broadcast_many_in_place(0, lists)
+        for r in range(len(devs)):
+            for t, o in zip(src, lists[r]):
+                assert torch.equal(bits(o), bits(t)), (label, r)
+        single = [src[150].to(f"cuda:{d}") if r == 2 % len(devs) else poisoned_like(src[150], f"cuda:{d}")
+                  for r, d in enumerate(devs)]
+        clique.broadcast_in_place(2 % len(devs), single)
+        for o in single:
+            assert torch.equal(bits(o), bits(src[150]))
+
+
+def test_bad_arguments_raise_before_any_work():
+    clique = gpucast.Clique([0, 0], shared_devices=True)
+    x = torch.ones(64, device="cuda:0")
+    with pytest.raises(gpucast.ArgumentError, match="outputs"):
+        clique.broadcast(0, x, [torch.empty_like(x)])
+    with pytest.raises(gpucast.ArgumentError, match="root"):
+        clique.broadcast(5, x, [torch.empty_like(x), torch.empty_like(x)])
+    with pytest.raises(gpucast.ArgumentError, match="contiguous"):
+        y = torch.ones(8, 8, device="cuda:0").t()
+        clique.broadcast(0, y, [torch.empty(64, device="cuda:0")] * 2)
+    with pytest.raises(gpucast.ArgumentError, match="CUDA device memory"):
+        clique.broadcast(0, torch.ones(64), [torch.empty_like(x), torch.empty_like(x)])
+    with pytest.raises(gpucast.ArgumentError, match="elements"):
+        clique.broadcast(0, x, [torch.empty(63, device="cuda:0"), torch.empty_like(x)])
+    if GPUS >= 2:
+        with pytest.raises(gpucast.ArgumentError, match="cuda:1"):
+            clique.broadcast(0, x.to("cuda:1"), [torch.empty_like(x), torch.empty_like(x)])
+    # A pointer past the end of its allocation is refused by the driver check.
+    class Liar:
+        def __init__(self, t):
+            self.t = t
+            self.__cuda_array_interface__ = {"data": (t.data_ptr(), False),
+                                             "shape": (t.numel() * 4,), "typestr": "<f4",
+                                             "version": 3}
+    with pytest.raises(gpucast.ArgumentError, match="past the end|not device memory"):
+        clique.broadcast(0, Liar(torch.ones(1 << 20, device="cuda:0")),
+                         [torch.empty(1 << 22, device="cuda:0")] * 2)
+
+
+def test_a_side_stream_held_back_is_waited_for_both_ways():
+    clique = gpucast.Clique([0, 0], shared_devices=True)
+    n = 1 << 22
+    for path in [None, "p2p", "copy-engine"]:
+        side = torch.cuda.Stream()
+        want = random_bits(n, torch.int32, "cuda:0", 4242)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            x = torch.zeros(n, dtype=torch.int32, device="cuda:0")
+            outs = [torch.zeros(n, dtype=torch.int32, device="cuda:0") for _ in range(2)]
+            torch.cuda._sleep(100_000_000)  # tens of ms on the side stream
+            x.copy_(want)
+            clique.broadcast(0, x, outs, path=path)
+            got = [o.clone() for o in outs]
+        side.synchronize()
+        for g in got:
+            assert torch.equal(g, want), path
+        # gpucast's own streams held back: work on the caller's stream after the call waits.
+        with torch.cuda.stream(side):
+            x2 = want + 1
+            outs2 = [torch.zeros(n, dtype=torch.int32, device="cuda:0") for _ in range(2)]
+        side.synchronize()
+        held = torch.cuda.ExternalStream(clique.stream_handle(1))
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(100_000_000)
+        with torch.cuda.stream(side):
+            clique.broadcast(0, x2, outs2, path=path)
+            got2 = outs2[1].clone()
+        side.synchronize()
+        assert torch.equal(got2, want + 1), path
+
+
+def test_tensors_dropped_at_once_are_kept_until_the_call_has_run():
+    """The input lives on stream A, the call is ordered with stream B: once the input is
+    dropped, torch's allocator may hand its memory to a tensor written on A at once, which
+    nothing orders after the call; only gpucast keeping the input alive saves the output."""
+    clique = gpucast.Clique([0, 0], shared_devices=True)
+    n = 1 << 24
+    a = torch.cuda.Stream()
+    for path in [None, "p2p", "copy-engine"]:
+        want = random_bits(n, torch.int32, "cuda:0", 77)
+        outs = [torch.zeros(n, dtype=torch.int32, device="cuda:0") for _ in range(2)]
+        with torch.cuda.stream(a):
+            x = want.clone()
+        torch.cuda.synchronize()
+        held = torch.cuda.ExternalStream(clique.stream_handle(0))
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(200_000_000)
+        clique.broadcast(0, x, outs, path=path)  # ordered with the default stream
+        del x
+        with torch.cuda.stream(a):
+            y = torch.empty(n, dtype=torch.int32, device="cuda:0")
+            y.fill_(-1)
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(o, want), path
+        del y
+
+
+def test_several_threads_share_a_clique():
+    """Four threads, each on its own torch stream, broadcast through one clique; a short
+    timeout turns a stuck call into an error at once, and the first error stops a thread."""
+    import threading
+    clique = gpucast.Clique([0, 0], shared_devices=True, timeout=3.0)
+    errors = []
+
+    def worker(k):
+        try:
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for i in range(40):
+                    x = random_bits(1000 + i * 97, torch.int32, "cuda:0", k * 1000 + i)
+                    outs = [torch.empty_like(x) for _ in range(2)]
+                    clique.broadcast(0, x, outs)
+                    for o in outs:
+                        if not torch.equal(o, x):
+                            errors.append(f"thread {k} call {i}: wrong output")
+                            return
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:4]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(case, world, extra=None, timeout=240):
+    port = free_port()
+    token = secrets.token_hex(16)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, **SAFE_ENV, CASE=case, RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), GPUCAST_JOB_TOKEN=token, **(extra or {}))
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "rank_main.py")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+@pytest.mark.parametrize("case", ["broadcast", "many"])
+def test_processes_on_one_gpu_broadcast_bit_exact(case):
+    for rc, out, err in run_ranks(case, 3):
+        assert rc == 0, err[-3000:]
+        assert out.startswith(f"ok {case}"), out
+
+
+def test_an_absent_peer_is_a_timeout_error_not_a_hang():
+    start = time.monotonic()
+    res = run_ranks("absent-peer", 2, {"TIMEOUT_S": "3"})
+    for rc, out, err in res:
+        assert rc == 0, err[-3000:]
+    assert time.monotonic() - start < 120
+
+
+def test_ranks_that_pass_different_sizes_all_get_an_error():
+    res = run_ranks("mismatch", 2, {"TIMEOUT_S": "3", "EXPECT_MISMATCH": "1"})
+    for rc, out, err in res:
+        assert rc == 0, err[-3000:]
