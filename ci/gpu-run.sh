@@ -59,7 +59,7 @@ if want python || want python-bench; then
   shared=$([ "$(nvidia-smi -L | wc -l)" -lt 2 ] && echo --shared)
 fi
 if want python; then
-  run python-tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=100 .gpu/py/tests
+  run python-tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=100 --durations=0 .gpu/py/tests
   run python-weight-sync python3 -m torch.distributed.run --standalone --nproc-per-node 2 .gpu/py/examples/weight_sync.py $shared --size 256M
 fi
 if want python-bench; then

@@ -72,6 +72,9 @@ impl Pending {
     }
 
     /// Drops the owners of every call whose work has run (calls complete in order).
+    ///
+    /// The owners are dropped after every lock here is released: dropping a tensor can run
+    /// Python code, which lets another thread take the GIL and then wait for these locks.
     pub(crate) fn prune(&self) {
         let mut done = Vec::new();
         {
@@ -88,10 +91,14 @@ impl Pending {
                 done.extend(calls.pop_front());
             }
         }
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        for kept in done {
-            free.extend(kept.events);
-            drop(kept.owners);
+        let mut owners = Vec::with_capacity(done.len());
+        {
+            let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+            for kept in done {
+                free.extend(kept.events);
+                owners.push(kept.owners);
+            }
         }
+        drop(owners);
     }
 }

@@ -342,11 +342,23 @@ impl Log {
         Ok(())
     }
 
-    /// Checks the calls posted earlier whose peers' cards were not there yet.
-    pub(crate) fn check(&self) -> Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        fence(Ordering::SeqCst);
-        Self::recheck(&self.peers, &mut st)
+    /// Checks the calls posted earlier whose peers' cards were not there yet, waiting until
+    /// every peer has posted them or `within` has passed (then the peers are late, which is
+    /// no error: their calls are checked later).
+    pub(crate) fn check(&self, within: std::time::Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = crate::wait::Backoff::new();
+        loop {
+            {
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                fence(Ordering::SeqCst);
+                Self::recheck(&self.peers, &mut st)?;
+                if st.unchecked.is_empty() || start.elapsed() >= within {
+                    return Ok(());
+                }
+            }
+            backoff.pause();
+        }
     }
 
     fn recheck(peers: &[(usize, Ring)], st: &mut State) -> Result<()> {
@@ -517,7 +529,7 @@ mod tests {
         }
         // The first rank hears of it at its next check.
         assert!(matches!(
-            a.check(),
+            a.check(std::time::Duration::ZERO),
             Err(Error::CallMismatch {
                 call: 1,
                 rank: 1,
@@ -525,7 +537,7 @@ mod tests {
             })
         ));
         // Reported once.
-        assert!(a.check().is_ok());
+        assert!(a.check(std::time::Duration::ZERO).is_ok());
     }
 
     #[test]
@@ -556,7 +568,10 @@ mod tests {
                 let tb = s.spawn(|| b.post(card(0, &[2])));
                 (ta.join().unwrap(), tb.join().unwrap())
             });
-            let caught = ra.is_err() || rb.is_err() || a.check().is_err() || b.check().is_err();
+            let caught = ra.is_err()
+                || rb.is_err()
+                || a.check(std::time::Duration::ZERO).is_err()
+                || b.check(std::time::Duration::ZERO).is_err();
             assert!(caught, "round {round}");
         }
     }
@@ -573,6 +588,86 @@ mod tests {
         assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 8) }, 0);
         let plain = std::fs::File::from(create_unsealed());
         assert!(check_peer_fd(&OwnedFd::from(plain)).is_err());
+    }
+
+    /// Every round's contributions, by rank, and the barrier that ends a round.
+    type Board = std::sync::Arc<(Mutex<Vec<Vec<Vec<u8>>>>, std::sync::Barrier)>;
+
+    /// An all-gather among threads of this process.
+    struct Threads {
+        rank: usize,
+        world: usize,
+        board: Board,
+    }
+
+    impl Exchange for Threads {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world_size(&self) -> usize {
+            self.world
+        }
+        fn all_gather(
+            &self,
+            mine: &[u8],
+        ) -> std::result::Result<Vec<Vec<u8>>, crate::rendezvous::RendezvousError> {
+            let (board, barrier) = &*self.board;
+            let round = {
+                let mut b = board.lock().unwrap();
+                let round = b
+                    .iter()
+                    .position(|r| r[self.rank].is_empty() && r.len() == self.world);
+                let round = match round {
+                    Some(r) if b[r].iter().any(|c| !c.is_empty()) => r,
+                    _ => {
+                        b.push(vec![Vec::new(); self.world]);
+                        b.len() - 1
+                    }
+                };
+                b[round][self.rank] = mine.to_vec();
+                round
+            };
+            barrier.wait();
+            let out = board.lock().unwrap()[round].clone();
+            barrier.wait();
+            Ok(out)
+        }
+    }
+
+    #[test]
+    fn ranks_set_up_their_logs_through_the_exchange_and_catch_a_difference() {
+        let world = 3;
+        let board: Board =
+            std::sync::Arc::new((Mutex::new(Vec::new()), std::sync::Barrier::new(world)));
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let x = Threads {
+                        rank,
+                        world,
+                        board: board.clone(),
+                    };
+                    s.spawn(move || -> Result<()> {
+                        let log = setup(&x, deadline)?.expect("a log");
+                        assert_eq!(log.peers.len(), world - 1, "rank {rank} maps every peer");
+                        log.post(card(0, &[64]))?;
+                        x.all_gather(&[]).unwrap();
+                        let size = if rank == 2 { 128 } else { 64 };
+                        let posted = log.post(card(0, &[size]));
+                        x.all_gather(&[]).unwrap();
+                        posted.and(log.check(std::time::Duration::from_secs(5)))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, r) in results.iter().enumerate() {
+            assert!(
+                matches!(r, Err(Error::CallMismatch { call: 1, .. })),
+                "rank {rank}: {r:?}"
+            );
+        }
     }
 
     fn create_unsealed() -> OwnedFd {

@@ -426,7 +426,8 @@ impl Core {
     pub(crate) fn synchronize(&self) -> Result<()> {
         let done = self.engine.lock().and_then(|mut e| e.synchronize());
         // A call that differed from a peer's explains a failure better than its timeout.
-        match self.calls.as_ref().map(super::calls::Log::check) {
+        let within = self.engine.settings().timeout;
+        match self.calls.as_ref().map(|log| log.check(within)) {
             Some(Err(mismatch)) => Err(mismatch),
             _ => done,
         }
