@@ -94,12 +94,13 @@ def main():
                 del ts
         comm.synchronize()
     elif CASE == "absent-peer":
-        # Rank 1 never calls: rank 0's call is an error within the timeout, never a hang.
+        # Rank 1 never sends: rank 0, waiting for its message, gets an error within the
+        # timeout, never a hang.
         if rank == 0:
             t = torch.ones(1 << 10, device=dev)
             start = time.monotonic()
             try:
-                comm.broadcast(t, src=0, path="p2p")
+                comm.broadcast(t, src=1, path="p2p")
                 comm.synchronize()
                 raise AssertionError("no error")
             except gpucast.TimeoutError as e:

@@ -545,7 +545,10 @@ impl Communicator {
 
     /// Waits until this rank's broadcasts so far have finished, then reports any failure: a
     /// P2P wait that timed out, or the watchdog's abort of NCCL after a peer did not arrive
-    /// within the timeout (a dead or stalled process). The wait is bounded (twice the timeout
+    /// within the timeout (a dead or stalled process), or a call that a peer on this host made
+    /// with other arguments ([`Error::CallMismatch`]). After its own work, it waits up to the
+    /// timeout for the peers on this host to post the calls this rank made (so that a
+    /// difference is reported here too); the whole wait is bounded (three times the timeout
     /// plus two seconds). After an abort the NCCL path of this communicator stays closed: the
     /// surviving processes create a new `Communicator` (a new rendezvous) to go on.
     pub fn synchronize(&self) -> Result<()> {
