@@ -14,6 +14,8 @@ set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # NVLink multicast stays off on shared machines, in this process and every child.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# What the benchmarks write in their headers: the commit ci/gpu-stage.sh built from.
+[ -f .gpu/COMMIT ] && export GPUCAST_COMMIT=$(cat .gpu/COMMIT)
 dest=${OUT:-.gpu/out}
 out=$(mktemp -d /tmp/gpucast-logs.XXXX)
 res=$(mktemp -d /tmp/gpucast-results.XXXX)

@@ -57,4 +57,6 @@ python3 -m pip install --quiet --disable-pip-version-check --target .gpu/pylib p
 find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
 strip .gpu/bin/* .gpu/py/gpucast/_native.abi3.so 2>/dev/null || true
 cp ci/gpu-run.sh bench/benches/torch_broadcast.py .gpu/
+# The commit the binaries were built from (the GPU machine's copy of .git may be stale).
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!results' || echo -dirty)" >.gpu/COMMIT
 du -sh .gpu

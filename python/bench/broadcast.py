@@ -76,8 +76,9 @@ def measure(columns, repeats, repeat_s, sync, agree):
 
 
 def header(args):
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GPUCAST_COMMIT", "?")
+    # The commit the staged package was built from comes first: a copy's .git may be stale.
+    commit = os.environ.get("GPUCAST_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     name = torch.cuda.get_device_name(0)
     return (f"# commit {commit}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
             f"{torch.cuda.device_count()} x {name}; torch {torch.__version__}; "

@@ -107,8 +107,9 @@ impl CommunicatorBuilder {
 /// Ordering, threads and failures are as for [`super::Clique`]: every buffer may be dropped or
 /// reused as soon as a call returns, calls go through one lock, every P2P wait is bounded.
 /// Every rank must pass buffers of the same length and type and use the same settings (the
-/// settings are checked at initialisation; a length that differs between ranks is caught only
-/// as a timeout). After a P2P timeout across processes the communicator's P2P path closes (NCCL
+/// settings are checked at initialisation; on one host each call is checked against the peers'
+/// through a call log in shared memory, [`Error::CallMismatch`]; across hosts a length that
+/// differs is caught only as a timeout). After a P2P timeout across processes the communicator's P2P path closes (NCCL
 /// keeps working): create a new communicator to use it again.
 pub struct Communicator {
     core: Core,
