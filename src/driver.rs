@@ -83,6 +83,10 @@ pub(crate) struct Allocation {
     pub(crate) start: u64,
     /// Its size in bytes.
     pub(crate) size: u64,
+    /// Whether it is a plain `cuMemAlloc` / `cudaMalloc` allocation, which every GPU with peer
+    /// access to its device reaches; virtual-memory-management and memory-pool allocations
+    /// reach a peer only where their owner granted it access.
+    pub(crate) plain: bool,
 }
 
 /// The device allocation that holds `ptr`, or [`Error::InvalidArgument`] when `ptr` is not
@@ -94,22 +98,26 @@ pub(crate) fn allocation_of(ctx: &CudaContext, ptr: u64) -> Result<Allocation> {
     let mut ordinal: i32 = -1;
     let mut start: u64 = 0;
     let mut size: usize = 0;
+    // A boolean the driver writes as an int: zeroed 8 bytes read as "non-zero or not".
+    let mut legacy_ipc: u64 = 0;
     let mut attributes = [
         A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
     ];
-    let mut data: [*mut std::ffi::c_void; 4] = [
+    let mut data: [*mut std::ffi::c_void; 5] = [
         (&raw mut memory_type).cast(),
         (&raw mut ordinal).cast(),
         (&raw mut start).cast(),
         (&raw mut size).cast(),
+        (&raw mut legacy_ipc).cast(),
     ];
-    // SAFETY: four attributes, each with a pointer to a live local of the type the driver
-    // writes for it (unsigned int, int, CUdeviceptr, size_t). For an address that is not a
-    // CUDA pointer the driver writes zeros and still returns success.
-    unsafe { sys::cuPointerGetAttributes(4, attributes.as_mut_ptr(), data.as_mut_ptr(), ptr) }
+    // SAFETY: five attributes, each with a pointer to a live local at least as large as what
+    // the driver writes for it (unsigned int, int, CUdeviceptr, size_t, a boolean int). For an
+    // address that is not a CUDA pointer the driver writes zeros and still returns success.
+    unsafe { sys::cuPointerGetAttributes(5, attributes.as_mut_ptr(), data.as_mut_ptr(), ptr) }
         .result()
         .map_err(Error::cuda("querying an address"))?;
     if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || size == 0 {
@@ -123,5 +131,6 @@ pub(crate) fn allocation_of(ctx: &CudaContext, ptr: u64) -> Result<Allocation> {
         })?,
         start,
         size: size as u64,
+        plain: legacy_ipc != 0,
     })
 }

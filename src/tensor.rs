@@ -104,9 +104,13 @@ impl<T: Element> DeviceTensorMut for CudaViewMut<'_, T> {
 /// after the call is done with the buffer (so a stream-ordered free or overwrite queued there
 /// is safe). Unlike cudarc's buffers it carries no events of its own: work its owner queues on
 /// other streams is the owner's to order (as `torch.Tensor.record_stream` does for PyTorch).
+///
+/// Its cudarc traits (`DevicePtr`, `DevicePtrMut`) order nothing on their own: pass it to
+/// gpucast's calls, or use it with cudarc only on its own stream.
 pub struct ExternalSlice<T> {
     ptr: u64,
     len: usize,
+    plain: bool,
     stream: Arc<CudaStream>,
     _element: std::marker::PhantomData<fn() -> T>,
 }
@@ -134,8 +138,10 @@ impl<T: Element> ExternalSlice<T> {
     ///
     /// # Safety
     /// - The memory is device memory allocated in the primary context of its GPU
-    ///   (`cudaMalloc`, `cuMemAlloc`, a memory pool that grants the clique's other GPUs access,
-    ///   or what PyTorch's default allocator returns): a peer's kernel may read or write it.
+    ///   (`cudaMalloc`, `cuMemAlloc`, or what PyTorch's default allocator returns), or memory
+    ///   that every other GPU of the call has been granted access to (a memory pool or a
+    ///   `cuMemMap` mapping with peer access set): a peer's kernel or copy may read or write
+    ///   it. [`ExternalSlice::is_plain_allocation`] tells the first kind.
     /// - It stays allocated, and nothing touches it except work ordered through `stream`, until
     ///   the work queued on `stream` by the time the last call given this buffer returns has
     ///   run: free it only stream-ordered on `stream` or after synchronizing with that stream.
@@ -145,6 +151,7 @@ impl<T: Element> ExternalSlice<T> {
     ///   root's buffer is both, by design).
     pub unsafe fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> crate::Result<Self> {
         let size = std::mem::size_of::<T>();
+        let mut plain = true;
         let bytes = len
             .checked_mul(size)
             .ok_or_else(|| crate::Error::TooLarge {
@@ -169,6 +176,7 @@ impl<T: Element> ExternalSlice<T> {
                     found: range.ordinal,
                 });
             }
+            plain = range.plain;
             let end = ptr.checked_add(bytes as u64);
             if end.is_none_or(|end| end > range.start.saturating_add(range.size)) {
                 return Err(crate::Error::InvalidArgument(format!(
@@ -181,9 +189,19 @@ impl<T: Element> ExternalSlice<T> {
         Ok(ExternalSlice {
             ptr,
             len,
+            plain,
             stream,
             _element: std::marker::PhantomData,
         })
+    }
+}
+
+impl<T> ExternalSlice<T> {
+    /// Whether the memory is a plain `cuMemAlloc` / `cudaMalloc` allocation (or empty), which
+    /// every GPU with peer access to its device can reach; memory of a pool or of a `cuMemMap`
+    /// mapping reaches another GPU only where its owner granted access.
+    pub fn is_plain_allocation(&self) -> bool {
+        self.plain
     }
 }
 

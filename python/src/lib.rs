@@ -9,7 +9,7 @@ mod tensors;
 
 use std::time::Duration;
 
-use gpucast::cudarc::driver::{CudaContext, CudaStream};
+use gpucast::cudarc::driver::{sys, CudaContext, CudaStream};
 use gpucast::{
     BroadcastOptions, BroadcastPath, Clique, CliqueBuilder, Communicator, CommunicatorBuilder,
     DeviceTensor, DeviceTensorMut, Error,
@@ -132,6 +132,53 @@ unsafe fn borrowed(ctx: &std::sync::Arc<CudaContext>, handle: u64) -> std::sync:
     unsafe { ctx.wrap_borrowed_stream(handle as _) }
 }
 
+/// Restores the thread's current CUDA context when dropped: the binding's driver calls make
+/// the ranks' contexts current, and torch reads its current device from it.
+struct KeepCurrent(Option<sys::CUcontext>);
+
+impl KeepCurrent {
+    fn new() -> KeepCurrent {
+        // Without a driver there is nothing to restore (and no call may touch the library).
+        // SAFETY: only tries to load the driver library (as gpucast's own check does).
+        if !unsafe { sys::is_culib_present() } {
+            return KeepCurrent(None);
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: an out pointer to a local; the driver library is present.
+        let ok = unsafe { sys::cuCtxGetCurrent(&mut ctx) } == sys::CUresult::CUDA_SUCCESS;
+        KeepCurrent(ok.then_some(ctx))
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // SAFETY: the context that was current on this thread (or null: none), which the
+            // process's owner of it keeps alive; only made current again.
+            let _ = unsafe { sys::cuCtxSetCurrent(ctx) };
+        }
+    }
+}
+
+/// A `stream=` handle given by the caller: the default handles (0, 1, 2), or a stream of
+/// `ctx` (a handle of another device's context would order nothing the call touches).
+fn check_stream(ctx: &std::sync::Arc<CudaContext>, stream: Option<u64>) -> PyResult<()> {
+    let Some(handle) = stream.filter(|&h| h > 2) else {
+        return Ok(());
+    };
+    let mut owner: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver reads the handle and writes the out pointer; a handle that names no
+    // stream is an error return. (The caller promises a live stream: see `stream=`.)
+    let r = unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut owner) };
+    if r != sys::CUresult::CUDA_SUCCESS || owner != ctx.cu_ctx() {
+        return Err(errors::argument(format!(
+            "stream={handle:#x} is not a stream of device {}'s primary context",
+            ctx.ordinal()
+        )));
+    }
+    Ok(())
+}
+
 /// One rank of a job that runs one process per GPU (torchrun, Slurm): see
 /// `gpucast.Communicator`.
 #[pyclass(module = "gpucast._native", name = "Communicator", frozen)]
@@ -177,6 +224,7 @@ impl PyCommunicator {
         if let Some(t) = init_timeout {
             b = b.init_timeout(t);
         }
+        let _current = KeepCurrent::new();
         let inner = py.detach(|| b.build()).map_err(to_py)?;
         let pending = Pending::new(vec![inner.stream().clone()]);
         Ok(PyCommunicator { inner, pending })
@@ -234,7 +282,10 @@ impl PyCommunicator {
         stream: Option<u64>,
     ) -> PyResult<()> {
         let options = options(path)?;
-        let desc = describe(tensor, Where::at(self.inner.device(), stream))?;
+        let _current = KeepCurrent::new();
+        check_stream(self.inner.context(), stream)?;
+        let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
+        let desc = describe(tensor, at)?;
         self.pending.prune();
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
@@ -247,7 +298,7 @@ impl PyCommunicator {
             let stream = unsafe { borrowed(&ctx, d.stream) };
             // SAFETY: `d` describes the memory of a live, contiguous tensor of `d.len`
             // elements on this device, kept alive (by `keep`) until this call's work has run.
-            let mut buf = unsafe { external(d, stream) }?;
+            let (mut buf, _) = unsafe { external(d, stream) }?;
             comm.broadcast_many_in_place_with(src, vec![&mut *buf], &options)
                 .map(|_| ())
         });
@@ -267,7 +318,9 @@ impl PyCommunicator {
         stream: Option<u64>,
     ) -> PyResult<()> {
         let options = options(path)?;
-        let at = Where::at(self.inner.device(), stream);
+        let _current = KeepCurrent::new();
+        check_stream(self.inner.context(), stream)?;
+        let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
         let descs = tensors
             .try_iter()?
             .map(|t| describe(&t?, at))
@@ -282,7 +335,7 @@ impl PyCommunicator {
                 // SAFETY: as in `broadcast`, for each tensor.
                 let stream = unsafe { borrowed(&ctx, d.stream) };
                 // SAFETY: as in `broadcast`.
-                bufs.push(unsafe { external(d, stream) }?);
+                bufs.push(unsafe { external(d, stream) }?.0);
             }
             let list: Vec<&mut dyn DeviceTensorMut> = bufs
                 .iter_mut()
@@ -299,6 +352,7 @@ impl PyCommunicator {
     /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let _current = KeepCurrent::new();
         let comm = &self.inner;
         py.detach(|| comm.synchronize()).map_err(to_py)?;
         self.pending.prune();
@@ -326,6 +380,8 @@ impl PyCommunicator {
 struct PyClique {
     inner: Clique,
     devices: Vec<usize>,
+    /// Whether the clique spans several GPUs (then peers reach each other's tensors).
+    several_gpus: bool,
     pending: Pending,
 }
 
@@ -370,7 +426,16 @@ impl PyClique {
                 // SAFETY: per this function's contract.
                 let stream = unsafe { borrowed(ctx, d.stream) };
                 // SAFETY: per this function's contract.
-                unsafe { external(d, stream) }
+                let (buf, plain) = unsafe { external(d, stream) }?;
+                if !plain && self.several_gpus {
+                    return Err(Error::InvalidArgument(format!(
+                        "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
+                         (PyTorch's expandable_segments or cudaMallocAsync allocator), which the \
+                         clique's other GPUs may not reach: use the default allocator, or a \
+                         Communicator (one process per GPU)"
+                    )));
+                }
+                Ok(buf)
             })
             .collect()
     }
@@ -424,14 +489,17 @@ impl PyClique {
         if let Some(d) = &devices {
             b = b.devices(d);
         }
+        let _current = KeepCurrent::new();
         let inner = py.detach(|| b.build()).map_err(to_py)?;
-        let devices = (0..inner.len())
+        let devices: Vec<usize> = (0..inner.len())
             .map(|r| inner.context(r).ordinal())
             .collect();
         let pending = Pending::new((0..inner.len()).map(|r| inner.stream(r).clone()).collect());
+        let several_gpus = devices.iter().any(|&d| d != devices[0]);
         Ok(PyClique {
             inner,
             devices,
+            several_gpus,
             pending,
         })
     }
@@ -472,7 +540,9 @@ impl PyClique {
         let options = options(path)?;
         let root = self.root(src)?;
         self.check_count("outputs", outputs.len())?;
-        let input = describe(tensor, self.at(root, stream))?;
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let input = describe(tensor, self.at(root, stream).reading(true))?;
         let outs = outputs
             .iter()
             .enumerate()
@@ -536,11 +606,13 @@ impl PyClique {
         let options = options(path)?;
         let root = self.root(src)?;
         self.check_count("output lists", outputs.len())?;
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
         let ins = inputs
             .try_iter()?
-            .map(|t| describe(&t?, self.at(root, stream)))
+            .map(|t| describe(&t?, self.at(root, stream).reading(true)))
             .collect::<PyResult<Vec<_>>>()?;
-        let outs = self.describe_lists(outputs, stream)?;
+        let outs = self.describe_lists(outputs, stream, None)?;
         self.pending.prune();
         let result = py.detach(|| {
             // SAFETY: as in `broadcast`.
@@ -580,7 +652,9 @@ impl PyClique {
         let options = options(path)?;
         let root = self.root(src)?;
         self.check_count("tensor lists", tensors.len())?;
-        let lists = self.describe_lists(tensors, stream)?;
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let lists = self.describe_lists(tensors, stream, Some(root))?;
         self.pending.prune();
         let result = py.detach(|| {
             // SAFETY: as in `broadcast`.
@@ -605,6 +679,7 @@ impl PyClique {
     /// Waits (bounded) until every rank's broadcasts so far have finished, and reports any
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let _current = KeepCurrent::new();
         let clique = &self.inner;
         py.detach(|| clique.synchronize()).map_err(to_py)?;
         self.pending.prune();
@@ -623,21 +698,26 @@ impl PyClique {
 }
 
 impl PyClique {
-    /// Descriptions of `lists[rank][t]`, one list per rank.
+    /// Descriptions of `lists[rank][t]`, one list per rank (rank `source`'s only read).
     fn describe_lists(
         &self,
         lists: &Bound<'_, PyList>,
         stream: Option<u64>,
+        source: Option<usize>,
     ) -> PyResult<Vec<Vec<Desc>>> {
         lists
             .iter()
             .enumerate()
             .map(|(rank, list)| {
-                list.try_iter()?
-                    .map(|t| describe(&t?, self.at(rank, stream)))
-                    .collect()
+                let at = self.at(rank, stream).reading(source == Some(rank));
+                list.try_iter()?.map(|t| describe(&t?, at)).collect()
             })
             .collect()
+    }
+
+    /// A `stream=` handle given by the caller must be a stream of every rank's context.
+    fn check_stream(&self, stream: Option<u64>) -> PyResult<()> {
+        (0..self.devices.len()).try_for_each(|r| check_stream(self.inner.context(r), stream))
     }
 }
 

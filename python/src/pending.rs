@@ -6,6 +6,8 @@
 //! every stream the call queued work on, and each later call (and `synchronize`) drops the
 //! owners of calls whose events have completed. Completion is polled (`cuEventQuery`), never
 //! waited for here, so keeping costs no wait; the list holds only calls still in flight.
+//! Owners whose call's end cannot be known (an event that could not be recorded) and owners of
+//! calls still running when the `Pending` goes are never released: leaked, not freed early.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -14,42 +16,50 @@ use gpucast::cudarc::driver::sys::CUevent_flags;
 use gpucast::cudarc::driver::{CudaEvent, CudaStream};
 use pyo3::prelude::*;
 
-/// One call's owners and the events after its work, one per stream.
+/// One call's owners and the events after its work, one per stream (none: never released).
 struct Kept {
-    events: Vec<CudaEvent>,
+    events: Option<Vec<CudaEvent>>,
     owners: Vec<Py<PyAny>>,
+}
+
+impl Kept {
+    fn done(&self) -> bool {
+        self.events
+            .as_ref()
+            .is_some_and(|ev| ev.iter().all(|e| e.try_is_complete().unwrap_or(false)))
+    }
 }
 
 /// The owners of calls in flight on a clique's or a communicator's streams.
 pub(crate) struct Pending {
     streams: Vec<Arc<CudaStream>>,
     calls: Mutex<VecDeque<Kept>>,
-    /// Completed events, for reuse.
-    free: Mutex<Vec<CudaEvent>>,
+    /// Completed events for reuse, one list per stream (an event records only on a stream of
+    /// its own context).
+    free: Mutex<Vec<Vec<CudaEvent>>>,
 }
 
 impl Pending {
     /// Calls on `streams` (every stream a call may queue work on).
     pub(crate) fn new(streams: Vec<Arc<CudaStream>>) -> Pending {
+        let free = Mutex::new(streams.iter().map(|_| Vec::new()).collect());
         Pending {
             streams,
             calls: Mutex::new(VecDeque::new()),
-            free: Mutex::new(Vec::new()),
+            free,
         }
     }
 
-    /// Keeps `owners` until the work queued so far on every stream has run. If an event cannot
-    /// be recorded (the context is broken), the owners are kept until the `Pending` is dropped
-    /// instead: never released early.
+    /// Keeps `owners` until the work queued so far on every stream has run.
     pub(crate) fn keep(&self, owners: Vec<Py<PyAny>>) {
         if owners.is_empty() {
             return;
         }
         let mut events = Vec::with_capacity(self.streams.len());
         let mut recorded = true;
-        for stream in &self.streams {
-            let event = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop();
-            let event = match event {
+        for (i, stream) in self.streams.iter().enumerate() {
+            let spare = self.free.lock().unwrap_or_else(|p| p.into_inner())[i].pop();
+            let event = match spare {
                 Some(e) => Ok(e),
                 None => stream
                     .context()
@@ -60,15 +70,13 @@ impl Pending {
                 Err(_) => recorded = false,
             }
         }
-        if !recorded {
-            // No event marks the end of this call's work: keep the owners for good.
-            std::mem::forget(owners);
-            return;
-        }
         self.calls
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push_back(Kept { events, owners });
+            .push_back(Kept {
+                events: recorded.then_some(events),
+                owners,
+            });
     }
 
     /// Drops the owners of every call whose work has run (calls complete in order).
@@ -79,15 +87,7 @@ impl Pending {
         let mut done = Vec::new();
         {
             let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
-            while let Some(front) = calls.front() {
-                // An event whose query fails stays: its owners are kept.
-                if !front
-                    .events
-                    .iter()
-                    .all(|e| e.try_is_complete().unwrap_or(false))
-                {
-                    break;
-                }
+            while calls.front().is_some_and(Kept::done) {
                 done.extend(calls.pop_front());
             }
         }
@@ -95,10 +95,25 @@ impl Pending {
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
             for kept in done {
-                free.extend(kept.events);
+                for (i, e) in kept.events.into_iter().flatten().enumerate() {
+                    free[i].push(e);
+                }
                 owners.push(kept.owners);
             }
         }
         drop(owners);
+    }
+}
+
+impl Drop for Pending {
+    /// Owners of calls whose work may still run (the clique or communicator could not wait
+    /// for it, or never knew its end) are leaked rather than released.
+    fn drop(&mut self) {
+        let calls = std::mem::take(self.calls.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for kept in calls {
+            if !kept.done() {
+                std::mem::forget(kept.owners);
+            }
+        }
     }
 }

@@ -42,13 +42,25 @@ pub(crate) struct Desc {
 pub(crate) struct Where {
     device: Option<usize>,
     stream: Option<u64>,
+    /// Whether the call writes the tensor (a read-only `__cuda_array_interface__` is refused).
+    writes: bool,
 }
 
 impl Where {
+    /// A tensor the call writes, on `device`.
     pub(crate) fn at(device: usize, stream: Option<u64>) -> Where {
         Where {
             device: Some(device),
             stream,
+            writes: true,
+        }
+    }
+
+    /// The same place, for a tensor the call only reads when `read_only`.
+    pub(crate) fn reading(self, read_only: bool) -> Where {
+        Where {
+            writes: self.writes && !read_only,
+            ..self
         }
     }
 }
@@ -336,10 +348,14 @@ fn describe_dlpack(obj: &Bound<'_, PyAny>, at: Where, stream: u64) -> PyResult<D
         )));
     }
     let ndim = t.ndim as usize;
+    if ndim > 0 && t.shape.is_null() {
+        return Err(argument("DLPack tensor without a shape".to_string()));
+    }
     let shape: &[i64] = if ndim == 0 {
         &[]
     } else {
-        // SAFETY: DLPack's `shape` points to `ndim` int64 values owned by the managed tensor.
+        // SAFETY: DLPack's `shape` (not null, checked above) points to `ndim` int64 values
+        // owned by the managed tensor.
         unsafe { std::slice::from_raw_parts(t.shape, ndim) }
     };
     if !t.strides.is_null() && ndim > 0 {
@@ -381,7 +397,15 @@ fn describe_cai(obj: &Bound<'_, PyAny>, cai: &Bound<'_, PyAny>, at: Where) -> Py
         cai.get_item(key)?
             .ok_or_else(|| argument(format!("__cuda_array_interface__ has no `{key}`")))
     };
-    let (ptr, _readonly): (u64, bool) = item("data")?.extract()?;
+    let (ptr, readonly): (u64, bool) = item("data")?.extract()?;
+    if readonly && at.writes {
+        return Err(argument(
+            "the tensor is read-only (__cuda_array_interface__), and this call writes it".into(),
+        ));
+    }
+    if cai.get_item("mask")?.is_some_and(|m| !m.is_none()) {
+        return Err(argument("masked arrays are not supported".to_string()));
+    }
     let shape: Vec<i64> = item("shape")?.extract()?;
     if shape.len() > MAX_DIMS as usize {
         return Err(argument(format!("tensor with {} dimensions", shape.len())));
@@ -462,7 +486,14 @@ pub(crate) fn describe_tensor<'py>(
     stream: Option<u64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = tensor.py();
-    let d = describe(tensor, Where { device, stream })?;
+    let d = describe(
+        tensor,
+        Where {
+            device,
+            stream,
+            writes: false,
+        },
+    )?;
     let out = PyDict::new(py);
     out.set_item("ptr", d.ptr)?;
     out.set_item("len", d.len)?;
@@ -479,15 +510,20 @@ pub(crate) fn describe_tensor<'py>(
 /// `d` describes live device memory of `stream`'s device (allocated in its primary context),
 /// which stays allocated until the work queued on `stream` by the call given the buffer has
 /// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]).
+///
+/// Also returns whether the memory is a plain allocation that any GPU with peer access
+/// reaches ([`ExternalSlice::is_plain_allocation`]).
 pub(crate) unsafe fn external(
     d: &Desc,
     stream: Arc<CudaStream>,
-) -> gpucast::Result<Box<dyn DeviceTensorMut>> {
+) -> gpucast::Result<(Box<dyn DeviceTensorMut>, bool)> {
     macro_rules! boxed {
-        ($t:ty) => {
+        ($t:ty) => {{
             // SAFETY: per this function's contract.
-            Box::new(unsafe { ExternalSlice::<$t>::new(d.ptr, d.len, stream) }?)
-        };
+            let s = unsafe { ExternalSlice::<$t>::new(d.ptr, d.len, stream) }?;
+            let plain = s.is_plain_allocation();
+            (Box::new(s) as Box<dyn DeviceTensorMut>, plain)
+        }};
     }
     Ok(match d.dtype {
         DType::F32 => boxed!(f32),

@@ -111,6 +111,14 @@ def test_cuda_array_interface_is_read_with_its_stream():
         gpucast.describe_tensor(CudaArray(typestr=">f4"))
     with pytest.raises(gpucast.ArgumentError, match="shape"):
         gpucast.describe_tensor(CudaArray(shape=(-1, 3)))
+    masked = CudaArray()
+    masked.__cuda_array_interface__["mask"] = CudaArray()
+    with pytest.raises(gpucast.ArgumentError, match="masked"):
+        gpucast.describe_tensor(masked)
+    # Read-only is fine for reading (a call that writes it refuses it).
+    ro = CudaArray()
+    ro.__cuda_array_interface__["data"] = (0x7F0000000000, True)
+    assert gpucast.describe_tensor(ro)["len"] == 12
     with pytest.raises(gpucast.ArgumentError, match="shape"):
         gpucast.describe_tensor(CudaArray(shape=(1 << 40, 1 << 40)))
 

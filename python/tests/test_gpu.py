@@ -78,6 +78,15 @@ def test_every_dtype_and_size_arrives_bit_exact_on_every_path(all_cliques):
                         assert torch.equal(bits(o), want), (label, dtype, n, path, r)
 
 
+@pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
+def test_a_call_leaves_torch_s_current_device_alone():
+    clique = gpucast.Clique([0, 1])
+    torch.cuda.set_device(0)
+    x = torch.ones(1 << 10, device="cuda:0")
+    clique.broadcast(0, x, [torch.empty_like(x), torch.empty(1 << 10, device="cuda:1")])
+    assert torch.cuda.current_device() == 0
+
+
 def test_a_forced_path_that_cannot_run_is_an_unavailable_error():
     clique = gpucast.Clique([0, 0], shared_devices=True)
     x = torch.ones(16, device="cuda:0")
@@ -128,6 +137,14 @@ def test_bad_arguments_raise_before_any_work():
     if GPUS >= 2:
         with pytest.raises(gpucast.ArgumentError, match="cuda:1"):
             clique.broadcast(0, x.to("cuda:1"), [torch.empty_like(x), torch.empty_like(x)])
+    # A read-only output is refused.
+    class ReadOnly:
+        def __init__(self, t):
+            self.t = t
+            self.__cuda_array_interface__ = {"data": (t.data_ptr(), True), "shape": (64,),
+                                             "typestr": "<f4", "version": 3}
+    with pytest.raises(gpucast.ArgumentError, match="read-only"):
+        clique.broadcast(0, x, [ReadOnly(torch.empty_like(x)), torch.empty_like(x)])
     # A pointer past the end of its allocation is refused by the driver check.
     class Liar:
         def __init__(self, t):

@@ -86,6 +86,17 @@ impl Card {
         }
     }
 
+    /// The card of a call that failed its own checks on this rank (it matches no call that
+    /// passed them, and a failed call on every rank matches).
+    pub(crate) fn failed() -> Card {
+        Card {
+            root: u32::MAX,
+            tensors: 0,
+            bytes: 0,
+            digest: 0,
+        }
+    }
+
     fn words(self) -> [u64; 3] {
         [
             u64::from(self.root) | (u64::from(self.tensors) << 32),
@@ -105,6 +116,9 @@ impl Card {
 
     /// The card in words, for an error.
     fn describe(&self) -> String {
+        if *self == Card::failed() {
+            return "a call that failed its own checks (an argument error there)".into();
+        }
         format!(
             "{} tensor{} of {} bytes in all from root {}",
             self.tensors,
@@ -135,8 +149,8 @@ struct Ring {
     _heap: Option<Box<[AtomicU64]>>,
 }
 
-// SAFETY: `words` points into memory owned by the ring (its mapping) for its whole life,
-// accessed only through atomics.
+// SAFETY: `words` points into memory that lives as long as the ring (its own mapping; a test's
+// view of another ring lives within that ring's test), accessed only through atomics.
 unsafe impl Send for Ring {}
 // SAFETY: as for `Send`: every access is atomic.
 unsafe impl Sync for Ring {}
@@ -164,7 +178,8 @@ impl Ring {
     fn slot(&self, call: u64) -> &[AtomicU64] {
         let first = usize::try_from(call % SLOTS as u64).expect("below SLOTS") * WORDS;
         // SAFETY: `first + WORDS <= SLOTS * WORDS` words live as long as `self`, aligned (a
-        // page-aligned mapping or a boxed slice of AtomicU64).
+        // page-aligned mapping or a boxed slice of AtomicU64). A peer's ring is mapped
+        // read-only: it is only read, with relaxed loads (`read`).
         unsafe { std::slice::from_raw_parts(self.words.add(first), WORDS) }
     }
 
@@ -184,7 +199,9 @@ impl Ring {
     fn read(&self, call: u64) -> Seen {
         let slot = self.slot(call);
         let want = call.wrapping_mul(2).wrapping_add(2);
-        let s1 = slot[0].load(Ordering::Acquire);
+        // Relaxed loads and fences only: a peer's ring is mapped read-only.
+        let s1 = slot[0].load(Ordering::Relaxed);
+        fence(Ordering::Acquire);
         if s1 < want {
             return Seen::NotYet;
         }
@@ -244,7 +261,8 @@ fn map(fd: &OwnedFd, writable: bool) -> Result<Mapping> {
     Ok(Mapping { ptr })
 }
 
-/// A fresh ring file: RING_BYTES of zeros, sealed so that nobody can shrink or grow it.
+/// A fresh ring file: RING_BYTES of zeros, sealed so that nobody can shrink or grow it (its
+/// owner seals it against further writable mappings once it has its own).
 fn create_fd() -> Result<OwnedFd> {
     // SAFETY: a C string literal and valid flags; the result is checked.
     let raw = unsafe {
@@ -262,7 +280,7 @@ fn create_fd() -> Result<OwnedFd> {
     if unsafe { libc::ftruncate(fd.as_raw_fd(), RING_BYTES as libc::off_t) } != 0 {
         return Err(os_error("sizing a call log"));
     }
-    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
     // SAFETY: as above.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(os_error("sealing a call log"));
@@ -400,13 +418,25 @@ fn mismatch(call: u64, rank: usize, theirs: Card, mine: Card) -> Error {
 
 /// Sets up the log of this rank among `world` ranks of one host: each rank's ring file is
 /// handed to every peer (as the P2P path's descriptors are), within `deadline`. Every rank
-/// calls this alike (two rounds of `exchange`); a rank whose log could not be set up checks
+/// calls this alike (one round of `exchange`); a rank whose log could not be set up checks
 /// nothing, and its peers check nothing against it.
 pub(crate) fn setup(exchange: &dyn Exchange, deadline: Instant) -> Result<Option<Log>> {
     let (rank, world) = (exchange.rank(), exchange.world_size());
     let local = (|| -> Result<_> {
         let fd = create_fd()?;
         let own = Ring::mapped(map(&fd, true)?);
+        // Only this mapping may write the ring: peers get the file, not the right to write it.
+        // SAFETY: a plain call on an owned descriptor; the result is checked.
+        let future = unsafe {
+            libc::fcntl(
+                fd.as_raw_fd(),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL,
+            )
+        };
+        if future != 0 {
+            return Err(os_error("sealing a call log against writes"));
+        }
         let server = ipc::Server::bind()?;
         Ok((fd, own, server))
     })();
@@ -541,6 +571,28 @@ mod tests {
     }
 
     #[test]
+    fn a_call_that_failed_its_checks_keeps_its_number_and_tells_the_peers() {
+        let (a, b) = pair();
+        a.post(card(0, &[64])).unwrap();
+        let _ = b.post(Card::failed());
+        match a.check(std::time::Duration::ZERO) {
+            Err(Error::CallMismatch {
+                call: 0, theirs, ..
+            }) => {
+                assert!(theirs.contains("failed its own checks"), "{theirs}")
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+        // Both go on in step.
+        a.post(card(0, &[8])).unwrap();
+        b.post(card(0, &[8])).unwrap();
+        assert!(a.check(std::time::Duration::ZERO).is_ok());
+        // A failure on every rank matches.
+        a.post(Card::failed()).unwrap();
+        b.post(Card::failed()).unwrap();
+    }
+
+    #[test]
     fn a_peer_behind_is_checked_when_it_catches_up_and_one_far_ahead_is_not() {
         let (a, b) = pair();
         for _ in 0..10 {
@@ -584,6 +636,13 @@ mod tests {
         let peer_view = Ring::mapped(map(&fd, false).unwrap());
         own.write(3, card(0, &[5]));
         assert_eq!(peer_view.read(3), Seen::Card(card(0, &[5])));
+        // Once sealed against writes, nobody maps it writable again.
+        // SAFETY: a plain call on an owned descriptor; the result is checked.
+        let sealed =
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_FUTURE_WRITE) };
+        assert_eq!(sealed, 0);
+        assert!(map(&fd, true).is_err());
+        assert!(map(&fd, false).is_ok());
         // SAFETY: shrinking must fail on a sealed file; the call is checked.
         assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 8) }, 0);
         let plain = std::fs::File::from(create_unsealed());

@@ -186,8 +186,9 @@ impl Core {
     {
         let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
         let input_info = input.map(access::info_of::<T, I>);
-        let shape = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)?;
-        let route = self.route(shape.bytes, options)?;
+        let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
+            .and_then(|shape| Ok((self.route(shape.bytes, options)?, shape)));
+        let (route, shape) = self.failed_call_posted(checked)?;
         self.post_call(root, [(shape.bytes, shape.dtype, route)])?;
         let Some(step) = plan::single(0, route) else {
             return Ok(());
@@ -315,14 +316,14 @@ impl Core {
         outputs: &mut OutputLists<'_, '_>,
         options: &BroadcastOptions,
     ) -> Result<FusedReport> {
-        let shapes = self.check_lists(root, inputs, outputs, false)?;
+        let shapes = self.failed_call_posted(self.check_lists(root, inputs, outputs, false))?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         if self.calls.is_some() {
             let routes = shapes
                 .iter()
                 .map(|s| Ok((s.bytes, s.dtype, self.route(s.bytes, options)?)))
-                .collect::<Result<Vec<_>>>()?;
-            self.post_call(root, routes)?;
+                .collect::<Result<Vec<_>>>();
+            self.post_call(root, self.failed_call_posted(routes)?)?;
         }
         let mut steps = self.plan(&bytes, options, false)?;
         let mut report = FusedReport::of(&steps, &bytes);
@@ -436,6 +437,18 @@ impl Core {
             Some(Err(mismatch)) => Err(mismatch),
             _ => done,
         }
+    }
+
+    /// `checked`, a call's own checks; when they failed, the call still takes its number in
+    /// the log (a card that matches no peer's), so that the peers, which queued it, get
+    /// [`Error::CallMismatch`] and this rank's later calls keep their numbers.
+    fn failed_call_posted<T>(&self, checked: Result<T>) -> Result<T> {
+        if checked.is_err() {
+            if let Some(log) = &self.calls {
+                let _ = log.post(super::calls::Card::failed());
+            }
+        }
+        checked
     }
 
     /// Posts a call's card to the log (across processes): [`Error::CallMismatch`], before
