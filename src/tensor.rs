@@ -149,19 +149,19 @@ impl<T: Element> ExternalSlice<T> {
     ///   given it may use it.
     /// - Outputs of one call do not overlap each other or the call's input (an in-place
     ///   root's buffer is both, by design).
-    pub unsafe fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> crate::Result<Self> {
+    pub unsafe fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> crate::error::Result<Self> {
         let size = std::mem::size_of::<T>();
         let mut plain = true;
         let bytes = len
             .checked_mul(size)
-            .ok_or_else(|| crate::Error::TooLarge {
+            .ok_or_else(|| crate::error::Error::TooLarge {
                 what: "external buffer".into(),
                 elements: len,
                 element_size: size,
             })?;
         if len > 0 {
             if !ptr.is_multiple_of(std::mem::align_of::<T>() as u64) {
-                return Err(crate::Error::InvalidArgument(format!(
+                return Err(crate::error::Error::InvalidArgument(format!(
                     "external buffer at {ptr:#x} is not aligned to its {}-byte elements",
                     std::mem::align_of::<T>()
                 )));
@@ -169,7 +169,7 @@ impl<T: Element> ExternalSlice<T> {
             let expected = stream.context().ordinal();
             let range = crate::driver::allocation_of(stream.context(), ptr)?;
             if range.ordinal != expected {
-                return Err(crate::Error::WrongDevice {
+                return Err(crate::error::Error::WrongDevice {
                     what: format!("external buffer at {ptr:#x}"),
                     rank: 0,
                     expected,
@@ -179,7 +179,7 @@ impl<T: Element> ExternalSlice<T> {
             plain = range.plain;
             let end = ptr.checked_add(bytes as u64);
             if end.is_none_or(|end| end > range.start.saturating_add(range.size)) {
-                return Err(crate::Error::InvalidArgument(format!(
+                return Err(crate::error::Error::InvalidArgument(format!(
                     "external buffer at {ptr:#x} of {bytes} bytes runs past the end of its \
                      allocation ({:#x}, {} bytes)",
                     range.start, range.size
