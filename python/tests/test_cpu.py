@@ -210,3 +210,24 @@ def test_importing_needs_no_torch():
         "import sys, gpucast\nprint('torch' in sys.modules)\n", {}
     )
     assert out.strip() == "False"
+
+
+def test_the_type_stubs_name_what_the_module_has():
+    import ast
+    import gpucast._native as native
+
+    stub = os.path.join(os.path.dirname(gpucast.__file__), "_native.pyi")
+    if not os.path.exists(stub):
+        pytest.skip("stubs not installed")
+    tree = ast.parse(open(stub).read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            cls = getattr(native, node.name)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name != "__init__":
+                    assert hasattr(cls, item.name), f"{node.name}.{item.name}"
+            public = {n for n in dir(cls) if not n.startswith("_")}
+            stubbed = {i.name for i in node.body if isinstance(i, ast.FunctionDef)}
+            assert public <= stubbed, f"{node.name}: not in the stubs: {public - stubbed}"
+        elif isinstance(node, ast.FunctionDef):
+            assert hasattr(native, node.name), node.name
