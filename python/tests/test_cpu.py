@@ -231,3 +231,84 @@ def test_the_type_stubs_name_what_the_module_has():
             assert public <= stubbed, f"{node.name}: not in the stubs: {public - stubbed}"
         elif isinstance(node, ast.FunctionDef):
             assert hasattr(native, node.name), node.name
+
+
+def crafted_capsule(ndim, shape, strides=None, code=2, bits=32, lanes=1, data=0x1000,
+                    byte_offset=0, name=b"dltensor"):
+    """A DLPack capsule built by hand (host memory), as a hostile or broken producer might."""
+    import ctypes
+
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16)]
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                    ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)),
+                    ("byte_offset", ctypes.c_uint64)]
+
+    class DLManagedTensor(ctypes.Structure):
+        _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                    ("deleter", ctypes.c_void_p)]
+
+    keep = []
+    shape_arr = None
+    if shape is not None:
+        shape_arr = (ctypes.c_int64 * len(shape))(*shape)
+        keep.append(shape_arr)
+    strides_arr = None
+    if strides is not None:
+        strides_arr = (ctypes.c_int64 * len(strides))(*strides)
+        keep.append(strides_arr)
+    t = DLManagedTensor()
+    t.dl_tensor.data = data
+    t.dl_tensor.device = DLDevice(1, 0)
+    t.dl_tensor.ndim = ndim
+    t.dl_tensor.dtype = DLDataType(code, bits, lanes)
+    t.dl_tensor.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64)) if shape_arr else None
+    t.dl_tensor.strides = (ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
+                           if strides_arr else None)
+    t.dl_tensor.byte_offset = byte_offset
+    keep.append(t)
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new(ctypes.addressof(t), name, None)
+
+    class Producer:
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __dlpack__(self, stream=None):
+            return capsule
+
+    p = Producer()
+    p.keep = keep
+    return p
+
+
+def test_hostile_dlpack_capsules_are_refused_without_reading_past_them():
+    ok = gpucast.describe_tensor(crafted_capsule(2, [3, 4], byte_offset=8))
+    assert (ok["len"], ok["ptr"]) == (12, 0x1000 + 8)
+    with pytest.raises(gpucast.ArgumentError, match="dimensions"):
+        gpucast.describe_tensor(crafted_capsule(1 << 30, [1]))
+    with pytest.raises(gpucast.ArgumentError, match="dimensions"):
+        gpucast.describe_tensor(crafted_capsule(-1, [1]))
+    with pytest.raises(gpucast.ArgumentError, match="without a shape"):
+        gpucast.describe_tensor(crafted_capsule(3, None))
+    with pytest.raises(gpucast.ArgumentError, match="shape"):
+        gpucast.describe_tensor(crafted_capsule(2, [-5, 4]))
+    with pytest.raises(gpucast.ArgumentError, match="shape"):
+        gpucast.describe_tensor(crafted_capsule(2, [1 << 40, 1 << 40]))
+    with pytest.raises(gpucast.ArgumentError, match="byte offset"):
+        gpucast.describe_tensor(crafted_capsule(1, [4], data=2**64 - 8, byte_offset=16))
+    with pytest.raises(gpucast.ArgumentError, match="unsupported DLPack dtype"):
+        gpucast.describe_tensor(crafted_capsule(1, [4], code=2, bits=32, lanes=4))
+    with pytest.raises(gpucast.ArgumentError, match="not contiguous"):
+        gpucast.describe_tensor(crafted_capsule(2, [3, 4], strides=[1, 3]))
+    with pytest.raises(gpucast.ArgumentError, match="capsule"):
+        gpucast.describe_tensor(crafted_capsule(1, [4], name=b"used_dltensor"))
