@@ -286,24 +286,20 @@ impl PyCommunicator {
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
         let desc = describe(tensor, at)?;
-        self.pending.prune();
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
-        let d = &desc;
-        let result = py.detach(|| {
+        kept(py, &self.pending, desc, |d| {
             // SAFETY: `d.stream` is the tensor's stream, a stream of this device's primary
             // context (torch's current stream, the caller's or a default stream handle), live
-            // while the tensor's library runs; `keep` below holds the tensor until the work
-            // queued on this rank's stream by this call has run.
+            // while the tensor's library runs; `kept` holds the tensor until the work queued on
+            // this rank's stream by this call has run.
             let stream = unsafe { borrowed(&ctx, d.stream) };
             // SAFETY: `d` describes the memory of a live, contiguous tensor of `d.len`
-            // elements on this device, kept alive (by `keep`) until this call's work has run.
+            // elements on this device, kept alive (by `kept`) until this call's work has run.
             let (mut buf, _) = unsafe { external(d, stream) }?;
             comm.broadcast_many_in_place_with(src, vec![&mut *buf], &options)
                 .map(|_| ())
-        });
-        self.pending.keep(vec![desc.keep]);
-        result.map_err(to_py)
+        })
     }
 
     /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
@@ -325,11 +321,9 @@ impl PyCommunicator {
             .try_iter()?
             .map(|t| describe(&t?, at))
             .collect::<PyResult<Vec<Desc>>>()?;
-        self.pending.prune();
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
-        let ds = &descs;
-        let result = py.detach(|| {
+        kept(py, &self.pending, descs, |ds| {
             let mut bufs: Vec<Box<Buffer>> = Vec::with_capacity(ds.len());
             for d in ds {
                 // SAFETY: as in `broadcast`, for each tensor.
@@ -337,16 +331,13 @@ impl PyCommunicator {
                 // SAFETY: as in `broadcast`.
                 bufs.push(unsafe { external(d, stream) }?.0);
             }
-            let list: Vec<&mut dyn DeviceTensorMut> = bufs
+            let list = bufs
                 .iter_mut()
                 .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
                 .collect();
             comm.broadcast_many_in_place_with(src, list, &options)
                 .map(|_| ())
-        });
-        self.pending
-            .keep(descs.into_iter().map(|d| d.keep).collect());
-        result.map_err(to_py)
+        })
     }
 
     /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
@@ -457,6 +448,59 @@ impl PyClique {
 /// What [`tensors::external`] returns.
 type Buffer = dyn DeviceTensorMut;
 
+/// One list of buffers per rank, lent as gpucast's output lists.
+fn lend(lists: &mut [Vec<Box<Buffer>>]) -> Vec<Vec<&mut dyn DeviceTensorMut>> {
+    lists
+        .iter_mut()
+        .map(|l| {
+            l.iter_mut()
+                .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
+                .collect()
+        })
+        .collect()
+}
+
+/// What owns the memory of described tensors.
+trait Owners {
+    fn owners(self, out: &mut Vec<Py<PyAny>>);
+}
+
+impl Owners for Desc {
+    fn owners(self, out: &mut Vec<Py<PyAny>>) {
+        out.push(self.keep);
+    }
+}
+
+impl<T: Owners> Owners for Vec<T> {
+    fn owners(self, out: &mut Vec<Py<PyAny>>) {
+        self.into_iter().for_each(|t| t.owners(out));
+    }
+}
+
+impl<A: Owners, B: Owners> Owners for (A, B) {
+    fn owners(self, out: &mut Vec<Py<PyAny>>) {
+        self.0.owners(out);
+        self.1.owners(out);
+    }
+}
+
+/// Runs a call over the tensors `descs` describes: drops the tensors of calls that have
+/// finished, runs `call` without the GIL, then keeps the tensors until the work `call` queued
+/// has run (also when it failed: it may have queued some).
+fn kept<D: Owners + Sync>(
+    py: Python<'_>,
+    pending: &Pending,
+    descs: D,
+    call: impl FnOnce(&D) -> gpucast::Result<()> + Send,
+) -> PyResult<()> {
+    pending.prune();
+    let result = py.detach(|| call(&descs));
+    let mut owners = Vec::new();
+    descs.owners(&mut owners);
+    pending.keep(owners);
+    result.map_err(to_py)
+}
+
 #[pymethods]
 impl PyClique {
     /// A clique of the GPUs `devices` (default: every visible GPU).
@@ -537,41 +581,14 @@ impl PyClique {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let options = options(path)?;
-        let root = self.root(src)?;
+        self.root(src)?;
         self.check_count("outputs", outputs.len())?;
-        let _current = KeepCurrent::new();
-        self.check_stream(stream)?;
-        let input = describe(tensor, self.at(root, stream).reading(true))?;
-        let outs = outputs
-            .iter()
-            .enumerate()
-            .map(|(r, o)| describe(&o, self.at(r, stream)).map(|d| vec![d]))
-            .collect::<PyResult<Vec<_>>>()?;
-        self.pending.prune();
-        let result = py.detach(|| {
-            // SAFETY: every description is of a live tensor of its rank's device, kept alive
-            // (below) until this call's work has run.
-            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(&input)) }?;
-            // SAFETY: as above.
-            let mut out = unsafe { self.buffers(&outs) }?;
-            let inputs: Vec<&dyn DeviceTensor> = vec![&*inp[0]];
-            let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = out
-                .iter_mut()
-                .map(|l| {
-                    l.iter_mut()
-                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
-                        .collect()
-                })
-                .collect();
-            self.inner
-                .broadcast_many_with(root, &inputs, &mut lists, &options)
-                .map(|_| ())
-        });
-        let mut keep = vec![input.keep];
-        keep.extend(outs.into_iter().flatten().map(|d| d.keep));
-        self.pending.keep(keep);
-        result.map_err(to_py)
+        let lists = PyList::empty(py);
+        for o in outputs.iter() {
+            lists.append(PyList::new(py, [o])?)?;
+        }
+        let inputs = PyList::new(py, [tensor])?;
+        self.broadcast_many(py, src, &inputs, &lists, path, stream)
     }
 
     /// Broadcasts, in place, `tensors[src]` into `tensors[rank]` of every other rank.
@@ -613,29 +630,16 @@ impl PyClique {
             .map(|t| describe(&t?, self.at(root, stream).reading(true)))
             .collect::<PyResult<Vec<_>>>()?;
         let outs = self.describe_lists(outputs, stream, None)?;
-        self.pending.prune();
-        let result = py.detach(|| {
+        kept(py, &self.pending, (ins, outs), |(ins, outs)| {
             // SAFETY: as in `broadcast`.
-            let inp = unsafe { self.buffers_of(root, &ins) }?;
+            let inp = unsafe { self.buffers_of(root, ins) }?;
             // SAFETY: as in `broadcast`.
-            let mut out = unsafe { self.buffers(&outs) }?;
+            let mut out = unsafe { self.buffers(outs) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
-            let mut lists: Vec<Vec<&mut dyn DeviceTensorMut>> = out
-                .iter_mut()
-                .map(|l| {
-                    l.iter_mut()
-                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
-                        .collect()
-                })
-                .collect();
             self.inner
-                .broadcast_many_with(root, &inputs, &mut lists, &options)
+                .broadcast_many_with(root, &inputs, &mut lend(&mut out), &options)
                 .map(|_| ())
-        });
-        let mut keep: Vec<Py<PyAny>> = ins.into_iter().map(|d| d.keep).collect();
-        keep.extend(outs.into_iter().flatten().map(|d| d.keep));
-        self.pending.keep(keep);
-        result.map_err(to_py)
+        })
     }
 
     /// Many tensors in place in one fused call: `tensors[rank][t]` is tensor `t` of rank
@@ -655,25 +659,13 @@ impl PyClique {
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
         let lists = self.describe_lists(tensors, stream, Some(root))?;
-        self.pending.prune();
-        let result = py.detach(|| {
+        kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
-            let mut bufs = unsafe { self.buffers(&lists) }?;
-            let mut refs: Vec<Vec<&mut dyn DeviceTensorMut>> = bufs
-                .iter_mut()
-                .map(|l| {
-                    l.iter_mut()
-                        .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
-                        .collect()
-                })
-                .collect();
+            let mut bufs = unsafe { self.buffers(lists) }?;
             self.inner
-                .broadcast_many_in_place_with(root, &mut refs, &options)
+                .broadcast_many_in_place_with(root, &mut lend(&mut bufs), &options)
                 .map(|_| ())
-        });
-        self.pending
-            .keep(lists.into_iter().flatten().map(|d| d.keep).collect());
-        result.map_err(to_py)
+        })
     }
 
     /// Waits (bounded) until every rank's broadcasts so far have finished, and reports any
