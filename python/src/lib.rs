@@ -7,6 +7,7 @@ mod errors;
 mod pending;
 mod tensors;
 
+use std::mem::ManuallyDrop;
 use std::time::Duration;
 
 use gpucast::cudarc::driver::{sys, CudaContext, CudaStream};
@@ -137,16 +138,28 @@ unsafe fn borrowed(ctx: &std::sync::Arc<CudaContext>, handle: u64) -> std::sync:
 struct KeepCurrent(Option<sys::CUcontext>);
 
 impl KeepCurrent {
+    /// Inside a method of a clique or communicator (the driver library is loaded).
     fn new() -> KeepCurrent {
-        // Without a driver there is nothing to restore (and no call may touch the library).
-        // SAFETY: only tries to load the driver library (as gpucast's own check does).
-        if !unsafe { sys::is_culib_present() } {
-            return KeepCurrent(None);
-        }
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: an out pointer to a local; the driver library is present.
-        let ok = unsafe { sys::cuCtxGetCurrent(&mut ctx) } == sys::CUresult::CUDA_SUCCESS;
-        KeepCurrent(ok.then_some(ctx))
+        // SAFETY: an out pointer to a local; the driver library is loaded.
+        match unsafe { sys::cuCtxGetCurrent(&mut ctx) } {
+            sys::CUresult::CUDA_SUCCESS => KeepCurrent(Some(ctx)),
+            // Before CUDA's initialisation no context is current: none is, again, after.
+            sys::CUresult::CUDA_ERROR_NOT_INITIALIZED => KeepCurrent(Some(std::ptr::null_mut())),
+            _ => KeepCurrent(None),
+        }
+    }
+
+    /// Before a clique or communicator is built: nothing to restore without a driver (and no
+    /// call may touch the library then).
+    fn before_init() -> KeepCurrent {
+        static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        // SAFETY: only tries to load the driver library (as gpucast's own check does).
+        if *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+            KeepCurrent::new()
+        } else {
+            KeepCurrent(None)
+        }
     }
 }
 
@@ -172,7 +185,9 @@ fn check_stream(ctx: &std::sync::Arc<CudaContext>, stream: Option<u64>) -> PyRes
     let r = unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut owner) };
     if r != sys::CUresult::CUDA_SUCCESS || owner != ctx.cu_ctx() {
         return Err(errors::argument(format!(
-            "stream={handle:#x} is not a stream of device {}'s primary context",
+            "stream={handle:#x} is not a stream of device {}'s primary context (stream= names \
+             one stream: in a clique of several GPUs leave it out, and each tensor's current \
+             stream is used)",
             ctx.ordinal()
         )));
     }
@@ -183,8 +198,21 @@ fn check_stream(ctx: &std::sync::Arc<CudaContext>, stream: Option<u64>) -> PyRes
 /// `gpucast.Communicator`.
 #[pyclass(module = "gpucast._native", name = "Communicator", frozen)]
 struct PyCommunicator {
-    inner: Communicator,
-    pending: Pending,
+    inner: ManuallyDrop<Communicator>,
+    pending: ManuallyDrop<Pending>,
+}
+
+impl Drop for PyCommunicator {
+    /// Drops the communicator, then the tensors of its finished calls, and leaves the
+    /// thread's current CUDA context as it was (both make contexts current).
+    fn drop(&mut self) {
+        let _current = KeepCurrent::new();
+        // SAFETY: each field is dropped once, here, and never used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.inner);
+            ManuallyDrop::drop(&mut self.pending);
+        }
+    }
 }
 
 #[pymethods]
@@ -224,10 +252,13 @@ impl PyCommunicator {
         if let Some(t) = init_timeout {
             b = b.init_timeout(t);
         }
-        let _current = KeepCurrent::new();
+        let _current = KeepCurrent::before_init();
         let inner = py.detach(|| b.build()).map_err(to_py)?;
         let pending = Pending::new(vec![inner.stream().clone()]);
-        Ok(PyCommunicator { inner, pending })
+        Ok(PyCommunicator {
+            inner: ManuallyDrop::new(inner),
+            pending: ManuallyDrop::new(pending),
+        })
     }
 
     /// This process's rank in the job.
@@ -281,31 +312,59 @@ impl PyCommunicator {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let options = options(path)?;
-        let _current = KeepCurrent::new();
-        check_stream(self.inner.context(), stream)?;
-        let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
-        let desc = describe(tensor, at)?;
-        let ctx = self.inner.context().clone();
-        let comm = &self.inner;
-        kept(py, &self.pending, desc, |d| {
-            // SAFETY: `d.stream` is the tensor's stream, a stream of this device's primary
-            // context (torch's current stream, the caller's or a default stream handle), live
-            // while the tensor's library runs; `kept` holds the tensor until the work queued on
-            // this rank's stream by this call has run.
-            let stream = unsafe { borrowed(&ctx, d.stream) };
-            // SAFETY: `d` describes the memory of a live, contiguous tensor of `d.len`
-            // elements on this device, kept alive (by `kept`) until this call's work has run.
-            let (mut buf, _) = unsafe { external(d, stream) }?;
-            comm.broadcast_many_in_place_with(src, vec![&mut *buf], &options)
-                .map(|_| ())
-        })
+        let one = PyList::new(py, [tensor])?;
+        self.broadcast_many(py, one.as_any(), src, path, stream)
     }
 
     /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
     /// of tensors (lengths and types); rank `src`'s are the sources.
     #[pyo3(signature = (tensors, src=0, *, path=None, stream=None))]
     fn broadcast_many(
+        &self,
+        py: Python<'_>,
+        tensors: &Bound<'_, PyAny>,
+        src: usize,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        // A call refused here, before gpucast saw it, still takes its number in the call log
+        // (the peers made it and wait for this rank's card).
+        let posted = self.inner.calls_posted();
+        let result = self.many_kept(py, tensors, src, path, stream);
+        if result.is_err() && self.inner.calls_posted() == posted {
+            self.inner.post_failed_call();
+        }
+        result
+    }
+    /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
+    /// failure of them.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let _current = KeepCurrent::new();
+        let comm = &self.inner;
+        py.detach(|| comm.synchronize()).map_err(to_py)?;
+        self.pending.prune();
+        Ok(())
+    }
+
+    /// The CUDA stream (a raw `cudaStream_t` as an int) that this rank's broadcasts run on.
+    #[getter]
+    fn stream_handle(&self) -> u64 {
+        self.inner.stream().cu_stream() as u64
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "gpucast.Communicator(rank={}, world_size={}, device={})",
+            self.inner.rank(),
+            self.inner.world_size(),
+            self.inner.device()
+        )
+    }
+}
+
+impl PyCommunicator {
+    /// `broadcast_many` itself.
+    fn many_kept(
         &self,
         py: Python<'_>,
         tensors: &Bound<'_, PyAny>,
@@ -339,41 +398,28 @@ impl PyCommunicator {
                 .map(|_| ())
         })
     }
-
-    /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
-    /// failure of them.
-    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        let _current = KeepCurrent::new();
-        let comm = &self.inner;
-        py.detach(|| comm.synchronize()).map_err(to_py)?;
-        self.pending.prune();
-        Ok(())
-    }
-
-    /// The CUDA stream (a raw `cudaStream_t` as an int) that this rank's broadcasts run on.
-    #[getter]
-    fn stream_handle(&self) -> u64 {
-        self.inner.stream().cu_stream() as u64
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "gpucast.Communicator(rank={}, world_size={}, device={})",
-            self.inner.rank(),
-            self.inner.world_size(),
-            self.inner.device()
-        )
-    }
 }
 
 /// Several GPUs (ranks) driven by this one process: see `gpucast.Clique`.
 #[pyclass(module = "gpucast._native", name = "Clique", frozen)]
 struct PyClique {
-    inner: Clique,
+    inner: ManuallyDrop<Clique>,
     devices: Vec<usize>,
     /// Whether the clique spans several GPUs (then peers reach each other's tensors).
     several_gpus: bool,
-    pending: Pending,
+    pending: ManuallyDrop<Pending>,
+}
+
+impl Drop for PyClique {
+    /// As for `PyCommunicator`.
+    fn drop(&mut self) {
+        let _current = KeepCurrent::new();
+        // SAFETY: each field is dropped once, here, and never used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.inner);
+            ManuallyDrop::drop(&mut self.pending);
+        }
+    }
 }
 
 impl PyClique {
@@ -533,7 +579,7 @@ impl PyClique {
         if let Some(d) = &devices {
             b = b.devices(d);
         }
-        let _current = KeepCurrent::new();
+        let _current = KeepCurrent::before_init();
         let inner = py.detach(|| b.build()).map_err(to_py)?;
         let devices: Vec<usize> = (0..inner.len())
             .map(|r| inner.context(r).ordinal())
@@ -541,10 +587,10 @@ impl PyClique {
         let pending = Pending::new((0..inner.len()).map(|r| inner.stream(r).clone()).collect());
         let several_gpus = devices.iter().any(|&d| d != devices[0]);
         Ok(PyClique {
-            inner,
+            inner: ManuallyDrop::new(inner),
             devices,
             several_gpus,
-            pending,
+            pending: ManuallyDrop::new(pending),
         })
     }
 

@@ -16,17 +16,17 @@ use gpucast::cudarc::driver::sys::CUevent_flags;
 use gpucast::cudarc::driver::{CudaEvent, CudaStream};
 use pyo3::prelude::*;
 
-/// One call's owners and the events after its work, one per stream (none: never released).
+/// One call's owners and the events after its work, one per stream.
 struct Kept {
-    events: Option<Vec<CudaEvent>>,
+    events: Vec<CudaEvent>,
     owners: Vec<Py<PyAny>>,
 }
 
 impl Kept {
     fn done(&self) -> bool {
         self.events
-            .as_ref()
-            .is_some_and(|ev| ev.iter().all(|e| e.try_is_complete().unwrap_or(false)))
+            .iter()
+            .all(|e| e.try_is_complete().unwrap_or(false))
     }
 }
 
@@ -70,13 +70,16 @@ impl Pending {
                 Err(_) => recorded = false,
             }
         }
+        if !recorded {
+            // Nothing marks the end of this call's work: its tensors are leaked, never freed
+            // early (and the calls after it are not held up).
+            std::mem::forget(owners);
+            return;
+        }
         self.calls
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push_back(Kept {
-                events: recorded.then_some(events),
-                owners,
-            });
+            .push_back(Kept { events, owners });
     }
 
     /// Drops the owners of every call whose work has run (calls complete in order).
@@ -95,7 +98,7 @@ impl Pending {
         {
             let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
             for kept in done {
-                for (i, e) in kept.events.into_iter().flatten().enumerate() {
+                for (i, e) in kept.events.into_iter().enumerate() {
                     free[i].push(e);
                 }
                 owners.push(kept.owners);

@@ -534,6 +534,21 @@ impl Communicator {
         unsafe { self.core.capture_unchecked(f) }
     }
 
+    /// For bindings that check arguments of their own before a call (the Python package): the
+    /// number of calls this rank has posted to its call log so far, and, when a call failed
+    /// those checks before reaching gpucast, [`Communicator::post_failed_call`], so that the
+    /// call still takes its number and the peers, which made it, get `CallMismatch`.
+    #[doc(hidden)]
+    pub fn calls_posted(&self) -> u64 {
+        self.core.calls_posted()
+    }
+
+    /// See [`Communicator::calls_posted`].
+    #[doc(hidden)]
+    pub fn post_failed_call(&self) {
+        self.core.post_failed_call();
+    }
+
     /// A zeroed buffer of `len` elements on this rank's stream.
     pub fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
         Ok(self.core.alloc_outputs(len)?.remove(0))

@@ -444,11 +444,22 @@ impl Core {
     /// [`Error::CallMismatch`] and this rank's later calls keep their numbers.
     fn failed_call_posted<T>(&self, checked: Result<T>) -> Result<T> {
         if checked.is_err() {
-            if let Some(log) = &self.calls {
-                let _ = log.post(super::calls::Card::failed());
-            }
+            self.post_failed_call();
         }
         checked
+    }
+
+    /// Posts the card of a call that failed on this rank before it reached the core (see
+    /// [`Core::failed_call_posted`]).
+    pub(crate) fn post_failed_call(&self) {
+        if let Some(log) = &self.calls {
+            let _ = log.post(super::calls::Card::failed());
+        }
+    }
+
+    /// Calls posted to the log so far (0 without a log).
+    pub(crate) fn calls_posted(&self) -> u64 {
+        self.calls.as_ref().map_or(0, super::calls::Log::posted)
     }
 
     /// Posts a call's card to the log (across processes): [`Error::CallMismatch`], before
