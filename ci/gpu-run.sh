@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
 #                        [interference] [weights] [weights-procs] [one-gpu] [python]
-#                        [python-bench]
+#                        [python-bench] [threads-channels]
 #                        (default: tests examples)
 # one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
 # 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
@@ -96,6 +96,23 @@ if want one-gpu; then
   done
   run timer .gpu/bin/test-timer-test --include-ignored --nocapture
   run timer-polled-expected-to-fail env GPUCAST_TEST_TIMER=polled .gpu/bin/test-timer-test --include-ignored --nocapture
+fi
+if want threads-channels; then
+  # The threads test (two ranks of one GPU, four threads) run again and again with the device's
+  # hardware work queues set to 1, the default (8) and 32: streams beyond that number share a
+  # queue, where work of one stream can hold back the next kernel of another.
+  for c in 1 8 32; do
+    pass=0; fail=0
+    for i in $(seq "${RUNS:-5}"); do
+      if CUDA_DEVICE_MAX_CONNECTIONS=$c timeout -k 5 60 .gpu/bin/test-promises-test --include-ignored \
+          --exact threads_share_a_clique_whose_ranks_share_a_gpu >"$out/threads-c$c-$i.log" 2>&1; then
+        pass=$((pass + 1))
+      else
+        fail=$((fail + 1))
+      fi
+    done
+    summary+=("$(printf '%-44s %s passed, %s failed' "threads, CUDA_DEVICE_MAX_CONNECTIONS=$c" $pass $fail)")
+  done
 fi
 if want bench; then
   run bench .gpu/bin/bench-broadcast --bench --out "$out/bench" --python python3

@@ -146,44 +146,7 @@ fn threads_share_a_clique_whose_ranks_share_a_gpu() {
         eprintln!("memory pool reuse through stream dependencies turned back on");
         allow_pool_dependencies(clique.context(0));
     }
-    let seed: u64 = rng().random();
-    for run in 0..3 {
-        std::thread::scope(|s| {
-            for thread in 0..4u64 {
-                let clique = &clique;
-                s.spawn(move || {
-                    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(
-                        seed ^ (run << 8) ^ thread,
-                    );
-                    for call in 0..150 {
-                        let n = match rng.random_range(0..3) {
-                            0 => rng.random_range(1..=64 << 10),
-                            1 => rng.random_range(64 << 10..=4 << 20),
-                            _ => rng.random_range(1..=16),
-                        };
-                        let root = rng.random_range(0..2);
-                        let data: Vec<u8> = random_vec(n, &mut rng);
-                        let input = clique.stream(root).clone_htod(&data).unwrap();
-                        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
-                        let opts = BroadcastOptions::path(BroadcastPath::P2p);
-                        clique
-                            .broadcast_with(root, &input, &mut outputs, &opts)
-                            .unwrap_or_else(|e| {
-                                panic!("run {run} thread {thread} call {call} ({n} B): {e}")
-                            });
-                        drop(input);
-                        let rank = rng.random_range(0..2);
-                        let got = clique.stream(rank).clone_dtoh(&outputs[rank]).unwrap();
-                        assert!(
-                            got == data,
-                            "run {run} thread {thread} call {call}: wrong data"
-                        );
-                    }
-                });
-            }
-        });
-        clique.synchronize().unwrap();
-    }
+    broadcast_from_threads(&clique, rng().random(), 150);
 }
 
 /// The hazard behind the test above, made likely: while one thread broadcasts between two ranks

@@ -41,8 +41,6 @@ const FLAG_BYTES: usize = (WINDOW + 1) * 4;
 pub(crate) struct State {
     /// One event per rank for the chain of eager calls.
     events: Vec<CudaEvent>,
-    /// Per rank: the fork and join events of the root's own copy on its `aux` stream.
-    aux_events: Vec<(CudaEvent, CudaEvent)>,
     /// The flags of captured calls, made at the first one.
     flags: Option<Flags>,
     /// Bumped whenever the flags are replaced (leaked): a graph captured before holds the
@@ -56,14 +54,10 @@ pub(crate) struct State {
 }
 
 impl State {
-    /// The path's state with its events (one per rank, and a fork/join pair per rank).
-    pub(crate) fn new(
-        events: Vec<CudaEvent>,
-        aux_events: impl IntoIterator<Item = (CudaEvent, CudaEvent)>,
-    ) -> State {
+    /// The path's state with its events (one per rank).
+    pub(crate) fn new(events: Vec<CudaEvent>) -> State {
         State {
             events,
-            aux_events: aux_events.into_iter().collect(),
             flags: None,
             gen: 0,
             captured: false,
@@ -209,17 +203,7 @@ impl EngineGuard<'_> {
         }
         // The root's own copies on its second stream, between a fork after everything before
         // the call on its stream and a join before anything after it.
-        let (fork, join) = {
-            let (f, j) = &self.state.ce.aux_events[root];
-            (f.cu_event(), j.cu_event())
-        };
-        let (main, aux) = (self.raw_stream(root), self.aux_stream(root));
-        self.bind(root)?;
-        // SAFETY: live event and stream of the root's context.
-        unsafe { result::event::record(fork, main) }
-            // SAFETY: as above.
-            .and_then(|()| unsafe { result::stream::wait_event(aux, fork, WAIT) })
-            .map_err(Error::cuda("forking the root's own copy"))?;
+        let aux = self.fork_aux(root)?;
         let mut queued = Ok(());
         for it in local {
             // SAFETY: per this function's contract: the root's input and output hold the
@@ -235,12 +219,7 @@ impl EngineGuard<'_> {
         }
         // Joined whatever failed above, so the root's stream never moves past work still
         // queued on the side.
-        self.bind(root)?;
-        // SAFETY: as for the fork.
-        let joined = unsafe { result::event::record(join, aux) }
-            // SAFETY: as above.
-            .and_then(|()| unsafe { result::stream::wait_event(main, join, WAIT) })
-            .map_err(Error::cuda("joining the root's own copy"));
+        let joined = self.join_aux(root);
         queued.and(joined)
     }
 
@@ -249,10 +228,6 @@ impl EngineGuard<'_> {
             .ctx
             .bind_to_thread()
             .map_err(Error::cuda("binding a context"))
-    }
-
-    fn aux_stream(&self, rank: usize) -> CUstream {
-        self.engine.ranks[rank].aux.get().cu_stream()
     }
 
     /// # Safety

@@ -38,8 +38,11 @@ pub(crate) struct Rank {
     /// A second stream, never used for work: capture reads buffer addresses through it, so
     /// that cudarc's guard waits land outside the capture.
     side: EngineStream,
-    /// The root's own copy of a copy-engine broadcast runs here, beside the chain on `stream`
-    /// (forked from it and joined back within the call).
+    /// Work of one call that runs beside `stream`, forked from it and joined back within the
+    /// call (see [`EngineGuard::fork_aux`]): the root's own copy of a copy-engine broadcast,
+    /// and where ranks share a device, the P2P kernels and graph launches of every rank
+    /// ([`EngineGuard::spinning`]). Never handed out: only the engine queues work here, under
+    /// its lock.
     aux: EngineStream,
     /// Captures record on this stream, never handed out as the rank's stream: work that the
     /// caller (or another thread) queues on `stream` while a capture runs stays eager instead
@@ -100,6 +103,8 @@ struct State {
     p2p: std::result::Result<P2p, Error>,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
+    /// Per rank: the fork and join events of its `aux` stream.
+    aux_events: Vec<(CudaEvent, CudaEvent)>,
     /// The copy-engine path's own state.
     ce: copy::State,
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
@@ -109,6 +114,8 @@ struct State {
 /// The engine of one clique.
 pub(crate) struct Engine {
     ranks: Vec<Rank>,
+    /// Two ranks are on one device (a clique built with `shared_devices`).
+    shared_device: bool,
     settings: Settings,
     state: Mutex<State>,
     /// Whether the P2P path can run, or why not: what the P2P state says, readable without
@@ -158,7 +165,13 @@ impl Engine {
                 .map_err(Error::cuda("creating the ordering events"))
         };
         let events = new_events()?;
-        let ce = copy::State::new(new_events()?, new_events()?.into_iter().zip(new_events()?));
+        let aux_events = new_events()?.into_iter().zip(new_events()?).collect();
+        let ce = copy::State::new(new_events()?);
+        let shared_device = ranks.iter().enumerate().any(|(i, a)| {
+            ranks[..i]
+                .iter()
+                .any(|b| b.ctx.ordinal() == a.ctx.ordinal())
+        });
         let p2p_status = Mutex::new(p2p.as_ref().map(|_| ()).map_err(Clone::clone));
         let live = matches!(nccl, Nccl::Live(_));
         let nccl = Arc::new(Mutex::new(nccl));
@@ -169,6 +182,7 @@ impl Engine {
         };
         Ok(Engine {
             ranks,
+            shared_device,
             settings,
             state: Mutex::new(State {
                 nccl,
@@ -177,6 +191,7 @@ impl Engine {
                 p2p_gen: 0,
                 p2p,
                 events,
+                aux_events,
                 ce,
                 desynced: false,
             }),
@@ -336,15 +351,18 @@ impl Engine {
     fn streams_idle(&self) -> Result<bool> {
         let mut idle = true;
         for (rank, r) in self.ranks.iter().enumerate() {
-            // SAFETY: the stream is live (owned by the engine).
-            match unsafe { sys::cuStreamQuery(r.stream.get().cu_stream()) } {
-                sys::CUresult::CUDA_SUCCESS => {}
-                sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
-                e => {
-                    return Err(Error::Cuda {
-                        during: format!("draining rank {rank}"),
-                        source: result::DriverError(e),
-                    })
+            // `aux` too: its work is joined back into `stream`, unless the join failed.
+            for stream in [&r.stream, &r.aux] {
+                // SAFETY: the stream is live (owned by the engine).
+                match unsafe { sys::cuStreamQuery(stream.get().cu_stream()) } {
+                    sys::CUresult::CUDA_SUCCESS => {}
+                    sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
+                    e => {
+                        return Err(Error::Cuda {
+                            during: format!("draining rank {rank}"),
+                            source: result::DriverError(e),
+                        })
+                    }
                 }
             }
         }
@@ -535,18 +553,20 @@ impl EngineGuard<'_> {
                 Step::P2pOne { tensor, protocol } => {
                     self.state.captured_p2p |= self.capturing();
                     let it = &items[*tensor];
-                    let p2p = self.p2p()?;
-                    // SAFETY: per this function's contract.
-                    let r = unsafe {
-                        p2p.launch(
-                            *protocol,
-                            root,
-                            it.src,
-                            it.bytes(),
-                            &it.dsts[..n],
-                            &streams[..n],
-                        )
-                    };
+                    let r = self.spinning(|e, streams| {
+                        // SAFETY: per this function's contract; `streams` are the ranks'
+                        // streams or forked from them.
+                        unsafe {
+                            e.p2p()?.launch(
+                                *protocol,
+                                root,
+                                it.src,
+                                it.bytes(),
+                                &it.dsts[..n],
+                                streams,
+                            )
+                        }
+                    });
                     self.note_p2p(r)?;
                 }
                 Step::P2pList { tensors } => {
@@ -559,9 +579,10 @@ impl EngineGuard<'_> {
                                 .collect()
                         })
                         .collect();
-                    let p2p = self.p2p()?;
-                    // SAFETY: per this function's contract.
-                    let r = unsafe { p2p.launch_list(root, &copies, &streams[..n]) };
+                    let r = self.spinning(|e, streams| {
+                        // SAFETY: as for `P2pOne`.
+                        unsafe { e.p2p()?.launch_list(root, &copies, streams) }
+                    });
                     self.note_p2p(r)?;
                 }
                 Step::CopyEngine { tensors } => {
@@ -631,6 +652,72 @@ impl EngineGuard<'_> {
         r
     }
 
+    /// Forks rank `rank`'s `aux` stream from the stream its work goes to now: what is queued
+    /// on `aux` next starts after everything queued there so far. Returns `aux`.
+    pub(crate) fn fork_aux(&mut self, rank: usize) -> Result<CUstream> {
+        let (main, aux) = (self.work_stream(rank), self.aux_stream(rank));
+        let fork = self.state.aux_events[rank].0.cu_event();
+        self.order_with(rank, fork, main, aux)
+            .map_err(Error::cuda(format!("forking rank {rank}'s second stream")))?;
+        Ok(aux)
+    }
+
+    /// Joins rank `rank`'s `aux` stream back (see [`EngineGuard::fork_aux`]): what is queued
+    /// next on the rank's stream starts after everything queued on `aux` so far.
+    pub(crate) fn join_aux(&mut self, rank: usize) -> Result<()> {
+        let (main, aux) = (self.work_stream(rank), self.aux_stream(rank));
+        let join = self.state.aux_events[rank].1.cu_event();
+        self.order_with(rank, join, aux, main)
+            .map_err(Error::cuda(format!("joining rank {rank}'s second stream")))
+    }
+
+    fn aux_stream(&self, rank: usize) -> CUstream {
+        self.engine.ranks[rank].aux.get().cu_stream()
+    }
+
+    /// Runs `launch`, which queues kernels of one call that wait for each other (P2P kernels,
+    /// or graphs holding them), with the stream to queue each rank's kernel on.
+    ///
+    /// Such kernels finish only if every rank's kernel starts. A device runs its streams'
+    /// work through a few hardware queues (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), each
+    /// in the order the work was queued, so that streams beyond that number share a queue.
+    /// Where two ranks share a device, work that another thread queues on rank 0's stream
+    /// between the launches of rank 0's and rank 1's kernels waits for rank 0's kernel (it
+    /// follows it on that stream); in a queue shared with rank 1's stream it then holds back
+    /// rank 1's launch, while rank 0's kernel waits for rank 1's until it times out. So there
+    /// each rank's kernel goes to its `aux` stream, which only the engine uses, under its
+    /// lock: forked from the rank's stream before the first launch, joined back after the last
+    /// one. Work queued on the ranks' streams meanwhile waits for nothing of this call. On
+    /// distinct devices a device's queues hold no other rank's kernel, and the kernels go to
+    /// the ranks' streams. In a capture, the order of launches is the graph's.
+    fn spinning<R>(
+        &mut self,
+        launch: impl FnOnce(&mut Self, &[CUstream]) -> Result<R>,
+    ) -> Result<R> {
+        let n = self.n();
+        let mut streams = self.work_streams();
+        if !self.engine.shared_device || self.capturing() {
+            return launch(self, &streams[..n]);
+        }
+        for (rank, stream) in streams.iter_mut().enumerate().take(n) {
+            // A failed fork leaves the ranks forked so far waiting for their own stream only.
+            *stream = self.fork_aux(rank)?;
+        }
+        let launched = launch(self, &streams[..n]);
+        // Joined whatever `launch` did, so that no rank's stream moves past work queued on its
+        // `aux`. A join that cannot be queued (the driver fails on live handles) leaves the
+        // engine to drain every stream, `aux` included, before its next call.
+        let mut joined = Ok(());
+        for rank in 0..n {
+            joined = joined.and(self.join_aux(rank));
+        }
+        if joined.is_err() {
+            self.state.desynced = true;
+        }
+        let launched = launched?;
+        joined.map(|()| launched)
+    }
+
     /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
     /// same device).
     pub(crate) fn stream_waits_for(&mut self, rank: usize, other: CUstream) -> Result<()> {
@@ -657,12 +744,24 @@ impl EngineGuard<'_> {
         later: CUstream,
     ) -> std::result::Result<(), result::DriverError> {
         let event = self.state.events[rank].cu_event();
+        self.order_with(rank, event, earlier, later)
+    }
+
+    /// [`EngineGuard::order`] with `event`, one of rank `rank`'s events.
+    fn order_with(
+        &self,
+        rank: usize,
+        event: sys::CUevent,
+        earlier: CUstream,
+        later: CUstream,
+    ) -> std::result::Result<(), result::DriverError> {
         // Not `bind_to_thread`: an error cudarc stored from unrelated work must not stop this
         // ordering (a buffer's stream would then move on before the call's work on the buffer).
         make_current(&self.engine.ranks[rank].ctx)?;
-        // SAFETY: `event` belongs to this rank's context and both streams are live streams of
-        // the same device's primary context (the callers check buffers' contexts); both calls
-        // only enqueue, and the event is reused only under the engine's lock.
+        // SAFETY: `event` belongs to this rank's context (every caller passes one of the
+        // rank's events in `State`) and both streams are live streams of the same device's
+        // primary context (the callers check buffers' contexts); both calls only enqueue, and
+        // the event is reused only under the engine's lock (`&self` of a guard).
         unsafe {
             result::event::record(event, earlier)?;
             result::stream::wait_event(later, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
@@ -820,41 +919,50 @@ impl EngineGuard<'_> {
             .filter(|_| execs.first().is_some_and(GraphExec::has_nccl));
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
-        let launch = |r: &Rank, g: &GraphExec| {
+        let launch = |r: &Rank, g: &GraphExec, stream: CUstream| {
             make_current(&r.ctx).and_then(|()| {
-                // SAFETY: `g` was instantiated from this rank's capture and is alive; launches
-                // of one graph are serialised by the engine's lock.
-                unsafe { result::graph::launch(g.exec, r.stream.get().cu_stream()) }
+                // SAFETY: `g` was instantiated from this rank's capture and is alive, `stream`
+                // is a live stream of the rank's context; launches of one graph are serialised
+                // by the engine's lock.
+                unsafe { result::graph::launch(g.exec, stream) }
             })
         };
         // A graph whose copies wait on flags (stream memory operations) stalls its device's
         // command queue until a peer's graph writes them; a launch may then block the host
         // until that peer's graph runs. So such graphs go out from one thread per rank.
         let together = execs.first().is_some_and(GraphExec::has_ce) && execs.len() > 1;
-        let pairs = self.engine.ranks.iter().zip(execs);
+        let ranks = &self.engine.ranks;
         // One result per rank launched: every rank when together, else up to the first failure.
-        let results: Vec<_> = if together {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = pairs.map(|(r, g)| s.spawn(move || launch(r, g))).collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join().unwrap_or(Err(result::DriverError(
-                            sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
-                        )))
-                    })
-                    .collect()
-            })
-        } else {
-            let mut launched = Vec::with_capacity(execs.len());
-            for (r, g) in pairs {
-                launched.push(launch(r, g));
-                if launched.last().is_some_and(std::result::Result::is_err) {
-                    break;
+        let results: Vec<_> = self.spinning(|_, streams| {
+            let jobs = ranks.iter().zip(execs).zip(streams.iter().copied());
+            Ok(if together {
+                std::thread::scope(|s| {
+                    // A stream handle moves to the launching thread as an address: driver
+                    // handles may be used from any thread.
+                    let handles: Vec<_> = jobs
+                        .map(|((r, g), st)| (r, g, st as usize))
+                        .map(|(r, g, st)| s.spawn(move || launch(r, g, st as CUstream)))
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().unwrap_or(Err(result::DriverError(
+                                sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
+                            )))
+                        })
+                        .collect()
+                })
+            } else {
+                let mut launched = Vec::with_capacity(execs.len());
+                for ((r, g), st) in jobs {
+                    launched.push(launch(r, g, st));
+                    if launched.last().is_some_and(std::result::Result::is_err) {
+                        break;
+                    }
                 }
-            }
-            launched
-        };
+                launched
+            })
+        })?;
         if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
             // The ranks whose graphs went out wait for this one.
             if results.iter().any(std::result::Result::is_ok) {

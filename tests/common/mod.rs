@@ -307,3 +307,43 @@ pub fn check_in_place_with<T: Element>(
         assert_bytes_eq(clique.stream(rank), b, &data, &what);
     }
 }
+
+/// Four threads, each making `calls` random P2P broadcasts on `clique` (random sizes over the
+/// three protocols, random roots) with inputs and outputs made and read on the clique's
+/// streams, checked bit for bit; three such runs, `seed` for each thread's choices.
+pub fn broadcast_from_threads(clique: &Clique, seed: u64, calls: usize) {
+    for run in 0..3u64 {
+        std::thread::scope(|s| {
+            for thread in 0..4u64 {
+                s.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (run << 8) ^ thread);
+                    for call in 0..calls {
+                        let n = match rng.random_range(0..3) {
+                            0 => rng.random_range(1..=64 << 10),
+                            1 => rng.random_range(64 << 10..=4 << 20),
+                            _ => rng.random_range(1..=16),
+                        };
+                        let root = rng.random_range(0..clique.len());
+                        let data: Vec<u8> = random_vec(n, &mut rng);
+                        let input = clique.stream(root).clone_htod(&data).unwrap();
+                        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+                        let opts = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
+                        clique
+                            .broadcast_with(root, &input, &mut outputs, &opts)
+                            .unwrap_or_else(|e| {
+                                panic!("run {run} thread {thread} call {call} ({n} B): {e}")
+                            });
+                        drop(input);
+                        let rank = rng.random_range(0..clique.len());
+                        let got = clique.stream(rank).clone_dtoh(&outputs[rank]).unwrap();
+                        assert!(
+                            got == data,
+                            "run {run} thread {thread} call {call}: wrong data"
+                        );
+                    }
+                });
+            }
+        });
+        clique.synchronize().unwrap();
+    }
+}
