@@ -46,7 +46,7 @@ done
 # and bench.
 cargo build --release -p gpucast-python --features extension-module
 mkdir -p .gpu/py/gpucast
-cp python/gpucast/*.py .gpu/py/gpucast/
+cp python/gpucast/*.py python/gpucast/*.pyi python/gpucast/py.typed .gpu/py/gpucast/
 cp target/release/lib_native.so .gpu/py/gpucast/_native.abi3.so
 cp -r python/tests .gpu/py/tests
 mkdir -p .gpu/py/examples .gpu/py/bench
