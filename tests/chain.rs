@@ -259,7 +259,7 @@ fn p2p_chain_between_two_gpus() {
 fn captured_chain_replays() {
     let clique = four_ranks(0);
     let mut rng = rng();
-    for path in [BroadcastPath::CopyEngine, BroadcastPath::P2p] {
+    for path in graph_paths_to_test(&clique, &[BroadcastPath::CopyEngine, BroadcastPath::P2p]) {
         captured_replays(&clique, path, &mut rng);
     }
 }
@@ -311,8 +311,9 @@ fn captured_replays(clique: &Clique, path: BroadcastPath, rng: &mut impl RngCore
 }
 
 /// A graph of many copy-engine broadcasts (each waits on flags): every rank's graph must go
-/// out although the first one's device stalls on flags the second one writes (on two GPUs, or
-/// two ranks of GPU 0 when it is alone).
+/// out although the first one's device stalls on flags the second one writes. Where the two
+/// ranks share GPU 0 (it is alone), such a capture is refused: both graphs' flag waits could
+/// sit in one hardware queue, with no timeout; eager copy-engine calls still run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_graph_of_many_copy_engine_broadcasts() {
@@ -322,6 +323,42 @@ fn a_graph_of_many_copy_engine_broadcasts() {
     let data: Vec<u8> = random_vec(n, &mut rng);
     let mut input = clique.stream(0).clone_htod(&vec![0u8; n]).unwrap();
     let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+    let ce = BroadcastOptions::path(BroadcastPath::CopyEngine);
+    if shares_a_gpu(&clique) {
+        let refused = clique.capture(|c| c.broadcast_with(0, &input, &mut outputs, &ce));
+        assert!(
+            matches!(refused, Err(gpucast::Error::CopyEngineUnavailable(ref m)) if m.contains("graph")),
+            "a copy-engine capture on a shared GPU: {:?}",
+            refused.err()
+        );
+        // Auto in a graph takes another path there.
+        clique.stream(0).memcpy_htod(&data, &mut input).unwrap();
+        let mut graph = clique
+            .capture(|c| c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::default()))
+            .unwrap();
+        graph.launch().unwrap();
+        drop(graph);
+        for (rank, out) in outputs.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(rank),
+                out,
+                &data,
+                &format!("Auto graph, rank {rank}"),
+            );
+        }
+        let fresh: Vec<u8> = random_vec(n, &mut rng);
+        clique.stream(0).memcpy_htod(&fresh, &mut input).unwrap();
+        clique.broadcast_with(0, &input, &mut outputs, &ce).unwrap();
+        for (rank, out) in outputs.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(rank),
+                out,
+                &fresh,
+                &format!("eager, rank {rank}"),
+            );
+        }
+        return;
+    }
     // SAFETY: the buffers outlive the graph (dropped after it) and are written only on the
     // clique's streams, in order with the replays.
     let mut graph = unsafe {

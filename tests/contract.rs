@@ -436,7 +436,7 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
     for source in [Source::CliqueStreams, Source::SecondStream] {
         let clique = two_ranks();
         let streams = streams_of(&clique, source);
-        for path in paths_to_test(
+        for path in graph_paths_to_test(
             &clique,
             &[
                 BroadcastPath::P2p,

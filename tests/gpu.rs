@@ -373,7 +373,7 @@ fn graph_capture_replays_correctly() {
         (0, 5_000_001, BroadcastPath::CopyEngine),
         (1, 3, BroadcastPath::CopyEngine),
     ];
-    let paths = paths_to_test(
+    let paths = graph_paths_to_test(
         &clique,
         &[
             BroadcastPath::P2p,
@@ -443,9 +443,12 @@ fn graph_capture_replays_correctly() {
 fn safe_graph_with_mixed_paths_and_fused_lists() {
     use gpucast::{DeviceTensor, DeviceTensorMut};
     let clique = two_ranks();
-    // The single broadcast goes through NCCL, or the copy engines where NCCL is off.
+    // The single broadcast goes through NCCL, or the copy engines where NCCL is off, or P2P
+    // where ranks share a GPU (no copy engines in a graph there).
     let single_path = if nccl_to_test(&clique) {
         BroadcastPath::Nccl
+    } else if shares_a_gpu(&clique) {
+        BroadcastPath::P2p
     } else {
         BroadcastPath::CopyEngine
     };

@@ -19,6 +19,7 @@ fn paths(clique: &Clique) -> Vec<BroadcastPath> {
     if clique
         .route(N, &BroadcastOptions::path(BroadcastPath::CopyEngine))
         .is_ok()
+        && !graph_paths_to_test(clique, &[BroadcastPath::CopyEngine]).is_empty()
     {
         paths.push(BroadcastPath::CopyEngine);
     }

@@ -26,6 +26,8 @@ pub(crate) struct Core {
     pub(crate) world: usize,
     /// Whether the copy-engine route can run, or the error a forced call returns.
     pub(crate) copy_engine: std::result::Result<(), Error>,
+    /// The same inside a capture ([`Engine::copy_engine_in_graph`] too).
+    pub(crate) copy_engine_in_graph: std::result::Result<(), Error>,
     /// Whether NCCL runs here (off where a device holds several ranks).
     pub(crate) nccl_on: bool,
     /// See [`Placement::calls`].
@@ -59,8 +61,13 @@ impl Core {
         let places = (0..engine.len())
             .map(|r| access::place_of(engine.stream(r)))
             .collect();
+        let copy_engine_in_graph = job
+            .copy_engine
+            .clone()
+            .and_then(|()| engine.copy_engine_in_graph());
         Core {
             one_process: job.globals.len() == job.world,
+            copy_engine_in_graph,
             engine,
             places,
             globals: job.globals,
@@ -96,14 +103,19 @@ impl Core {
         self.engine.p2p_status()
     }
 
-    /// Runs `f` with which routes can run here now.
-    fn with_available<R>(&self, f: impl FnOnce(Available<'_>) -> R) -> R {
+    /// Runs `f` with which routes can run here now, eager or inside a capture (`in_graph`).
+    fn with_available<R>(&self, in_graph: bool, f: impl FnOnce(Available<'_>) -> R) -> R {
+        let copy_engine = if in_graph {
+            &self.copy_engine_in_graph
+        } else {
+            &self.copy_engine
+        };
         // The status's lock is held while `f` chooses (pure work): a path that cannot run
         // costs no copy of its reason on every call.
         self.engine.with_p2p_status(|p2p| {
             f(Available {
                 p2p,
-                copy_engine: self.copy_engine.as_ref().map(|_| ()),
+                copy_engine: copy_engine.as_ref().map(|_| ()),
                 nccl: self.nccl_on,
                 p2p_chain: self.one_process,
             })
@@ -122,7 +134,7 @@ impl Core {
         options: &BroadcastOptions,
         in_graph: bool,
     ) -> Result<Route> {
-        self.with_available(|available| {
+        self.with_available(in_graph, |available| {
             crate::config::choose(
                 options.path.unwrap_or(self.path()),
                 bytes,
@@ -157,7 +169,7 @@ impl Core {
         options: &BroadcastOptions,
         in_graph: bool,
     ) -> Result<Vec<Step>> {
-        self.with_available(|available| {
+        self.with_available(in_graph, |available| {
             plan::plan(
                 bytes,
                 options.path.unwrap_or(self.path()),

@@ -172,6 +172,10 @@ impl EngineGuard<'_> {
         items: &[Item],
         tensors: &[usize],
     ) -> Result<()> {
+        // Routes are chosen with this in mind (`Core`); a last line where they were not.
+        if self.capturing() {
+            self.engine.copy_engine_in_graph()?;
+        }
         let n = self.n();
         let root = self
             .engine

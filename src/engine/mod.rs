@@ -218,6 +218,24 @@ impl Engine {
             .filter(|_| self.watching.load(Ordering::Relaxed))
     }
 
+    /// Why the copy engines cannot run inside a capture here, if they cannot: where two ranks
+    /// share a device. A captured copy-engine broadcast waits on flags that another rank's
+    /// graph writes (stream memory operations, which have no timeout), and the streams of one
+    /// device share its few hardware queues: a graph waiting there holds back, for good, a
+    /// graph queued behind it that would write its flag.
+    pub(crate) fn copy_engine_in_graph(&self) -> std::result::Result<(), Error> {
+        if self.shared_device {
+            return Err(Error::CopyEngineUnavailable(
+                "the copy engines cannot run in a graph where ranks share a device: each \
+                 rank's graph waits on flags another rank's graph writes, without a timeout, \
+                 and two streams of one device can share a hardware queue, where such a wait \
+                 holds back the graph that would write its flag (use P2P or Auto)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Number of ranks.
     pub(crate) fn len(&self) -> usize {
         self.ranks.len()

@@ -174,6 +174,34 @@ pub fn paths_to_test(
         .collect()
 }
 
+/// Whether two ranks of `clique` share a GPU (`shared_devices`).
+pub fn shares_a_gpu(clique: &Clique) -> bool {
+    let ordinals: Vec<usize> = (0..clique.len())
+        .map(|r| clique.context(r).ordinal())
+        .collect();
+    (1..ordinals.len()).any(|i| ordinals[..i].contains(&ordinals[i]))
+}
+
+/// [`paths_to_test`] for broadcasts inside a capture: also less
+/// [`BroadcastPath::CopyEngine`] where ranks share a GPU, which refuses the copy engines in a
+/// graph (a graph's flag wait could hold back the other rank's graph in a shared hardware
+/// queue).
+///
+/// [`BroadcastPath::CopyEngine`]: gpucast::BroadcastPath::CopyEngine
+pub fn graph_paths_to_test(
+    clique: &Clique,
+    paths: &[gpucast::BroadcastPath],
+) -> Vec<gpucast::BroadcastPath> {
+    let shared = shares_a_gpu(clique);
+    if shared && paths.contains(&gpucast::BroadcastPath::CopyEngine) {
+        eprintln!("copy engines not tested in graphs: ranks share a GPU");
+    }
+    paths_to_test(clique, paths)
+        .into_iter()
+        .filter(|&p| !shared || p != gpucast::BroadcastPath::CopyEngine)
+        .collect()
+}
+
 unsafe extern "C" fn sleep_host(arg: *mut std::ffi::c_void) {
     std::thread::sleep(std::time::Duration::from_millis(arg as u64));
 }
