@@ -117,7 +117,9 @@ pub enum Error {
     /// The NCCL path is off in this clique (one device holds several ranks).
     #[error("the NCCL path cannot run here: {0}")]
     NcclUnavailable(String),
-    /// The copy-engine path was forced where it cannot run (ranks in other processes).
+    /// The copy-engine path was forced where it cannot run: ranks in other processes, no peer
+    /// access, inside a graph where ranks share a device, or a graph whose flags were
+    /// replaced.
     #[error("the copy-engine path cannot run here: {0}")]
     CopyEngineUnavailable(String),
     /// The P2P path was forced where it cannot run.

@@ -331,10 +331,24 @@ fn a_graph_of_many_copy_engine_broadcasts() {
             "a copy-engine capture on a shared GPU: {:?}",
             refused.err()
         );
-        // Auto in a graph takes another path there.
+        // Auto in a graph takes another path there, even where told to take the copy engines
+        // from one byte on.
+        let auto = BroadcastOptions::default().copy_engine_threshold(1);
+        assert_eq!(
+            clique.route(n, &auto).unwrap(),
+            gpucast::Route::CopyEngine,
+            "eager"
+        );
         clique.stream(0).memcpy_htod(&data, &mut input).unwrap();
         let mut graph = clique
-            .capture(|c| c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::default()))
+            .capture(|c| {
+                let route = c.route(n, &auto)?;
+                assert!(
+                    route.is_p2p(),
+                    "Auto in a graph on a shared GPU took {route:?}"
+                );
+                c.broadcast_with(0, &input, &mut outputs, &auto)
+            })
             .unwrap();
         graph.launch().unwrap();
         drop(graph);

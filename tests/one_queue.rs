@@ -19,13 +19,28 @@ use gpucast::cudarc::driver::CudaSlice;
 use gpucast::{BroadcastOptions, BroadcastPath, Clique};
 use rand::{Rng, SeedableRng};
 
-/// Two ranks sharing GPU 0 on a device with one hardware work queue.
-fn shared_pair_one_queue() -> Clique {
+/// `ranks` ranks sharing GPU 0 on a device with one hardware work queue.
+fn one_queue(ranks: usize) -> Clique {
     static ONE_QUEUE: Once = Once::new();
     // Before any CUDA call of this process: every test starts here, and the first one waits
     // for nothing else.
     ONE_QUEUE.call_once(|| std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "1"));
-    clique_on(Clique::builder().timeout(Duration::from_secs(3)), &[0, 0])
+    clique_on(
+        Clique::builder().timeout(Duration::from_secs(3)),
+        &vec![0; ranks],
+    )
+}
+
+fn shared_pair_one_queue() -> Clique {
+    one_queue(2)
+}
+
+/// Three ranks: the chain protocol for the larger sizes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn eager_calls_from_threads_on_three_ranks_of_one_hardware_queue() {
+    let clique = one_queue(3);
+    broadcast_from_threads(&clique, rng().random(), 30);
 }
 
 #[test]

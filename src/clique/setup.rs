@@ -195,9 +195,10 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
 /// an allocation may reuse memory freed on another stream by making its stream wait for the
 /// point of the free. Between the launches of one broadcast on two ranks of the device (another
 /// thread allocating on one rank's stream while the broadcast is queued), such a wait makes one
-/// rank's kernel wait for the other's, which waits for it in turn, until the P2P timeout. So
-/// pools of such devices reuse memory only once a free is known complete (the other reuse
-/// policies stay on). This changes the device's current pool for the whole process, and
+/// rank's kernel wait for the other's, which waits for it in turn, until the P2P timeout. The
+/// P2P kernels of such devices run on streams of the engine's own (`EngineGuard::spinning`),
+/// which such waits never reach; as a second line, pools of such devices reuse memory only
+/// once a free is known complete (the other reuse policies stay on). This changes the device's current pool for the whole process, and
 /// applies only to devices that hold several ranks of a clique.
 fn no_pool_dependencies(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()

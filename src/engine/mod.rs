@@ -721,19 +721,48 @@ impl EngineGuard<'_> {
             // A failed fork leaves the ranks forked so far waiting for their own stream only.
             *stream = self.fork_aux(rank)?;
         }
-        let launched = launch(self, &streams[..n]);
-        // Joined whatever `launch` did, so that no rank's stream moves past work queued on its
-        // `aux`. A join that cannot be queued (the driver fails on live handles) leaves the
-        // engine to drain every stream, `aux` included, before its next call.
+        // Joined whatever `launch` did, a panic included (some ranks may have launched), so
+        // that no rank's stream moves past work queued on its `aux`.
+        let launched =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| launch(self, &streams[..n])));
         let mut joined = Ok(());
         for rank in 0..n {
-            joined = joined.and(self.join_aux(rank));
+            if let Err(e) = self.join_aux(rank) {
+                // The rank's stream could move on, and the caller free a buffer, while `aux`
+                // still runs: wait for `aux` here instead (its kernels time out), and drain
+                // and reset before the next call.
+                self.state.desynced = true;
+                joined = joined.and(self.wait_aux(rank).and(Err(e)));
+            }
         }
-        if joined.is_err() {
-            self.state.desynced = true;
-        }
-        let launched = launched?;
+        let launched = launched.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         joined.map(|()| launched)
+    }
+
+    /// Waits on the host until rank `rank`'s `aux` stream is idle, as long as
+    /// [`EngineGuard::drain`] waits at most ([`Error::StreamsBusy`] after that).
+    fn wait_aux(&self, rank: usize) -> Result<()> {
+        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
+        let start = Instant::now();
+        let mut backoff = crate::wait::Backoff::new();
+        loop {
+            // SAFETY: the stream is live (owned by the engine).
+            match unsafe { sys::cuStreamQuery(self.aux_stream(rank)) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() <= limit => backoff.pause(),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    return Err(Error::StreamsBusy {
+                        waited_ms: crate::nccl::millis(start.elapsed()),
+                    })
+                }
+                e => {
+                    return Err(Error::Cuda {
+                        during: format!("waiting for rank {rank}'s second stream"),
+                        source: result::DriverError(e),
+                    })
+                }
+            }
+        }
     }
 
     /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
@@ -910,7 +939,8 @@ impl EngineGuard<'_> {
         status.map(|()| execs)
     }
 
-    /// Launches one graph per rank on the ranks' streams. When a launch fails after others
+    /// Launches one graph per rank, on the ranks' streams ([`EngineGuard::spinning`]: on
+    /// streams forked from them where ranks share a device). When a launch fails after others
     /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {

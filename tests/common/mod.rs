@@ -337,8 +337,9 @@ pub fn check_in_place_with<T: Element>(
 }
 
 /// Four threads, each making `calls` random P2P broadcasts on `clique` (random sizes over the
-/// three protocols, random roots) with inputs and outputs made and read on the clique's
-/// streams, checked bit for bit; three such runs, `seed` for each thread's choices.
+/// three protocols, random roots; one call in four a fused call of three small tensors, the
+/// list kernel) with inputs and outputs made and read on the clique's streams, checked bit
+/// for bit; three such runs, `seed` for each thread's choices.
 pub fn broadcast_from_threads(clique: &Clique, seed: u64, calls: usize) {
     for run in 0..3u64 {
         std::thread::scope(|s| {
@@ -346,6 +347,14 @@ pub fn broadcast_from_threads(clique: &Clique, seed: u64, calls: usize) {
                 s.spawn(move || {
                     let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (run << 8) ^ thread);
                     for call in 0..calls {
+                        if rng.random_range(0..4) == 0 {
+                            fused_from_thread(
+                                clique,
+                                &mut rng,
+                                &format!("run {run} thread {thread} call {call}"),
+                            );
+                            continue;
+                        }
                         let n = match rng.random_range(0..3) {
                             0 => rng.random_range(1..=64 << 10),
                             1 => rng.random_range(64 << 10..=4 << 20),
@@ -373,5 +382,30 @@ pub fn broadcast_from_threads(clique: &Clique, seed: u64, calls: usize) {
             }
         });
         clique.synchronize().unwrap();
+    }
+}
+
+/// One fused P2P call of three random small tensors from a random root, checked bit for bit.
+fn fused_from_thread(clique: &Clique, rng: &mut impl RngCore, what: &str) {
+    let root = rng.random_range(0..clique.len());
+    let sizes: Vec<usize> = (0..3).map(|_| rng.random_range(1..=16 << 10)).collect();
+    let datas: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
+    let inputs: Vec<CudaSlice<u8>> = datas
+        .iter()
+        .map(|d| clique.stream(root).clone_htod(d).unwrap())
+        .collect();
+    let mut lists = poisoned_lists(clique, &sizes, rng);
+    {
+        let (ins, mut outs) = as_tensors(&inputs, &mut lists);
+        let opts = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
+        clique
+            .broadcast_many_with(root, &ins, &mut outs, &opts)
+            .unwrap_or_else(|e| panic!("{what}, fused: {e}"));
+    }
+    drop(inputs);
+    let rank = rng.random_range(0..clique.len());
+    for (t, data) in datas.iter().enumerate() {
+        let got = clique.stream(rank).clone_dtoh(&lists[rank][t]).unwrap();
+        assert!(got == *data, "{what}, fused tensor {t}: wrong data");
     }
 }
