@@ -86,3 +86,66 @@ fn graph_replays_beside_eager_calls_on_one_hardware_queue() {
     });
     clique.synchronize().unwrap();
 }
+
+/// A graph of several P2P broadcasts (both roots, packet and pull sizes): each rank's second
+/// kernel waits for its first, so in one rank's graph it would be queued ahead of the other
+/// rank's first kernel, which the first waits for. Replayed with new data each time, beside
+/// eager calls from other threads.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graphs_of_several_broadcasts_on_one_hardware_queue() {
+    let clique = shared_pair_one_queue();
+    let seed: u64 = rng().random();
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+    let cases = [(0usize, 1001usize), (1, 70_001), (0, 3000), (1, 17)];
+    std::thread::scope(|s| {
+        let (clique, p2p) = (&clique, &p2p);
+        s.spawn(move || {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 7);
+            let inputs: Vec<CudaSlice<u8>> = cases
+                .iter()
+                .map(|&(root, n)| clique.stream(root).alloc_zeros(n).unwrap())
+                .collect();
+            let outputs: Vec<Vec<CudaSlice<u8>>> = cases
+                .iter()
+                .map(|&(_, n)| clique.alloc_outputs::<u8>(n).unwrap())
+                .collect();
+            let mut graph = clique
+                .capture_owned((inputs, outputs), |c, (inputs, outputs)| {
+                    for (i, &(root, _)) in cases.iter().enumerate() {
+                        c.broadcast_with(root, &inputs[i], &mut outputs[i], p2p)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            for step in 0..50 {
+                let datas: Vec<Vec<u8>> = cases
+                    .iter()
+                    .map(|&(_, n)| random_vec(n, &mut rng))
+                    .collect();
+                let (inputs, _) = graph.buffers_mut();
+                for (i, &(root, _)) in cases.iter().enumerate() {
+                    clique
+                        .stream(root)
+                        .memcpy_htod(&datas[i], &mut inputs[i])
+                        .unwrap();
+                }
+                graph
+                    .launch()
+                    .unwrap_or_else(|e| panic!("replay {step}: {e}"));
+                let (_, outputs) = graph.buffers();
+                for (i, data) in datas.iter().enumerate() {
+                    for (rank, out) in outputs[i].iter().enumerate() {
+                        let got = clique.stream(rank).clone_dtoh(out).unwrap();
+                        assert!(
+                            got == *data,
+                            "replay {step}, broadcast {i}, rank {rank}: wrong data"
+                        );
+                    }
+                }
+            }
+        });
+        broadcast_from_threads(clique, seed, 20);
+    });
+    clique.synchronize().unwrap();
+}

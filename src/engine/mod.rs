@@ -98,6 +98,9 @@ struct State {
     captured_nccl: bool,
     /// A P2P step was queued inside the capture in progress.
     captured_p2p: bool,
+    /// Where ranks share a device: per rank, the graphs of the capture in progress ended so
+    /// far, one per P2P step ([`EngineGuard::cut_capture`]).
+    segments: Vec<Vec<Ended>>,
     /// Bumped whenever the P2P state closes: a graph captured before holds its addresses.
     p2p_gen: u64,
     p2p: std::result::Result<P2p, Error>,
@@ -110,6 +113,13 @@ struct State {
     /// A P2P launch reached some ranks and not others: drain and reset before the next call.
     desynced: bool,
 }
+
+/// A graph ended by a capture, not yet instantiated.
+struct Ended(sys::CUgraph);
+
+// SAFETY: a graph handle may be used from any thread as long as calls on it do not overlap; an
+// `Ended` lives in the engine's state and is only touched under its lock.
+unsafe impl Send for Ended {}
 
 /// The engine of one clique.
 pub(crate) struct Engine {
@@ -188,6 +198,7 @@ impl Engine {
                 nccl,
                 captured_nccl: false,
                 captured_p2p: false,
+                segments: Vec::new(),
                 p2p_gen: 0,
                 p2p,
                 events,
@@ -586,6 +597,7 @@ impl EngineGuard<'_> {
                         }
                     });
                     self.note_p2p(r)?;
+                    self.cut_capture()?;
                 }
                 Step::P2pList { tensors } => {
                     self.state.captured_p2p |= self.capturing();
@@ -602,6 +614,7 @@ impl EngineGuard<'_> {
                         unsafe { e.p2p()?.launch_list(root, &copies, streams) }
                     });
                     self.note_p2p(r)?;
+                    self.cut_capture()?;
                 }
                 Step::CopyEngine { tensors } => {
                     // SAFETY: per this function's contract.
@@ -859,6 +872,13 @@ impl EngineGuard<'_> {
         self.state.captured_nccl = false;
         self.state.ce.captured = false;
         self.state.captured_p2p = false;
+        self.drop_segments();
+        self.state.segments = (0..self.n()).map(|_| Vec::new()).collect();
+        self.begin_capture_streams()
+    }
+
+    /// Puts every rank's capture stream in capture mode (none, on an error).
+    fn begin_capture_streams(&mut self) -> Result<()> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
             if let Err(e) = r.capture.get().begin_capture(mode) {
@@ -872,11 +892,89 @@ impl EngineGuard<'_> {
         Ok(())
     }
 
+    /// Where ranks share a device, inside a capture: ends every rank's graph after a P2P step
+    /// and begins the next one. A replay then launches the ranks' graphs step by step, in
+    /// turn (`launch_graphs`), as eager calls launch their kernels: in one graph per rank, a
+    /// rank's next kernel, which waits for its previous one, would be queued ahead of the other
+    /// ranks' previous kernels, and in a hardware queue shared by their streams would hold them
+    /// back while the previous kernel waits for them (see [`EngineGuard::spinning`]).
+    fn cut_capture(&mut self) -> Result<()> {
+        if !self.capturing() || !self.engine.shared_device {
+            return Ok(());
+        }
+        for rank in 0..self.n() {
+            match self.end_capture_stream(rank) {
+                Ok(graph) => self.state.segments[rank].push(Ended(graph)),
+                Err(e) => {
+                    // The ranks after this one are still capturing; the session abandons it.
+                    self.abandon_capture_from(rank + 1);
+                    self.drop_segments();
+                    return Err(e);
+                }
+            }
+        }
+        self.begin_capture_streams()
+            .inspect_err(|_| self.drop_segments())
+    }
+
+    /// Ends rank `rank`'s capture: its graph (never null).
+    fn end_capture_stream(&self, rank: usize) -> Result<sys::CUgraph> {
+        let r = &self.engine.ranks[rank];
+        let ended = make_current(&r.ctx)
+            // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
+            .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
+        match ended {
+            Ok(g) if g.is_null() => Err(Error::Cuda {
+                during: format!("ending the graph capture of rank {rank} (no graph)"),
+                source: result::DriverError(
+                    sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                ),
+            }),
+            Ok(g) => Ok(g),
+            Err(e) => Err(Error::Cuda {
+                during: format!("ending the graph capture of rank {rank}"),
+                source: e,
+            }),
+        }
+    }
+
+    /// Destroys the graphs of earlier steps of the capture in progress.
+    fn drop_segments(&mut self) {
+        for (rank, graphs) in std::mem::take(&mut self.state.segments)
+            .into_iter()
+            .enumerate()
+        {
+            if graphs.is_empty() || make_current(&self.engine.ranks[rank].ctx).is_err() {
+                continue;
+            }
+            for g in graphs {
+                // SAFETY: a graph ended by `cut_capture`, used nowhere else.
+                let _ = unsafe { result::graph::destroy(g.0) };
+            }
+        }
+    }
+
     /// Ends the capture on the first `begun` ranks and discards what was captured.
     pub(crate) fn abandon_capture(&mut self, begun: usize) {
+        self.drop_segments();
         for r in &self.engine.ranks[..begun] {
             if make_current(&r.ctx).is_ok() {
                 // SAFETY: the stream is live and capturing (begun above).
+                if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
+                    if !g.is_null() {
+                        // SAFETY: a graph just returned by end_capture, used nowhere else.
+                        let _ = unsafe { result::graph::destroy(g) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the capture of the ranks from `first` on and discards it.
+    fn abandon_capture_from(&mut self, first: usize) {
+        for r in &self.engine.ranks[first..] {
+            if make_current(&r.ctx).is_ok() {
+                // SAFETY: the stream is live and capturing (begun, not yet ended).
                 if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
                         // SAFETY: a graph just returned by end_capture, used nowhere else.
@@ -898,33 +996,36 @@ impl EngineGuard<'_> {
         };
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
-        for (rank, r) in self.engine.ranks.iter().enumerate() {
-            let ended = make_current(&r.ctx)
-                // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
-                .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
-            match ended {
-                Ok(g) if g.is_null() => {
-                    status = status.and(Err(Error::Cuda {
-                        during: format!("ending the graph capture of rank {rank} (no graph)"),
-                        source: result::DriverError(
-                            sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
-                        ),
-                    }));
+        let mut segments = std::mem::take(&mut self.state.segments);
+        segments.resize_with(self.n(), Vec::new);
+        for (rank, graphs) in segments.into_iter().enumerate() {
+            let mut graphs: Vec<sys::CUgraph> = graphs.into_iter().map(|g| g.0).collect();
+            let r = &self.engine.ranks[rank];
+            match self.end_capture_stream(rank) {
+                Ok(graph) => {
+                    // After the last P2P step of a cut capture the last part may hold nothing.
+                    let mut nodes = 0usize;
+                    // SAFETY: a live graph just ended; a null array asks only for the count.
+                    let counted =
+                        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) };
+                    if graphs.is_empty() || counted != sys::CUresult::CUDA_SUCCESS || nodes > 0 {
+                        graphs.push(graph);
+                    } else {
+                        GraphExec::destroy_graphs(&r.ctx, [graph]);
+                    }
+                    match GraphExec::instantiate(
+                        r.ctx.clone(),
+                        graphs,
+                        has_nccl.then(|| self.engine.nccl_graphs.clone()),
+                        holds,
+                    ) {
+                        Ok(exec) => execs.push(exec),
+                        Err(e) => status = status.and(Err(e)),
+                    }
                 }
-                Ok(graph) => match GraphExec::instantiate(
-                    r.ctx.clone(),
-                    graph,
-                    has_nccl.then(|| self.engine.nccl_graphs.clone()),
-                    holds,
-                ) {
-                    Ok(exec) => execs.push(exec),
-                    Err(e) => status = status.and(Err(e)),
-                },
                 Err(e) => {
-                    status = status.and(Err(Error::Cuda {
-                        during: format!("ending the graph capture of rank {rank}"),
-                        source: e,
-                    }));
+                    GraphExec::destroy_graphs(&r.ctx, graphs);
+                    status = status.and(Err(e));
                 }
             }
             // A cudarc operation that failed during the capture (a guard's wait on the capture
@@ -967,14 +1068,19 @@ impl EngineGuard<'_> {
             .filter(|_| execs.first().is_some_and(GraphExec::has_nccl));
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
-        let launch = |r: &Rank, g: &GraphExec, stream: CUstream| {
+        // Part `part` of rank `r`'s graph (nothing where it has fewer parts).
+        let launch = |r: &Rank, g: &GraphExec, part: usize, stream: CUstream| {
+            let Some(&(_, exec)) = g.parts.get(part) else {
+                return Ok(());
+            };
             make_current(&r.ctx).and_then(|()| {
-                // SAFETY: `g` was instantiated from this rank's capture and is alive, `stream`
-                // is a live stream of the rank's context; launches of one graph are serialised
-                // by the engine's lock.
-                unsafe { result::graph::launch(g.exec, stream) }
+                // SAFETY: `exec` was instantiated from this rank's capture and is alive,
+                // `stream` is a live stream of the rank's context; launches of one graph are
+                // serialised by the engine's lock.
+                unsafe { result::graph::launch(exec, stream) }
             })
         };
+        let parts = execs.iter().map(|g| g.parts.len()).max().unwrap_or(0);
         // A graph whose copies wait on flags (stream memory operations) stalls its device's
         // command queue until a peer's graph writes them; a launch may then block the host
         // until that peer's graph runs. So such graphs go out from one thread per rank.
@@ -989,7 +1095,11 @@ impl EngineGuard<'_> {
                     // handles may be used from any thread.
                     let handles: Vec<_> = jobs
                         .map(|((r, g), st)| (r, g, st as usize))
-                        .map(|(r, g, st)| s.spawn(move || launch(r, g, st as CUstream)))
+                        .map(|(r, g, st)| {
+                            s.spawn(move || {
+                                (0..parts).try_for_each(|p| launch(r, g, p, st as CUstream))
+                            })
+                        })
                         .collect();
                     handles
                         .into_iter()
@@ -1001,19 +1111,25 @@ impl EngineGuard<'_> {
                         .collect()
                 })
             } else {
-                let mut launched = Vec::with_capacity(execs.len());
-                for ((r, g), st) in jobs {
-                    launched.push(launch(r, g, st));
-                    if launched.last().is_some_and(std::result::Result::is_err) {
-                        break;
+                // Part by part, every rank in turn (several parts only where ranks share a
+                // device: see `cut_capture`), up to the first failure.
+                let jobs: Vec<_> = jobs.collect();
+                let mut launched = vec![Ok(()); execs.len()];
+                'parts: for p in 0..parts {
+                    for (rank, &((r, g), st)) in jobs.iter().enumerate() {
+                        launched[rank] = launch(r, g, p, st);
+                        if launched[rank].is_err() {
+                            launched.truncate(if p == 0 { rank + 1 } else { execs.len() });
+                            break 'parts;
+                        }
                     }
                 }
                 launched
             })
         })?;
         if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
-            // The ranks whose graphs went out wait for this one.
-            if results.iter().any(std::result::Result::is_ok) {
+            // The ranks whose graphs (or parts of them) went out wait for this one.
+            if results.iter().any(std::result::Result::is_ok) || parts > 1 {
                 self.state.desynced = true;
                 self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
                 self.set_ce_flags(1)?;
@@ -1035,9 +1151,11 @@ impl EngineGuard<'_> {
             r.ctx
                 .bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
-            // SAFETY: as in `launch_graphs`.
-            unsafe { result::graph::upload(g.exec, r.stream.get().cu_stream()) }
-                .map_err(Error::cuda("uploading a graph"))?;
+            for &(_, exec) in &g.parts {
+                // SAFETY: as in `launch_graphs`.
+                unsafe { result::graph::upload(exec, r.stream.get().cu_stream()) }
+                    .map_err(Error::cuda("uploading a graph"))?;
+            }
         }
         Ok(())
     }
@@ -1060,8 +1178,9 @@ fn lock_within(m: &Mutex<Nccl>, limit: Duration) -> Option<MutexGuard<'_, Nccl>>
 /// One instantiated graph of one rank.
 pub(crate) struct GraphExec {
     ctx: Arc<CudaContext>,
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
+    /// The graph and its executable, in parts launched in order: one part, or where ranks
+    /// share a device one per P2P step and a last one (`EngineGuard::cut_capture`).
+    parts: Vec<(sys::CUgraph, sys::CUgraphExec)>,
     /// Where it holds NCCL broadcasts, the engine's count of such graphs (one is this).
     nccl_count: Option<Arc<AtomicUsize>>,
     /// Which state's addresses the graph holds.
@@ -1094,33 +1213,55 @@ impl GraphExec {
         self.holds.ce.is_some()
     }
 
+    /// Instantiates `graphs` (live graphs from end_capture in `ctx`, which is current), owning
+    /// them from here on (destroyed on an error).
     fn instantiate(
         ctx: Arc<CudaContext>,
-        graph: sys::CUgraph,
+        graphs: Vec<sys::CUgraph>,
         nccl_count: Option<Arc<AtomicUsize>>,
         holds: Holds,
     ) -> Result<GraphExec> {
-        // SAFETY: `graph` is a live graph from end_capture in the current context.
-        match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-            Ok(exec) => {
-                if let Some(count) = &nccl_count {
-                    count.fetch_add(1, Ordering::AcqRel);
-                }
-                Ok(GraphExec {
-                    ctx,
-                    graph,
-                    exec,
-                    nccl_count,
-                    holds,
-                })
+        let mut parts = Vec::with_capacity(graphs.len());
+        let mut failed = None;
+        for graph in graphs {
+            if failed.is_some() {
+                GraphExec::destroy_graphs(&ctx, [graph]);
+                continue;
             }
-            Err(e) => {
-                // SAFETY: the graph is not used again.
-                let _ = unsafe { result::graph::destroy(graph) };
-                Err(Error::Cuda {
-                    during: "instantiating a captured graph".into(),
-                    source: e,
-                })
+            // SAFETY: `graph` is a live graph from end_capture in the current context.
+            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+                Ok(exec) => parts.push((graph, exec)),
+                Err(e) => {
+                    GraphExec::destroy_graphs(&ctx, [graph]);
+                    failed = Some(e);
+                }
+            }
+        }
+        if let Some(count) = &nccl_count {
+            count.fetch_add(1, Ordering::AcqRel);
+        }
+        // Dropped (its parts destroyed) on an error.
+        let exec = GraphExec {
+            ctx,
+            parts,
+            nccl_count,
+            holds,
+        };
+        match failed {
+            None => Ok(exec),
+            Some(e) => Err(Error::Cuda {
+                during: "instantiating a captured graph".into(),
+                source: e,
+            }),
+        }
+    }
+
+    /// Destroys graphs that were never instantiated.
+    fn destroy_graphs(ctx: &Arc<CudaContext>, graphs: impl IntoIterator<Item = sys::CUgraph>) {
+        if make_current(ctx).is_ok() {
+            for g in graphs {
+                // SAFETY: an owned graph, not used again.
+                let _ = unsafe { result::graph::destroy(g) };
             }
         }
     }
@@ -1134,11 +1275,13 @@ impl Drop for GraphExec {
         // Not `bind_to_thread`: it would take (and lose) an error cudarc stored from other
         // work on the context, which a later call must report, and leak the graph.
         if make_current(&self.ctx).is_ok() {
-            // SAFETY: owned handles, not used again; an executable graph still running is
-            // freed by the driver when it completes.
-            unsafe {
-                let _ = result::graph::exec_destroy(self.exec);
-                let _ = result::graph::destroy(self.graph);
+            for &(graph, exec) in &self.parts {
+                // SAFETY: owned handles, not used again; an executable graph still running is
+                // freed by the driver when it completes.
+                unsafe {
+                    let _ = result::graph::exec_destroy(exec);
+                    let _ = result::graph::destroy(graph);
+                }
             }
         }
     }
