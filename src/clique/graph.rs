@@ -119,7 +119,10 @@ impl<'c, 'buf> Capture<'c, 'buf> {
     /// [`Clique::stream`], which stays an ordinary stream while the capture runs. Work queued
     /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
     /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
-    /// fail.
+    /// fail. Where ranks share a device, each P2P broadcast ends a part of the graph and the
+    /// next part begins (see README, "Threads"): work forked from this stream onto another
+    /// must be joined back before the next broadcast, and an event recorded here before a
+    /// broadcast cannot be waited for here after it.
     ///
     /// # Safety
     /// The graph does not keep what work queued here touches: every buffer it uses must stay
@@ -269,7 +272,10 @@ impl<'c> UncheckedCapture<'c> {
     /// [`Clique::stream`], which stays an ordinary stream while the capture runs. Work queued
     /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
     /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
-    /// fail.
+    /// fail. Where ranks share a device, each P2P broadcast ends a part of the graph and the
+    /// next part begins (see README, "Threads"): work forked from this stream onto another
+    /// must be joined back before the next broadcast, and an event recorded here before a
+    /// broadcast cannot be waited for here after it.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {
         self.session.core.engine.capture_stream(local)
     }

@@ -101,6 +101,9 @@ struct State {
     /// Where ranks share a device: per rank, the graphs of the capture in progress ended so
     /// far, one per P2P step ([`EngineGuard::cut_capture`]).
     segments: Vec<Vec<Ended>>,
+    /// A cut of the capture in progress failed: the capture's error, returned by every later
+    /// step and by its end (whatever is captured after it is discarded).
+    capture_failed: Option<Error>,
     /// Bumped whenever the P2P state closes: a graph captured before holds its addresses.
     p2p_gen: u64,
     p2p: std::result::Result<P2p, Error>,
@@ -199,6 +202,7 @@ impl Engine {
                 captured_nccl: false,
                 captured_p2p: false,
                 segments: Vec::new(),
+                capture_failed: None,
                 p2p_gen: 0,
                 p2p,
                 events,
@@ -574,6 +578,7 @@ impl EngineGuard<'_> {
     /// device (the root's `src` readable by every peer), and stays valid until the streams pass
     /// this point; `steps` name tensors of `items` only.
     pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+        self.capture_failed()?;
         let n = self.n();
         let call = self.next_call();
         let streams = self.work_streams();
@@ -874,13 +879,10 @@ impl EngineGuard<'_> {
         self.state.captured_p2p = false;
         self.drop_segments();
         self.state.segments = (0..self.n()).map(|_| Vec::new()).collect();
-        self.begin_capture_streams()
-    }
-
-    /// Puts every rank's capture stream in capture mode (none, on an error).
-    fn begin_capture_streams(&mut self) -> Result<()> {
+        self.state.capture_failed = None;
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         for (rank, r) in self.engine.ranks.iter().enumerate() {
+            // cudarc's, which first reports an error it stored on the context.
             if let Err(e) = r.capture.get().begin_capture(mode) {
                 self.abandon_capture(rank);
                 return Err(Error::Cuda {
@@ -892,36 +894,81 @@ impl EngineGuard<'_> {
         Ok(())
     }
 
+    /// Puts rank `rank`'s capture stream in capture mode again, after a cut. Not through
+    /// cudarc, which would take an error it stored on the context: `end_capture` reports that
+    /// one as the capture's error.
+    fn begin_capture_stream(&self, rank: usize) -> Result<()> {
+        let r = &self.engine.ranks[rank];
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        make_current(&r.ctx)
+            // SAFETY: a live stream of the rank's context, not capturing (just ended).
+            .and_then(|()| unsafe {
+                result::stream::begin_capture(r.capture.get().cu_stream(), mode)
+            })
+            .map_err(Error::cuda(format!(
+                "beginning a graph capture on rank {rank}"
+            )))
+    }
+
     /// Where ranks share a device, inside a capture: ends every rank's graph after a P2P step
     /// and begins the next one. A replay then launches the ranks' graphs step by step, in
     /// turn (`launch_graphs`), as eager calls launch their kernels: in one graph per rank, a
     /// rank's next kernel, which waits for its previous one, would be queued ahead of the other
     /// ranks' previous kernels, and in a hardware queue shared by their streams would hold them
     /// back while the previous kernel waits for them (see [`EngineGuard::spinning`]).
+    ///
+    /// A cut that fails fails the capture: every rank's stream is put back in capture mode
+    /// (so that work the caller queues there is captured and discarded, never run eagerly
+    /// beside buffers the capture's guards no longer order), later steps return the error, and
+    /// so does the capture's end.
     fn cut_capture(&mut self) -> Result<()> {
         if !self.capturing() || !self.engine.shared_device {
             return Ok(());
         }
-        for rank in 0..self.n() {
+        let n = self.n();
+        self.state.segments.resize_with(n, Vec::new);
+        let mut cut = Ok(());
+        for rank in 0..n {
             match self.end_capture_stream(rank) {
                 Ok(graph) => self.state.segments[rank].push(Ended(graph)),
                 Err(e) => {
-                    // The ranks after this one are still capturing; the session abandons it.
-                    self.abandon_capture_from(rank + 1);
-                    self.drop_segments();
-                    return Err(e);
+                    cut = Err(e);
+                    break;
                 }
             }
         }
-        self.begin_capture_streams()
-            .inspect_err(|_| self.drop_segments())
+        if cut.is_ok() {
+            cut = (0..n).try_for_each(|rank| self.begin_capture_stream(rank));
+        }
+        if let Err(e) = cut {
+            self.drop_segments();
+            // Best effort: end whatever still captures and capture again, to be discarded.
+            self.abandon_capture_from(0);
+            for rank in 0..n {
+                if let Err(again) = self.begin_capture_stream(rank) {
+                    tracing::warn!(rank, error = %again, "a failed capture left a stream eager");
+                }
+            }
+            self.state.capture_failed = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The error of a failed cut of the capture in progress ([`EngineGuard::cut_capture`]).
+    fn capture_failed(&self) -> Result<()> {
+        match &self.state.capture_failed {
+            Some(e) if self.capturing() => Err(e.clone()),
+            _ => Ok(()),
+        }
     }
 
     /// Ends rank `rank`'s capture: its graph (never null).
     fn end_capture_stream(&self, rank: usize) -> Result<sys::CUgraph> {
         let r = &self.engine.ranks[rank];
         let ended = make_current(&r.ctx)
-            // SAFETY: the stream is live and was put in capture mode by `begin_capture`.
+            // SAFETY: a live stream of the rank's context (ending one that does not capture is
+            // an error of the driver's, nothing more).
             .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
         match ended {
             Ok(g) if g.is_null() => Err(Error::Cuda {
@@ -959,7 +1006,8 @@ impl EngineGuard<'_> {
         self.drop_segments();
         for r in &self.engine.ranks[..begun] {
             if make_current(&r.ctx).is_ok() {
-                // SAFETY: the stream is live and capturing (begun above).
+                // SAFETY: a live stream of the rank's context (ending one that does not capture
+                // is an error of the driver's, nothing more).
                 if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
                         // SAFETY: a graph just returned by end_capture, used nowhere else.
@@ -974,7 +1022,7 @@ impl EngineGuard<'_> {
     fn abandon_capture_from(&mut self, first: usize) {
         for r in &self.engine.ranks[first..] {
             if make_current(&r.ctx).is_ok() {
-                // SAFETY: the stream is live and capturing (begun, not yet ended).
+                // SAFETY: as in `abandon_capture`.
                 if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
                         // SAFETY: a graph just returned by end_capture, used nowhere else.
@@ -985,9 +1033,18 @@ impl EngineGuard<'_> {
         }
     }
 
-    /// Ends the capture on every rank and instantiates one graph per rank. A rank without a
-    /// graph would leave its peers waiting at every replay, so that is an error.
+    /// Ends the capture on every rank and instantiates one graph per rank (of one or several
+    /// parts: see `cut_capture`). A rank without a graph would leave its peers waiting at
+    /// every replay, so that is an error; so is a failed cut (what was captured is
+    /// discarded).
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
+        if let Some(e) = self.state.capture_failed.take() {
+            self.abandon_capture(self.n());
+            self.state.captured_nccl = false;
+            self.state.ce.captured = false;
+            self.state.captured_p2p = false;
+            return Err(e);
+        }
         let has_nccl = std::mem::take(&mut self.state.captured_nccl);
         let has_ce = std::mem::take(&mut self.state.ce.captured);
         let holds = Holds {
@@ -1086,11 +1143,12 @@ impl EngineGuard<'_> {
         // until that peer's graph runs. So such graphs go out from one thread per rank.
         let together = execs.first().is_some_and(GraphExec::has_ce) && execs.len() > 1;
         let ranks = &self.engine.ranks;
-        // One result per rank launched: every rank when together, else up to the first failure.
-        let results: Vec<_> = self.spinning(|_, streams| {
+        // One result per rank launched (every rank when together, else up to the first
+        // failure), and whether any graph, or part of one, went out.
+        let (results, went_out): (Vec<_>, bool) = self.spinning(|_, streams| {
             let jobs = ranks.iter().zip(execs).zip(streams.iter().copied());
             Ok(if together {
-                std::thread::scope(|s| {
+                let results: Vec<_> = std::thread::scope(|s| {
                     // A stream handle moves to the launching thread as an address: driver
                     // handles may be used from any thread.
                     let handles: Vec<_> = jobs
@@ -1109,12 +1167,15 @@ impl EngineGuard<'_> {
                             )))
                         })
                         .collect()
-                })
+                });
+                let went_out = results.iter().any(std::result::Result::is_ok);
+                (results, went_out)
             } else {
                 // Part by part, every rank in turn (several parts only where ranks share a
                 // device: see `cut_capture`), up to the first failure.
                 let jobs: Vec<_> = jobs.collect();
                 let mut launched = vec![Ok(()); execs.len()];
+                let mut went_out = false;
                 'parts: for p in 0..parts {
                     for (rank, &((r, g), st)) in jobs.iter().enumerate() {
                         launched[rank] = launch(r, g, p, st);
@@ -1122,14 +1183,15 @@ impl EngineGuard<'_> {
                             launched.truncate(if p == 0 { rank + 1 } else { execs.len() });
                             break 'parts;
                         }
+                        went_out = true;
                     }
                 }
-                launched
+                (launched, went_out)
             })
         })?;
         if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
             // The ranks whose graphs (or parts of them) went out wait for this one.
-            if results.iter().any(std::result::Result::is_ok) || parts > 1 {
+            if went_out {
                 self.state.desynced = true;
                 self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
                 self.set_ce_flags(1)?;
