@@ -1,0 +1,484 @@
+//! CUDA graphs of the engine: capturing every rank's stream (in parts, one per P2P step, where
+//! ranks share a device), instantiating one graph per rank, and launching them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::{result, CudaContext, CudaStream};
+
+use super::{watchdog, EngineGuard, Rank};
+use crate::driver::make_current;
+use crate::error::{Error, Result};
+
+impl EngineGuard<'_> {
+    /// Starts capturing every rank's stream into a graph (relaxed mode: the P2P launch threads
+    /// enqueue on the streams being captured). On an error the ones begun are ended.
+    pub(crate) fn begin_capture(&mut self) -> Result<()> {
+        self.state.captured_nccl = false;
+        self.state.ce.captured = false;
+        self.state.captured_p2p = false;
+        self.drop_segments();
+        self.state.segments = (0..self.n()).map(|_| Vec::new()).collect();
+        self.state.capture_failed = None;
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        for (rank, r) in self.engine.ranks.iter().enumerate() {
+            // cudarc's, which first reports an error it stored on the context.
+            if let Err(e) = r.capture.get().begin_capture(mode) {
+                self.abandon_capture(rank);
+                return Err(Error::Cuda {
+                    during: format!("beginning a graph capture on rank {rank}"),
+                    source: e,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts rank `rank`'s capture stream in capture mode again, after a cut. Not through
+    /// cudarc, which would take an error it stored on the context: `end_capture` reports that
+    /// one as the capture's error.
+    fn begin_capture_stream(&self, rank: usize) -> Result<()> {
+        let r = &self.engine.ranks[rank];
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        make_current(&r.ctx)
+            // SAFETY: a live stream of the rank's context, not capturing (just ended).
+            .and_then(|()| unsafe {
+                result::stream::begin_capture(r.capture.get().cu_stream(), mode)
+            })
+            .map_err(Error::cuda(format!(
+                "beginning a graph capture on rank {rank}"
+            )))
+    }
+
+    /// Where ranks share a device, inside a capture: ends every rank's graph after a P2P step
+    /// and begins the next one. A replay then launches the ranks' graphs step by step, in
+    /// turn (`launch_graphs`), as eager calls launch their kernels: in one graph per rank, a
+    /// rank's next kernel, which waits for its previous one, would be queued ahead of the other
+    /// ranks' previous kernels, and in a hardware queue shared by their streams would hold them
+    /// back while the previous kernel waits for them (see [`EngineGuard::spinning`]).
+    ///
+    /// A cut that fails fails the capture: every rank's stream is put back in capture mode
+    /// (so that work the caller queues there is captured and discarded, never run eagerly
+    /// beside buffers the capture's guards no longer order), later steps return the error, and
+    /// so does the capture's end.
+    pub(super) fn cut_capture(&mut self) -> Result<()> {
+        if !self.capturing() || !self.engine.shared_device {
+            return Ok(());
+        }
+        let n = self.n();
+        self.state.segments.resize_with(n, Vec::new);
+        let mut cut = Ok(());
+        for rank in 0..n {
+            match self.end_capture_stream(rank) {
+                Ok(graph) => self.state.segments[rank].push(Ended(graph)),
+                Err(e) => {
+                    cut = Err(e);
+                    break;
+                }
+            }
+        }
+        if cut.is_ok() {
+            cut = (0..n).try_for_each(|rank| self.begin_capture_stream(rank));
+        }
+        if let Err(e) = cut {
+            self.drop_segments();
+            // Best effort: end whatever still captures and capture again, to be discarded.
+            self.abandon_capture_from(0);
+            for rank in 0..n {
+                if let Err(again) = self.begin_capture_stream(rank) {
+                    tracing::warn!(rank, error = %again, "a failed capture left a stream eager");
+                }
+            }
+            self.state.capture_failed = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The error of a failed cut of the capture in progress ([`EngineGuard::cut_capture`]).
+    pub(super) fn capture_failed(&self) -> Result<()> {
+        match &self.state.capture_failed {
+            Some(e) if self.capturing() => Err(e.clone()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Ends rank `rank`'s capture: its graph (never null).
+    fn end_capture_stream(&self, rank: usize) -> Result<sys::CUgraph> {
+        let r = &self.engine.ranks[rank];
+        let ended = make_current(&r.ctx)
+            // SAFETY: a live stream of the rank's context (ending one that does not capture is
+            // an error of the driver's, nothing more).
+            .and_then(|()| unsafe { result::stream::end_capture(r.capture.get().cu_stream()) });
+        match ended {
+            Ok(g) if g.is_null() => Err(Error::Cuda {
+                during: format!("ending the graph capture of rank {rank} (no graph)"),
+                source: result::DriverError(
+                    sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                ),
+            }),
+            Ok(g) => Ok(g),
+            Err(e) => Err(Error::Cuda {
+                during: format!("ending the graph capture of rank {rank}"),
+                source: e,
+            }),
+        }
+    }
+
+    /// Destroys the graphs of earlier steps of the capture in progress.
+    fn drop_segments(&mut self) {
+        for (rank, graphs) in std::mem::take(&mut self.state.segments)
+            .into_iter()
+            .enumerate()
+        {
+            if graphs.is_empty() || make_current(&self.engine.ranks[rank].ctx).is_err() {
+                continue;
+            }
+            for g in graphs {
+                // SAFETY: a graph ended by `cut_capture`, used nowhere else.
+                let _ = unsafe { result::graph::destroy(g.0) };
+            }
+        }
+    }
+
+    /// Ends the capture on the first `begun` ranks and discards what was captured.
+    pub(crate) fn abandon_capture(&mut self, begun: usize) {
+        self.drop_segments();
+        for r in &self.engine.ranks[..begun] {
+            if make_current(&r.ctx).is_ok() {
+                // SAFETY: a live stream of the rank's context (ending one that does not capture
+                // is an error of the driver's, nothing more).
+                if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
+                    if !g.is_null() {
+                        // SAFETY: a graph just returned by end_capture, used nowhere else.
+                        let _ = unsafe { result::graph::destroy(g) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the capture of the ranks from `first` on and discards it.
+    fn abandon_capture_from(&mut self, first: usize) {
+        for r in &self.engine.ranks[first..] {
+            if make_current(&r.ctx).is_ok() {
+                // SAFETY: as in `abandon_capture`.
+                if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
+                    if !g.is_null() {
+                        // SAFETY: a graph just returned by end_capture, used nowhere else.
+                        let _ = unsafe { result::graph::destroy(g) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the capture on every rank and instantiates one graph per rank (of one or several
+    /// parts: see `cut_capture`). A rank without a graph would leave its peers waiting at
+    /// every replay, so that is an error; so is a failed cut (what was captured is
+    /// discarded).
+    pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
+        if let Some(e) = self.state.capture_failed.take() {
+            self.abandon_capture(self.n());
+            self.state.captured_nccl = false;
+            self.state.ce.captured = false;
+            self.state.captured_p2p = false;
+            return Err(e);
+        }
+        let has_nccl = std::mem::take(&mut self.state.captured_nccl);
+        let has_ce = std::mem::take(&mut self.state.ce.captured);
+        let holds = Holds {
+            p2p: std::mem::take(&mut self.state.captured_p2p).then_some(self.state.p2p_gen),
+            ce: has_ce.then_some(self.state.ce.gen),
+        };
+        let mut execs = Vec::with_capacity(self.n());
+        let mut status = Ok(());
+        let mut segments = std::mem::take(&mut self.state.segments);
+        segments.resize_with(self.n(), Vec::new);
+        for (rank, graphs) in segments.into_iter().enumerate() {
+            let mut graphs: Vec<sys::CUgraph> = graphs.into_iter().map(|g| g.0).collect();
+            let r = &self.engine.ranks[rank];
+            match self.end_capture_stream(rank) {
+                Ok(graph) => {
+                    // After the last P2P step of a cut capture the last part may hold nothing.
+                    let mut nodes = 0usize;
+                    // SAFETY: a live graph just ended; a null array asks only for the count.
+                    let counted =
+                        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) };
+                    if graphs.is_empty() || counted != sys::CUresult::CUDA_SUCCESS || nodes > 0 {
+                        graphs.push(graph);
+                    } else {
+                        GraphExec::destroy_graphs(&r.ctx, [graph]);
+                    }
+                    match GraphExec::instantiate(
+                        r.ctx.clone(),
+                        graphs,
+                        has_nccl.then(|| self.engine.nccl_graphs.clone()),
+                        holds,
+                    ) {
+                        Ok(exec) => execs.push(exec),
+                        Err(e) => status = status.and(Err(e)),
+                    }
+                }
+                Err(e) => {
+                    GraphExec::destroy_graphs(&r.ctx, graphs);
+                    status = status.and(Err(e));
+                }
+            }
+            // A cudarc operation that failed during the capture (a guard's wait on the capture
+            // stream, say) left its error stored: it is this capture's error.
+            if let Err(e) = r.ctx.check_err() {
+                status = status.and(Err(Error::Cuda {
+                    during: format!("a cudarc operation during the capture of rank {rank}"),
+                    source: e,
+                }));
+            }
+        }
+        status.map(|()| execs)
+    }
+
+    /// Launches one graph per rank, on the ranks' streams ([`EngineGuard::spinning`]: on
+    /// streams forked from them where ranks share a device). When a launch fails after others
+    /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
+    /// released (P2P kernels time out by themselves) and the next call drains and resets.
+    pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        if let Some(holds) = execs.first().map(|g| g.holds) {
+            if holds.p2p.is_some_and(|g| g != self.state.p2p_gen) {
+                return Err(Error::P2pUnavailable(
+                    "the P2P state this graph was captured with has closed since: capture it \
+                     again"
+                        .into(),
+                ));
+            }
+            if holds.ce.is_some_and(|g| g != self.state.ce.gen) {
+                return Err(Error::CopyEngineUnavailable(
+                    "the copy-engine flags this graph was captured with were replaced after a \
+                     reset that did not finish: capture it again"
+                        .into(),
+                ));
+            }
+        }
+        let call = self.next_call();
+        let watch = self
+            .engine
+            .watcher()
+            .filter(|_| execs.first().is_some_and(GraphExec::has_nccl));
+        let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
+        let begun = watch.map(|w| w.begin(&own)).transpose()?;
+        // Part `part` of rank `r`'s graph (nothing where it has fewer parts).
+        let launch = |r: &Rank, g: &GraphExec, part: usize, stream: CUstream| {
+            let Some(&(_, exec)) = g.parts.get(part) else {
+                return Ok(());
+            };
+            make_current(&r.ctx).and_then(|()| {
+                // SAFETY: `exec` was instantiated from this rank's capture and is alive,
+                // `stream` is a live stream of the rank's context; launches of one graph are
+                // serialised by the engine's lock.
+                unsafe { result::graph::launch(exec, stream) }
+            })
+        };
+        let parts = execs.iter().map(|g| g.parts.len()).max().unwrap_or(0);
+        // A graph whose copies wait on flags (stream memory operations) stalls its device's
+        // command queue until a peer's graph writes them; a launch may then block the host
+        // until that peer's graph runs. So such graphs go out from one thread per rank.
+        let together = execs.first().is_some_and(GraphExec::has_ce) && execs.len() > 1;
+        let ranks = &self.engine.ranks;
+        // One result per rank launched (every rank when together, else up to the first
+        // failure), and whether any graph, or part of one, went out.
+        let (results, went_out): (Vec<_>, bool) = self.spinning(|_, streams| {
+            let jobs = ranks.iter().zip(execs).zip(streams.iter().copied());
+            Ok(if together {
+                let results: Vec<_> = std::thread::scope(|s| {
+                    // A stream handle moves to the launching thread as an address: driver
+                    // handles may be used from any thread.
+                    let handles: Vec<_> = jobs
+                        .map(|((r, g), st)| (r, g, st as usize))
+                        .map(|(r, g, st)| {
+                            s.spawn(move || {
+                                (0..parts).try_for_each(|p| launch(r, g, p, st as CUstream))
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| {
+                            h.join().unwrap_or(Err(result::DriverError(
+                                sys::cudaError_enum::CUDA_ERROR_UNKNOWN,
+                            )))
+                        })
+                        .collect()
+                });
+                let went_out = results.iter().any(std::result::Result::is_ok);
+                (results, went_out)
+            } else {
+                // Part by part, every rank in turn (several parts only where ranks share a
+                // device: see `cut_capture`), up to the first failure.
+                let jobs: Vec<_> = jobs.collect();
+                let mut launched = vec![Ok(()); execs.len()];
+                let mut went_out = false;
+                'parts: for p in 0..parts {
+                    for (rank, &((r, g), st)) in jobs.iter().enumerate() {
+                        launched[rank] = launch(r, g, p, st);
+                        if launched[rank].is_err() {
+                            launched.truncate(if p == 0 { rank + 1 } else { execs.len() });
+                            break 'parts;
+                        }
+                        went_out = true;
+                    }
+                }
+                (launched, went_out)
+            })
+        })?;
+        if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
+            // The ranks whose graphs (or parts of them) went out wait for this one.
+            if went_out {
+                self.state.desynced = true;
+                self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
+                self.set_ce_flags(1)?;
+            }
+            return Err(Error::Cuda {
+                during: format!("launching the graph of rank {rank}"),
+                source: e,
+            });
+        }
+        if let (Some(w), Some(begun)) = (watch, begun) {
+            w.watch(begun, &own, call, watchdog::Watched::GraphLaunch)?;
+        }
+        Ok(())
+    }
+
+    /// Uploads each graph to its device ahead of the first launch.
+    pub(crate) fn upload_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        for (r, g) in self.engine.ranks.iter().zip(execs) {
+            r.ctx
+                .bind_to_thread()
+                .map_err(Error::cuda("binding a context"))?;
+            for &(_, exec) in &g.parts {
+                // SAFETY: as in `launch_graphs`.
+                unsafe { result::graph::upload(exec, r.stream.get().cu_stream()) }
+                    .map_err(Error::cuda("uploading a graph"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A graph ended by a capture, not yet instantiated.
+pub(super) struct Ended(sys::CUgraph);
+
+// SAFETY: a graph handle may be used from any thread as long as calls on it do not overlap; an
+// `Ended` lives in the engine's state and is only touched under its lock.
+unsafe impl Send for Ended {}
+
+/// One instantiated graph of one rank.
+pub(crate) struct GraphExec {
+    ctx: Arc<CudaContext>,
+    /// The graph and its executable, in parts launched in order: one part, or where ranks
+    /// share a device one per P2P step and a last one (`EngineGuard::cut_capture`).
+    parts: Vec<(sys::CUgraph, sys::CUgraphExec)>,
+    /// Where it holds NCCL broadcasts, the engine's count of such graphs (one is this).
+    nccl_count: Option<Arc<AtomicUsize>>,
+    /// Which state's addresses the graph holds.
+    holds: Holds,
+}
+
+/// The generations of the P2P state and of the copy-engine flags a graph was captured with
+/// (`None`: it holds none of them). A graph whose state has been closed or replaced since is
+/// never launched: its addresses point into memory that is freed or leaked half reset.
+#[derive(Debug, Clone, Copy)]
+struct Holds {
+    p2p: Option<u64>,
+    ce: Option<u64>,
+}
+
+// SAFETY: graph handles may be used from any thread as long as calls on one graph do not
+// overlap; a `GraphExec` is only used through `&mut` or under the engine's lock.
+unsafe impl Send for GraphExec {}
+// SAFETY: as for `Send`: shared references only launch, which the engine's lock serialises.
+unsafe impl Sync for GraphExec {}
+
+impl GraphExec {
+    /// The graph holds NCCL broadcasts: its launches are watched.
+    fn has_nccl(&self) -> bool {
+        self.nccl_count.is_some()
+    }
+
+    /// The graph holds copy-engine broadcasts: the ranks' graphs are launched together.
+    fn has_ce(&self) -> bool {
+        self.holds.ce.is_some()
+    }
+
+    /// Instantiates `graphs` (live graphs from end_capture in `ctx`, which is current), owning
+    /// them from here on (destroyed on an error).
+    fn instantiate(
+        ctx: Arc<CudaContext>,
+        graphs: Vec<sys::CUgraph>,
+        nccl_count: Option<Arc<AtomicUsize>>,
+        holds: Holds,
+    ) -> Result<GraphExec> {
+        let mut parts = Vec::with_capacity(graphs.len());
+        let mut failed = None;
+        for graph in graphs {
+            if failed.is_some() {
+                GraphExec::destroy_graphs(&ctx, [graph]);
+                continue;
+            }
+            // SAFETY: `graph` is a live graph from end_capture in the current context.
+            match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+                Ok(exec) => parts.push((graph, exec)),
+                Err(e) => {
+                    GraphExec::destroy_graphs(&ctx, [graph]);
+                    failed = Some(e);
+                }
+            }
+        }
+        if let Some(count) = &nccl_count {
+            count.fetch_add(1, Ordering::AcqRel);
+        }
+        // Dropped (its parts destroyed) on an error.
+        let exec = GraphExec {
+            ctx,
+            parts,
+            nccl_count,
+            holds,
+        };
+        match failed {
+            None => Ok(exec),
+            Some(e) => Err(Error::Cuda {
+                during: "instantiating a captured graph".into(),
+                source: e,
+            }),
+        }
+    }
+
+    /// Destroys graphs that were never instantiated.
+    fn destroy_graphs(ctx: &Arc<CudaContext>, graphs: impl IntoIterator<Item = sys::CUgraph>) {
+        if make_current(ctx).is_ok() {
+            for g in graphs {
+                // SAFETY: an owned graph, not used again.
+                let _ = unsafe { result::graph::destroy(g) };
+            }
+        }
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        if let Some(count) = &self.nccl_count {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+        // Not `bind_to_thread`: it would take (and lose) an error cudarc stored from other
+        // work on the context, which a later call must report, and leak the graph.
+        if make_current(&self.ctx).is_ok() {
+            for &(graph, exec) in &self.parts {
+                // SAFETY: owned handles, not used again; an executable graph still running is
+                // freed by the driver when it completes.
+                unsafe {
+                    let _ = result::graph::exec_destroy(exec);
+                    let _ = result::graph::destroy(graph);
+                }
+            }
+        }
+    }
+}
