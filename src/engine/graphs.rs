@@ -315,19 +315,10 @@ impl EngineGuard<'_> {
                 // Part by part, every rank in turn (several parts only where ranks share a
                 // device: see `cut_capture`), up to the first failure.
                 let jobs: Vec<_> = jobs.collect();
-                let mut launched = vec![Ok(()); execs.len()];
-                let mut went_out = false;
-                'parts: for p in 0..parts {
-                    for (rank, &((r, g), st)) in jobs.iter().enumerate() {
-                        launched[rank] = launch(r, g, p, st);
-                        if launched[rank].is_err() {
-                            launched.truncate(if p == 0 { rank + 1 } else { execs.len() });
-                            break 'parts;
-                        }
-                        went_out = true;
-                    }
-                }
-                (launched, went_out)
+                in_turn(jobs.len(), parts, |p, rank| {
+                    let ((r, g), st) = jobs[rank];
+                    launch(r, g, p, st)
+                })
             })
         })?;
         if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
@@ -362,6 +353,30 @@ impl EngineGuard<'_> {
         }
         Ok(())
     }
+}
+
+/// Calls `launch(part, rank)` for every part of every one of `ranks` ranks, part by part and
+/// every rank in turn, up to the first failure: one result per rank launched (every rank once
+/// a part after the first has begun, the ones up to the failing one before), and whether
+/// anything went out.
+fn in_turn<E: Clone>(
+    ranks: usize,
+    parts: usize,
+    mut launch: impl FnMut(usize, usize) -> std::result::Result<(), E>,
+) -> (Vec<std::result::Result<(), E>>, bool) {
+    let mut launched = vec![Ok(()); ranks];
+    let mut went_out = false;
+    for p in 0..parts {
+        for rank in 0..ranks {
+            launched[rank] = launch(p, rank);
+            if launched[rank].is_err() {
+                launched.truncate(if p == 0 { rank + 1 } else { ranks });
+                return (launched, went_out);
+            }
+            went_out = true;
+        }
+    }
+    (launched, went_out)
 }
 
 /// A graph ended by a capture, not yet instantiated.
@@ -480,5 +495,52 @@ impl Drop for GraphExec {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_turn;
+
+    /// Launches in the order `in_turn` makes them, failing at `fail` (part, rank).
+    fn run(
+        ranks: usize,
+        parts: usize,
+        fail: Option<(usize, usize)>,
+    ) -> (Vec<(usize, usize)>, Vec<bool>, bool) {
+        let mut order = Vec::new();
+        let (results, went_out) = in_turn(ranks, parts, |p, r| {
+            order.push((p, r));
+            if fail == Some((p, r)) {
+                Err(())
+            } else {
+                Ok(())
+            }
+        });
+        (order, results.iter().map(Result::is_ok).collect(), went_out)
+    }
+
+    #[test]
+    fn parts_go_out_step_by_step_every_rank_in_turn() {
+        let (order, ok, went_out) = run(2, 3, None);
+        assert_eq!(order, [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]);
+        assert_eq!(ok, [true, true]);
+        assert!(went_out);
+    }
+
+    #[test]
+    fn a_failure_stops_the_launches_and_says_what_went_out() {
+        // The first launch fails: nothing went out, one result.
+        let (order, ok, went_out) = run(3, 2, Some((0, 0)));
+        assert_eq!((order.len(), ok, went_out), (1, vec![false], false));
+        // Rank 1's first part fails: rank 0's went out, rank 2 was never tried.
+        let (order, ok, went_out) = run(3, 2, Some((0, 1)));
+        assert_eq!((order.len(), ok, went_out), (2, vec![true, false], true));
+        // A later part fails: every rank has a result, the failing one an error.
+        let (order, ok, went_out) = run(3, 2, Some((1, 0)));
+        assert_eq!(
+            (order.len(), ok, went_out),
+            (4, vec![false, true, true], true)
+        );
     }
 }
