@@ -82,9 +82,8 @@ impl EngineGuard<'_> {
             cut = (0..n).try_for_each(|rank| self.begin_capture_stream(rank));
         }
         if let Err(e) = cut {
-            self.drop_segments();
             // Best effort: end whatever still captures and capture again, to be discarded.
-            self.abandon_capture_from(0);
+            self.abandon_capture(n);
             for rank in 0..n {
                 if let Err(again) = self.begin_capture_stream(rank) {
                     tracing::warn!(rank, error = %again, "a failed capture left a stream eager");
@@ -142,28 +141,14 @@ impl EngineGuard<'_> {
         }
     }
 
-    /// Ends the capture on the first `begun` ranks and discards what was captured.
+    /// Ends the capture on the first `begun` ranks and discards what was captured, the parts
+    /// ended before included.
     pub(crate) fn abandon_capture(&mut self, begun: usize) {
         self.drop_segments();
         for r in &self.engine.ranks[..begun] {
             if make_current(&r.ctx).is_ok() {
                 // SAFETY: a live stream of the rank's context (ending one that does not capture
                 // is an error of the driver's, nothing more).
-                if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
-                    if !g.is_null() {
-                        // SAFETY: a graph just returned by end_capture, used nowhere else.
-                        let _ = unsafe { result::graph::destroy(g) };
-                    }
-                }
-            }
-        }
-    }
-
-    /// Ends the capture of the ranks from `first` on and discards it.
-    fn abandon_capture_from(&mut self, first: usize) {
-        for r in &self.engine.ranks[first..] {
-            if make_current(&r.ctx).is_ok() {
-                // SAFETY: as in `abandon_capture`.
                 if let Ok(g) = unsafe { result::stream::end_capture(r.capture.get().cu_stream()) } {
                     if !g.is_null() {
                         // SAFETY: a graph just returned by end_capture, used nowhere else.

@@ -478,6 +478,12 @@ impl EngineGuard<'_> {
         raw
     }
 
+    /// The longest a host wait for the streams (or for an abort of NCCL) lasts: twice the
+    /// timeout, plus two seconds.
+    fn drain_limit(&self) -> Duration {
+        self.engine.settings.timeout * 2 + Duration::from_secs(2)
+    }
+
     fn recover_if_needed(&mut self) -> Result<()> {
         let error = match &self.state.p2p {
             Ok(p2p) => p2p.first_error(),
@@ -518,7 +524,7 @@ impl EngineGuard<'_> {
     /// out (that error, if `report_p2p`), or after twice the timeout plus two seconds
     /// ([`Error::StreamsBusy`]).
     fn drain(&mut self, report_p2p: bool) -> Result<()> {
-        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
+        let limit = self.drain_limit();
         let start = Instant::now();
         let mut backoff = crate::wait::Backoff::new();
         loop {
@@ -555,7 +561,7 @@ impl EngineGuard<'_> {
     /// The NCCL state. The watchdog holds it while an abort waits for kernels queued behind
     /// work on the streams; waiting for it is bounded like [`EngineGuard::drain`].
     fn nccl(&self) -> Result<MutexGuard<'_, Nccl>> {
-        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
+        let limit = self.drain_limit();
         lock_within(&self.state.nccl, limit).ok_or_else(|| Error::NcclTimeout {
             during: "waiting for an abort of the NCCL communicators to finish".into(),
             waited_ms: crate::nccl::millis(limit),
@@ -741,42 +747,23 @@ impl EngineGuard<'_> {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| launch(self, &streams[..n])));
         let mut joined = Ok(());
         for rank in 0..n {
-            if let Err(e) = self.join_aux(rank) {
-                // The rank's stream could move on, and the caller free a buffer, while `aux`
-                // still runs: wait for `aux` here instead (its kernels time out), and drain
-                // and reset before the next call.
-                self.state.desynced = true;
-                joined = joined.and(self.wait_aux(rank).and(Err(e)));
+            joined = joined.and(self.join_aux(rank));
+        }
+        if joined.is_err() {
+            // A rank's stream could move on, and the caller free a buffer, while its `aux`
+            // still runs: wait for every stream here instead (the kernels time out), as long
+            // as a drain waits at most, and drain and reset before the next call.
+            self.state.desynced = true;
+            let limit = self.drain_limit();
+            let start = Instant::now();
+            if !self.engine.wait_idle(limit) {
+                joined = joined.and(Err(Error::StreamsBusy {
+                    waited_ms: crate::nccl::millis(start.elapsed()),
+                }));
             }
         }
         let launched = launched.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         joined.map(|()| launched)
-    }
-
-    /// Waits on the host until rank `rank`'s `aux` stream is idle, as long as
-    /// [`EngineGuard::drain`] waits at most ([`Error::StreamsBusy`] after that).
-    fn wait_aux(&self, rank: usize) -> Result<()> {
-        let limit = self.engine.settings.timeout * 2 + Duration::from_secs(2);
-        let start = Instant::now();
-        let mut backoff = crate::wait::Backoff::new();
-        loop {
-            // SAFETY: the stream is live (owned by the engine).
-            match unsafe { sys::cuStreamQuery(self.aux_stream(rank)) } {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() <= limit => backoff.pause(),
-                sys::CUresult::CUDA_ERROR_NOT_READY => {
-                    return Err(Error::StreamsBusy {
-                        waited_ms: crate::nccl::millis(start.elapsed()),
-                    })
-                }
-                e => {
-                    return Err(Error::Cuda {
-                        during: format!("waiting for rank {rank}'s second stream"),
-                        source: result::DriverError(e),
-                    })
-                }
-            }
-        }
     }
 
     /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
