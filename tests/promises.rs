@@ -2,7 +2,8 @@
 //! was once broken: work on the context's default and per-thread streams right after a call;
 //! threads sharing a clique whose ranks share a GPU; allocations and calls inside a capture
 //! closure; two captures swapped; a late reader after its root gave up; a recovery beside a
-//! caller's busy stream; forgotten graphs; stream handles that are names, not streams.
+//! caller's busy stream; forgotten graphs; stream handles that are names, not streams; packet
+//! ops across the wrap of their counters; a graph launch that reached some ranks only.
 //!
 //! Every test adapts to the GPUs present: two ranks on GPUs 0 and 1 where there are two, two
 //! ranks sharing GPU 0 otherwise (NCCL is then tried on a clique of one GPU). Run with
@@ -465,4 +466,188 @@ fn recovery_does_not_wait_for_the_callers_unrelated_work() {
     check_in_place::<u8>(&clique, 1, 5000, BroadcastPath::P2p, &mut rng);
     busy.synchronize().unwrap();
     let _ = rng.next_u32();
+}
+
+/// Packet ops keep their order and their back-pressure across the wrap of the 32-bit op
+/// counters: the counters start 6 ops short of `u32::MAX`, and a peer held back makes the root
+/// run ahead until every slot of its ring is in use, so it must wait for acknowledgements of
+/// ops numbered on both sides of the wrap. A test that is not wrap-aware (`seq > SLOTS` before
+/// waiting, as the kernel once had) reuses a slot the peer has not read: the peer then waits for
+/// a tag that is gone (`Timeout`) or reads newer data.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
+    let clique = pair_with(Duration::from_secs(2));
+    clique
+        .p2p_available()
+        .expect("P2P between the two ranks of this test");
+    let mut rng = rng();
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+    let max = gpucast::PACKET_MAX_BYTES;
+    for round in 0..3 {
+        // Ops u32::MAX - 5, ...: the wrap falls inside every round.
+        clique.set_packet_counters_for_test(u32::MAX - 6).unwrap();
+        let sizes: Vec<usize> = (0..14)
+            .map(|i| match i % 4 {
+                0 => max,
+                1 => max - 1 - rng.random_range(0..64),
+                2 => 1 + rng.random_range(0..4096),
+                _ => max - 16 * rng.random_range(1..64),
+            })
+            .collect();
+        for &n in &sizes {
+            assert_eq!(clique.route(n, &p2p).unwrap(), gpucast::Route::P2pPacket);
+        }
+        let inputs: Vec<(usize, Vec<u8>)> = sizes
+            .iter()
+            .enumerate()
+            // The last calls alternate roots, so that both ranks' rings wrap.
+            .map(|(i, &n)| (if i >= 10 { i % 2 } else { 0 }, random_vec(n, &mut rng)))
+            .collect();
+        let sources: Vec<CudaSlice<u8>> = inputs
+            .iter()
+            .map(|(root, data)| clique.stream(*root).clone_htod(data).unwrap())
+            .collect();
+        let mut outputs: Vec<Vec<CudaSlice<u8>>> = sizes
+            .iter()
+            .map(|&n| poisoned_outputs::<u8>(&clique, n, &mut rng))
+            .collect();
+        clique.synchronize().unwrap();
+        // Rank 1 starts 50 ms late: rank 0, root of the first ten calls, fills its ring.
+        stall(&clique, 1, 50);
+        for (((root, _), src), outs) in inputs.iter().zip(&sources).zip(&mut outputs) {
+            clique.broadcast_with(*root, src, outs, &p2p).unwrap();
+        }
+        clique
+            .synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        for (call, ((root, data), outs)) in inputs.iter().zip(&outputs).enumerate() {
+            for (rank, out) in outs.iter().enumerate() {
+                assert_bytes_eq(
+                    clique.stream(rank),
+                    out,
+                    data,
+                    &format!(
+                        "round {round}, call {call} ({} B from rank {root}), rank {rank}",
+                        data.len()
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// A graph launch that reaches some ranks and not others (the launch of one rank's graph, or of
+/// one part of it, fails): the call is an error at once, the ranks launched give up within the
+/// timeout, and the clique then works again, eager and by replay, bit for bit. Without the
+/// recovery after such a launch, the ranks' op counters disagree and the next call times out.
+/// A graph's inputs and, per input, one output per rank.
+type Buffers = (Vec<CudaSlice<u8>>, Vec<Vec<CudaSlice<u8>>>);
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
+    let timeout = Duration::from_millis(300);
+    let clique = pair_with(timeout);
+    clique
+        .p2p_available()
+        .expect("P2P between the two ranks of this test");
+    let mut rng = rng();
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+    let sizes = [3000usize, (1 << 20) + 7];
+    let roots = [0usize, 1];
+    let inputs: Vec<CudaSlice<u8>> = sizes
+        .iter()
+        .zip(roots)
+        .map(|(&n, root)| clique.stream(root).alloc_zeros(n).unwrap())
+        .collect();
+    let outputs: Vec<Vec<CudaSlice<u8>>> = sizes
+        .iter()
+        .map(|&n| clique.alloc_outputs::<u8>(n).unwrap())
+        .collect();
+    let mut graph = clique
+        .capture_owned((inputs, outputs), |c, (inputs, outputs)| {
+            for ((input, outs), root) in inputs.iter().zip(outputs.iter_mut()).zip(roots) {
+                c.broadcast_with(root, input, outs, &p2p)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    // One part per rank on two GPUs; where ranks share a GPU, one per P2P step (and a last
+    // one where anything follows the last step).
+    let parts = if shares_a_gpu(&clique) { 2 } else { 1 };
+    let replay =
+        |graph: &mut gpucast::OwnedGraph<'_, Buffers>, rng: &mut rand::rngs::StdRng, what: &str| {
+            let data: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
+            let (inputs, outputs) = graph.buffers_mut();
+            for ((input, d), root) in inputs.iter_mut().zip(&data).zip(roots) {
+                clique.stream(root).memcpy_htod(d, input).unwrap();
+            }
+            for outs in outputs.iter_mut() {
+                for (rank, out) in outs.iter_mut().enumerate() {
+                    clique.stream(rank).memset_zeros(out).unwrap();
+                }
+            }
+            graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
+            clique
+                .synchronize()
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (_, outputs) = graph.buffers();
+            for (t, (outs, d)) in outputs.iter().zip(&data).enumerate() {
+                for (rank, out) in outs.iter().enumerate() {
+                    assert_bytes_eq(
+                        clique.stream(rank),
+                        out,
+                        d,
+                        &format!("{what}: tensor {t}, rank {rank}"),
+                    );
+                }
+            }
+        };
+    replay(&mut graph, &mut rng, "the first replay");
+    let mut cases = vec![(1, 0), (0, 0)];
+    if parts > 1 {
+        cases.extend([(0, 1), (1, 1)]);
+    }
+    for (rank, part) in cases {
+        let what = format!("after a launch that failed at rank {rank}, part {part}");
+        clique.fail_graph_launch_for_test(rank, part);
+        let t0 = Instant::now();
+        match graph.launch() {
+            Err(Error::Cuda { during, .. }) => {
+                assert!(during.contains(&format!("rank {rank}")), "{what}: {during}")
+            }
+            other => panic!("{what}: expected the injected launch failure, got {other:?}"),
+        }
+        // The ranks launched either finished their parts or time out waiting for the rest.
+        match clique.synchronize() {
+            Ok(()) | Err(Error::Timeout { .. }) => {}
+            Err(e) => panic!("{what}: synchronize: {e}"),
+        }
+        let took = t0.elapsed();
+        assert!(
+            took < timeout * 3 + Duration::from_secs(2),
+            "{what}: took {took:?}"
+        );
+        // An eager call and a replay are right again.
+        let n = 1 << 16;
+        let data: Vec<u8> = random_vec(n, &mut rng);
+        let input = clique.stream(1).clone_htod(&data).unwrap();
+        let mut outs = poisoned_outputs::<u8>(&clique, n, &mut rng);
+        clique
+            .broadcast_with(1, &input, &mut outs, &p2p)
+            .unwrap_or_else(|e| panic!("{what}: eager call: {e}"));
+        clique
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{what}: eager call: {e}"));
+        for (r, out) in outs.iter().enumerate() {
+            assert_bytes_eq(
+                clique.stream(r),
+                out,
+                &data,
+                &format!("{what}: eager, rank {r}"),
+            );
+        }
+        replay(&mut graph, &mut rng, &what);
+    }
 }

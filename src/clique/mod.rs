@@ -319,6 +319,24 @@ impl Clique {
         self.core.engine.set_watchdog(on);
     }
 
+    /// Waits for every queued broadcast, then sets the P2P packet protocol's op counters on
+    /// every rank as if op `value` had just finished everywhere: test support, so that the
+    /// counters' wrap past `u32::MAX` runs in a test (it takes 2^32 packet broadcasts
+    /// otherwise). Not for use.
+    #[doc(hidden)]
+    pub fn set_packet_counters_for_test(&self, value: u32) -> Result<()> {
+        self.core.engine.lock()?.set_packet_counters(value)
+    }
+
+    /// Makes the next launch of part `part` of rank `rank`'s graph fail without being queued,
+    /// once (a graph has one part, or where ranks share a GPU one per P2P step and a last
+    /// one): test support for a graph launch that reached some ranks and not others. Not for
+    /// use.
+    #[doc(hidden)]
+    pub fn fail_graph_launch_for_test(&self, rank: usize, part: usize) {
+        self.core.engine.fail_graph_launch(rank, part);
+    }
+
     /// The route a broadcast of `bytes` bytes would take with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         self.core.route(bytes, options)

@@ -90,6 +90,19 @@ impl State {
     }
 }
 
+/// The mode of a copy-engine flag wait: until the flag is at least the value waited for. The
+/// flag announces copies a peer's copy engine wrote into this device, so where the device can
+/// (`can_flush`: `CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES`), the wait also flushes them
+/// before the work after it.
+fn flag_wait_mode(can_flush: bool) -> u32 {
+    let flush = if can_flush {
+        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32
+    } else {
+        0
+    };
+    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32 | flush
+}
+
 /// One flag area per rank in device memory (`cuMemAlloc`, reachable by every peer through
 /// peer access), all zero between calls.
 pub(crate) struct Flags {
@@ -341,14 +354,7 @@ impl EngineGuard<'_> {
             }
             ChainOp::WaitFlag { rank, flag } => {
                 let addr = self.flags().addr(rank, flag);
-                // The flag announces copies a peer's copy engine wrote into this device:
-                // where the device can, flush them before the work after the wait.
-                let flush = if self.flags().flush[rank] {
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32
-                } else {
-                    0
-                };
-                let mode = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32 | flush;
+                let mode = flag_wait_mode(self.flags().flush[rank]);
                 // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
                 // device (peer access between every pair).
                 unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }
@@ -380,5 +386,18 @@ impl EngineGuard<'_> {
             .flags
             .as_ref()
             .expect("made before the first flag operation")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flag_wait_flushes_remote_writes_where_the_device_can() {
+        let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        let flush = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_FLUSH as u32;
+        assert_eq!(flag_wait_mode(true), geq | flush);
+        assert_eq!(flag_wait_mode(false), geq);
     }
 }

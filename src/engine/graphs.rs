@@ -252,10 +252,16 @@ impl EngineGuard<'_> {
         let own: Vec<&Arc<CudaStream>> = self.engine.ranks.iter().map(|r| r.stream.get()).collect();
         let begun = watch.map(|w| w.begin(&own)).transpose()?;
         // Part `part` of rank `r`'s graph (nothing where it has fewer parts).
-        let launch = |r: &Rank, g: &GraphExec, part: usize, stream: CUstream| {
+        let engine = self.engine;
+        let launch = |rank: usize, r: &Rank, g: &GraphExec, part: usize, stream: CUstream| {
             let Some(&(_, exec)) = g.parts.get(part) else {
                 return Ok(());
             };
+            if engine.launch_fails(rank, part) {
+                return Err(result::DriverError(
+                    sys::cudaError_enum::CUDA_ERROR_LAUNCH_FAILED,
+                ));
+            }
             make_current(&r.ctx).and_then(|()| {
                 // SAFETY: `exec` was instantiated from this rank's capture and is alive,
                 // `stream` is a live stream of the rank's context; launches of one graph are
@@ -279,9 +285,10 @@ impl EngineGuard<'_> {
                     // handles may be used from any thread.
                     let handles: Vec<_> = jobs
                         .map(|((r, g), st)| (r, g, st as usize))
-                        .map(|(r, g, st)| {
+                        .enumerate()
+                        .map(|(rank, (r, g, st))| {
                             s.spawn(move || {
-                                (0..parts).try_for_each(|p| launch(r, g, p, st as CUstream))
+                                (0..parts).try_for_each(|p| launch(rank, r, g, p, st as CUstream))
                             })
                         })
                         .collect();
@@ -302,7 +309,7 @@ impl EngineGuard<'_> {
                 let jobs: Vec<_> = jobs.collect();
                 in_turn(jobs.len(), parts, |p, rank| {
                     let ((r, g), st) = jobs[rank];
-                    launch(r, g, p, st)
+                    launch(rank, r, g, p, st)
                 })
             })
         })?;

@@ -146,6 +146,9 @@ pub(crate) struct Engine {
     /// communicator waits for every graph that captured it, so where one outlives the engine
     /// (`mem::forget`), the communicators are leaked instead.
     nccl_graphs: Arc<AtomicUsize>,
+    /// A graph launch to fail, for tests of a launch that reached some ranks only (see
+    /// [`Engine::fail_graph_launch`]): 0 for none, else `(rank << 32 | part) + 1`.
+    fail_launch: AtomicU64,
 }
 
 /// The engine, locked: every operation on streams, NCCL and P2P state takes one of these.
@@ -213,6 +216,7 @@ impl Engine {
             watchdog,
             watching: AtomicBool::new(true),
             nccl_graphs: Arc::new(AtomicUsize::new(0)),
+            fail_launch: AtomicU64::new(0),
         })
     }
 
@@ -220,6 +224,25 @@ impl Engine {
     /// broadcast whose peer never comes waits forever. For measuring what the watchdog costs.
     pub(crate) fn set_watchdog(&self, on: bool) {
         self.watching.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes the next launch of part `part` of rank `rank`'s graph fail (as a driver error)
+    /// without queueing it, once: test support for a graph launch that reached some ranks
+    /// and not others.
+    pub(crate) fn fail_graph_launch(&self, rank: usize, part: usize) {
+        let code = ((rank as u64) << 32 | part as u64) + 1;
+        self.fail_launch.store(code, Ordering::Relaxed);
+    }
+
+    /// Whether the launch of `part` of `rank`'s graph is the one to fail (then disarmed).
+    fn launch_fails(&self, rank: usize, part: usize) -> bool {
+        let armed = self.fail_launch.load(Ordering::Relaxed);
+        armed != 0
+            && armed == ((rank as u64) << 32 | part as u64) + 1
+            && self
+                .fail_launch
+                .compare_exchange(armed, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// The watchdog, while NCCL work is handed to it.
@@ -829,6 +852,20 @@ impl EngineGuard<'_> {
             Nccl::Live(comms) => comms.async_error(),
             Nccl::Aborted(_) | Nccl::Off(_) => Ok(()),
         }
+    }
+
+    /// Drains the streams, then sets the P2P packet counters of every rank to `value` (see
+    /// [`P2p::set_packet_counters`]; test support).
+    pub(crate) fn set_packet_counters(&mut self, value: u32) -> Result<()> {
+        self.synchronize()?;
+        let set = self.p2p()?.set_packet_counters(value);
+        if let Err(e @ Error::StreamsBusy { .. }) = &set {
+            let why = Error::P2pUnavailable(format!(
+                "the P2P path closed: setting its packet counters did not finish ({e})"
+            ));
+            self.close_p2p(why, true);
+        }
+        set
     }
 
     /// Turns the P2P launch threads on or off.

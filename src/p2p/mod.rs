@@ -19,7 +19,7 @@ use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 use crate::config::MAX_GPUS;
 use crate::error::{Error, Result};
 use crate::rendezvous::Exchange;
-use abi::{layout, ListEntry, ListParams, Params};
+use abi::{layout, ListEntry, ListParams, Params, MAX_BLOCKS};
 use shared::SharedMemory;
 
 /// The P2P kernel's protocols: what a P2P route becomes once it is chosen.
@@ -696,6 +696,34 @@ impl P2p {
     pub(crate) fn recover(&self) -> Result<()> {
         self.zero_signals_sync()?;
         self.errors.clear();
+        Ok(())
+    }
+
+    /// Sets every local rank's packet-op counters and packet acknowledgements to `value`, as
+    /// if every rank had finished packet op `value` on every block: the next packet broadcast
+    /// is op `value + 1`. Test support, so that the counters' wrap past `u32::MAX` can be run
+    /// (2^32 broadcasts would take hours). The caller has drained every stream; in one process
+    /// only (peers in other processes keep their counters).
+    pub(crate) fn set_packet_counters(&self, value: u32) -> Result<()> {
+        if self.across_processes() {
+            return Err(Error::InvalidArgument(
+                "packet counters can only be set where every rank is in this process".into(),
+            ));
+        }
+        for r in &self.ranks {
+            for (word, words) in [
+                (layout::PACKET_SEQ, MAX_BLOCKS as usize),
+                (layout::PACKET_ACK, MAX_BLOCKS as usize * MAX_GPUS),
+            ] {
+                // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context, and
+                // both ranges lie inside its flag words (`layout`'s order is checked by a
+                // test); on StreamsBusy the memset may still run, into memory that stays
+                // allocated as long as this state lives (a later reset leaks it then).
+                unsafe {
+                    crate::driver::memset_now(&r.ctx, r.signal + 4 * word as u64, value, words)
+                }?;
+            }
+        }
         Ok(())
     }
 }
