@@ -699,17 +699,21 @@ impl P2p {
         Ok(())
     }
 
-    /// Sets every local rank's packet-op counters and packet acknowledgements to `value`, as
-    /// if every rank had finished packet op `value` on every block: the next packet broadcast
-    /// is op `value + 1`. Test support, so that the counters' wrap past `u32::MAX` can be run
-    /// (2^32 broadcasts would take hours). The caller has drained every stream; in one process
-    /// only (peers in other processes keep their counters).
+    /// Resets every local rank's signal area ([`P2p::recover`]), then sets its packet-op
+    /// counters and packet acknowledgements to `value`, as if every rank had finished packet
+    /// op `value` on every block right after a reset: the next packet broadcast is op
+    /// `value + 1`, and no slot of the zeroed inboxes holds a tag of the ops to come (each
+    /// block writes all its slots before its counter reaches 0). Test support, so that the
+    /// counters' wrap past `u32::MAX` can be run (2^32 broadcasts would take hours). The
+    /// caller has drained every stream; in one process only (peers in other processes keep
+    /// their counters).
     pub(crate) fn set_packet_counters(&self, value: u32) -> Result<()> {
         if self.across_processes() {
             return Err(Error::InvalidArgument(
                 "packet counters can only be set where every rank is in this process".into(),
             ));
         }
+        self.recover()?;
         for r in &self.ranks {
             for (word, words) in [
                 (layout::PACKET_SEQ, MAX_BLOCKS as usize),
