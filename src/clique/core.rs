@@ -288,13 +288,10 @@ impl Core {
                 element_size: b.dtype.size(),
             })?;
         for (local, &s) in b.streams.iter().enumerate() {
-            let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: the caller guarantees a live stream; `ctx` is an out pointer.
-            unsafe { cudarc::driver::sys::cuStreamGetCtx(s, &mut ctx) }
-                .result()
-                .map_err(Error::cuda(format!(
-                    "reading the context of stream {local}"
-                )))?;
+            // SAFETY: the caller guarantees a live stream.
+            let ctx = unsafe { crate::driver::stream::context(s) }.map_err(Error::cuda(
+                format!("reading the context of stream {local}"),
+            ))?;
             if ctx as usize != self.places[local].ctx {
                 return Err(Error::ForeignContext {
                     what: format!("stream {local}"),

@@ -9,6 +9,7 @@ use cudarc::driver::{result, CudaContext, CudaStream};
 
 use super::args;
 use crate::config::{Env, Requested, Settings, MAX_GPUS};
+use crate::driver;
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl};
@@ -80,11 +81,8 @@ pub(crate) fn check_driver_version(driver: i32, built: i32) -> Result<()> {
 }
 
 fn driver_version() -> Result<i32> {
-    let mut v = 0;
-    // SAFETY: `v` is a valid out pointer; the driver is initialised by device_count.
-    unsafe { sys::cuDriverGetVersion(&mut v).result() }
-        .map_err(Error::cuda("reading the driver version"))?;
-    Ok(v)
+    // The driver is initialised by device_count.
+    driver::device::version().map_err(Error::cuda("reading the driver version"))
 }
 
 /// Where the clique's GPUs come from.
@@ -204,20 +202,15 @@ fn no_pool_dependencies(ctx: &Arc<CudaContext>) -> Result<()> {
     ctx.bind_to_thread()
         .map_err(Error::cuda("binding a context"))?;
     let pool = current_pool(ctx.cu_device())?;
-    let mut off: i32 = 0;
     let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
     // SAFETY: `pool` is the device's live pool; this attribute takes an int.
-    unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&raw mut off).cast()).result() }
+    unsafe { driver::pool::set_int_attribute(pool, attr, 0) }
         .map_err(Error::cuda("setting a memory pool's reuse policy"))
 }
 
 /// The memory pool cudarc allocates from on `device` (its current pool).
 fn current_pool(device: sys::CUdevice) -> Result<sys::CUmemoryPool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is an out pointer; the device handle is live.
-    unsafe { sys::cuDeviceGetMemPool(&mut pool, device).result() }
-        .map_err(Error::cuda("finding a device's memory pool"))?;
-    Ok(pool)
+    driver::pool::current(device).map_err(Error::cuda("finding a device's memory pool"))
 }
 
 /// Streams handed in must belong to the device's primary context: the clique's kernels and
@@ -257,28 +250,29 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
                 continue;
             }
             let (di, dj) = (ctxs[i].cu_device(), ctxs[j].cu_device());
-            let mut can = 0;
-            // SAFETY: valid device handles and out pointer.
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, di, dj).result() }
+            let can = driver::device::can_access_peer(di, dj)
                 .map_err(Error::cuda("querying peer access"))?;
-            if can == 0 {
+            if !can {
                 continue;
             }
             ctxs[i]
                 .bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
             // SAFETY: both contexts are live; enabling twice reports ALREADY_ENABLED, accepted.
-            let r = unsafe { sys::cuCtxEnablePeerAccess(ctxs[j].cu_ctx(), 0) };
-            if r != sys::cudaError_enum::CUDA_SUCCESS
-                && r != sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-            {
-                return Err(Error::Cuda {
-                    during: format!(
-                        "enabling peer access from device {} to {}",
-                        ordinals[i], ordinals[j]
-                    ),
-                    source: result::DriverError(r),
-                });
+            match unsafe { driver::context::enable_peer_access(ctxs[j].cu_ctx()) } {
+                Ok(())
+                | Err(result::DriverError(
+                    sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+                )) => {}
+                Err(e) => {
+                    return Err(Error::Cuda {
+                        during: format!(
+                            "enabling peer access from device {} to {}",
+                            ordinals[i], ordinals[j]
+                        ),
+                        source: e,
+                    })
+                }
             }
             // cudarc allocates from the device's current memory pool; peer access to that
             // memory needs the pool's own access list, which cuCtxEnablePeerAccess does not set.
@@ -291,23 +285,15 @@ fn enable_peer_access(ordinals: &[usize], ctxs: &[Arc<CudaContext>]) -> Result<T
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             // SAFETY: `pool` is device j's live pool; `desc` is one valid descriptor.
-            unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1).result() }.map_err(Error::cuda(
-                format!(
-                    "granting device {} access to device {}'s memory pool",
-                    ordinals[i], ordinals[j]
-                ),
-            ))?;
-            let mut atomics = 0;
-            // SAFETY: valid devices and out pointer.
-            unsafe {
-                sys::cuDeviceGetP2PAttribute(
-                    &mut atomics,
-                    sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-                    di,
-                    dj,
-                )
-                .result()
-            }
+            unsafe { driver::pool::set_access(pool, &desc) }.map_err(Error::cuda(format!(
+                "granting device {} access to device {}'s memory pool",
+                ordinals[i], ordinals[j]
+            )))?;
+            let atomics = driver::device::p2p_attribute(
+                sys::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+                di,
+                dj,
+            )
             .map_err(Error::cuda("querying peer attributes"))?;
             links[i][j] = if atomics != 0 {
                 Link::NvLink

@@ -266,9 +266,10 @@ impl EngineGuard<'_> {
         len: usize,
     ) -> Result<()> {
         self.bind(rank)?;
-        // SAFETY: per this function's contract; unified addressing lets the driver find both
-        // devices from the addresses.
-        unsafe { sys::cuMemcpyAsync(dst, src, len, stream).result() }.map_err(Error::cuda(format!(
+        // SAFETY: per this function's contract, `stream` being a stream of `rank`'s context,
+        // made current just above; unified addressing lets the driver find both devices from
+        // the addresses.
+        unsafe { driver::memory::copy_async(dst, src, len, stream) }.map_err(Error::cuda(format!(
             "copy-engine copy on rank {}",
             self.engine.ranks[rank].global
         )))
@@ -355,10 +356,10 @@ impl EngineGuard<'_> {
             ChainOp::WaitFlag { rank, flag } => {
                 let addr = self.flags().addr(rank, flag);
                 let mode = flag_wait_mode(self.flags().flush[rank]);
-                // SAFETY: `addr` is a live flag of the engine's areas, reachable from this
-                // device (peer access between every pair).
-                unsafe { sys::cuStreamWaitValue32_v2(self.raw_stream(rank), addr, 1, mode) }
-                    .result()
+                // SAFETY: the rank's stream is live (owned by the engine); `addr` is a live
+                // flag of the engine's areas, reachable from this device (peer access between
+                // every pair).
+                unsafe { driver::stream::wait_value_32(self.raw_stream(rank), addr, 1, mode) }
                     .map_err(Error::cuda("queueing a copy-engine flag wait"))?;
             }
             ChainOp::WriteFlag {
@@ -371,9 +372,9 @@ impl EngineGuard<'_> {
                 // The default write follows the work before it with a memory barrier: the
                 // copies it announces are visible first.
                 let mode = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-                // SAFETY: as for the wait.
-                unsafe { sys::cuStreamWriteValue32_v2(self.raw_stream(rank), addr, value, mode) }
-                    .result()
+                // SAFETY: as for the wait; the flags are the engine's own, written only by
+                // its streams.
+                unsafe { driver::stream::write_value_32(self.raw_stream(rank), addr, value, mode) }
                     .map_err(Error::cuda("queueing a copy-engine flag write"))?;
             }
         }

@@ -187,11 +187,9 @@ impl EngineGuard<'_> {
             match self.end_capture_stream(rank) {
                 Ok(graph) => {
                     // After the last P2P step of a cut capture the last part may hold nothing.
-                    let mut nodes = 0usize;
-                    // SAFETY: a live graph just ended; a null array asks only for the count.
-                    let counted =
-                        unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes) };
-                    if graphs.is_empty() || counted != sys::CUresult::CUDA_SUCCESS || nodes > 0 {
+                    // SAFETY: a live graph just ended.
+                    let counted = unsafe { crate::driver::graph::node_count(graph) };
+                    if graphs.is_empty() || counted != Ok(0) {
                         graphs.push(graph);
                     } else {
                         GraphExec::destroy_graphs(&r.ctx, [graph]);

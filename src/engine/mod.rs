@@ -406,13 +406,13 @@ impl Engine {
             // `aux` too: its work is joined back into `stream`, unless the join failed.
             for stream in [&r.stream, &r.aux] {
                 // SAFETY: the stream is live (owned by the engine).
-                match unsafe { sys::cuStreamQuery(stream.get().cu_stream()) } {
-                    sys::CUresult::CUDA_SUCCESS => {}
-                    sys::CUresult::CUDA_ERROR_NOT_READY => idle = false,
-                    e => {
+                match unsafe { crate::driver::stream::is_idle(stream.get().cu_stream()) } {
+                    Ok(true) => {}
+                    Ok(false) => idle = false,
+                    Err(e) => {
                         return Err(Error::Cuda {
                             during: format!("draining rank {rank}"),
-                            source: result::DriverError(e),
+                            source: e,
                         })
                     }
                 }

@@ -195,11 +195,8 @@ impl Launcher {
             w.thread.unpark();
         }
         // SAFETY: per this function's contract.
-        let first = unsafe {
-            sys::cuCtxSetCurrent(ctx0)
-                .result()
-                .and_then(|()| launch(&jobs[0]))
-        };
+        let first =
+            unsafe { crate::driver::context::set_current(ctx0).and_then(|()| launch(&jobs[0])) };
         let mut failure = first
             .err()
             .map(|e| LaunchFailure::Driver { rank: 0, code: e.0 });
@@ -231,7 +228,7 @@ pub(super) unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError
 
 fn worker(slot: &Slot, ctx: SendCtx) {
     // SAFETY: the context outlives the launcher (the engine drops the launcher first).
-    let bound = unsafe { sys::cuCtxSetCurrent(ctx.0) }.result();
+    let bound = unsafe { crate::driver::context::set_current(ctx.0) };
     let mut idle_since = Instant::now();
     loop {
         if let Some(job) = slot.claim() {

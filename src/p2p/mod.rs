@@ -344,18 +344,12 @@ impl P2p {
                 load(compile::PULL_LIST_KERNEL)?,
                 load(compile::CHAIN_KERNEL)?,
             );
-            let mut error_dev: CUdeviceptr = 0;
             ctx.bind_to_thread()
                 .map_err(Error::cuda("binding a context"))?;
             // SAFETY: the host slots are a live DEVICEMAP|PORTABLE allocation of MAX_GPUS u64
-            // and local < MAX_GPUS; `error_dev` is an out pointer.
-            unsafe {
-                sys::cuMemHostGetDevicePointer_v2(
-                    &mut error_dev,
-                    p2p.errors.0.add(local).cast::<c_void>(),
-                    0,
-                )
-                .result()
+            // and local < MAX_GPUS.
+            let error_dev = unsafe {
+                crate::driver::memory::host_device_pointer(p2p.errors.0.add(local).cast::<c_void>())
             }
             .map_err(Error::cuda("mapping the error slot"))?;
             p2p.ranks.push(RankKernels {
@@ -448,12 +442,17 @@ impl P2p {
                         .bind_to_thread()
                         .map_err(Error::cuda("binding a context"))?;
                     // SAFETY: `src + off` holds `len` bytes (contract) and the staging buffer
-                    // at least `chunk_max`; queued on the root's stream before its kernel, and
-                    // the previous chunk's kernel, which waits for every peer, precedes it.
+                    // at least `chunk_max`; queued on the root's stream (live, of the context
+                    // made current just above: contract) before its kernel, and the previous
+                    // chunk's kernel, which waits for every peer, precedes it.
                     unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(staged, src + off as u64, len, streams[local])
+                        crate::driver::memory::copy_dtod_async(
+                            staged,
+                            src + off as u64,
+                            len,
+                            streams[local],
+                        )
                     }
-                    .result()
                     .map_err(Error::cuda("staging a P2P message"))?;
                     // In place, the root's buffer already holds the data: its kernel skips
                     // the copy when its destination is the source.

@@ -3,12 +3,13 @@
 //! descriptor once; a peer process that receives it (over a Unix socket, `ipc`) imports and
 //! maps it into its own address space. Every mapping is unmapped and released on drop.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdeviceptr, CUmemGenericAllocationHandle};
 use cudarc::driver::CudaContext;
 
+use crate::driver::vmm;
 use crate::error::{Error, Result};
 
 /// An allocation of this process (exportable) or a mapping of a peer's.
@@ -36,16 +37,13 @@ fn properties(ordinal: usize) -> sys::CUmemAllocationProp {
 /// The size `bytes` rounds up to for a VMM allocation on `ordinal`.
 pub(crate) fn rounded_size(ctx: &CudaContext, bytes: usize) -> Result<usize> {
     let prop = properties(ctx.ordinal());
-    let mut granularity = 0usize;
-    // SAFETY: valid property struct and out pointer.
-    unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut granularity,
+    // SAFETY: a valid property struct, whose pointer (Win32 metadata) `properties` leaves null.
+    let granularity = unsafe {
+        vmm::granularity(
             &prop,
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         )
     }
-    .result()
     .map_err(Error::cuda("reading the VMM allocation granularity"))?;
     Ok(bytes.next_multiple_of(granularity.max(1)))
 }
@@ -58,14 +56,12 @@ impl SharedMemory {
             .map_err(Error::cuda("binding a context"))?;
         let size = rounded_size(ctx, bytes)?;
         let prop = properties(ctx.ordinal());
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out pointer and properties; released in `Drop` (or below on error).
-        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }
-            .result()
-            .map_err(Error::cuda(format!(
-                "allocating {size} bytes of shareable memory on device {}",
-                ctx.ordinal()
-            )))?;
+        // SAFETY: valid properties (as in `rounded_size`); released in `Drop` (or in `map` on
+        // error).
+        let handle = unsafe { vmm::create(size, &prop) }.map_err(Error::cuda(format!(
+            "allocating {size} bytes of shareable memory on device {}",
+            ctx.ordinal()
+        )))?;
         SharedMemory::map(ctx, handle, size)
     }
 
@@ -74,18 +70,10 @@ impl SharedMemory {
     pub(crate) fn import(ctx: &Arc<CudaContext>, fd: OwnedFd, size: usize) -> Result<SharedMemory> {
         ctx.bind_to_thread()
             .map_err(Error::cuda("binding a context"))?;
-        let mut handle: CUmemGenericAllocationHandle = 0;
-        // SAFETY: `fd` is an open descriptor exported by cuMemExportToShareableHandle in a peer;
-        // the driver reads it during the call and the descriptor is closed when `fd` drops.
-        unsafe {
-            sys::cuMemImportFromShareableHandle(
-                &mut handle,
-                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        }
-        .result()
-        .map_err(Error::cuda("importing a peer process's memory"))?;
+        // `fd` is an open descriptor exported by cuMemExportToShareableHandle in a peer; the
+        // driver reads it during the call and the descriptor is closed when `fd` drops.
+        let handle =
+            vmm::import_fd(fd.as_fd()).map_err(Error::cuda("importing a peer process's memory"))?;
         drop(fd);
         SharedMemory::map(ctx, handle, size)
     }
@@ -97,26 +85,27 @@ impl SharedMemory {
         handle: CUmemGenericAllocationHandle,
         size: usize,
     ) -> Result<SharedMemory> {
-        let mut va: CUdeviceptr = 0;
-        // SAFETY: valid out pointer; a fresh reservation of `size` bytes.
-        let reserved = unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }.result();
-        if let Err(e) = reserved {
-            // SAFETY: `handle` is ours and unused.
-            let _ = unsafe { sys::cuMemRelease(handle) };
-            return Err(Error::Cuda {
-                during: "reserving addresses for shared memory".into(),
-                source: e,
-            });
-        }
+        // A fresh reservation of `size` bytes.
+        let va = match vmm::reserve(size) {
+            Ok(va) => va,
+            Err(e) => {
+                // SAFETY: `handle` is ours and unused.
+                let _ = unsafe { vmm::release(handle) };
+                return Err(Error::Cuda {
+                    during: "reserving addresses for shared memory".into(),
+                    source: e,
+                });
+            }
+        };
         let mem = SharedMemory {
             ctx: ctx.clone(),
             handle,
             va,
             size,
         };
-        // SAFETY: `va` is a reservation of `size` bytes and `handle` an allocation of as many.
-        unsafe { sys::cuMemMap(va, size, 0, handle, 0) }
-            .result()
+        // SAFETY: `va` is a fresh reservation of `size` bytes and `handle` an allocation of as
+        // many.
+        unsafe { vmm::map(va, size, handle) }
             .map_err(Error::cuda("mapping shared memory"))
             .inspect_err(|_| mem.forget_mapping())?;
         let desc = sys::CUmemAccessDesc {
@@ -127,12 +116,10 @@ impl SharedMemory {
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: `va` is mapped with `size` bytes; one valid descriptor.
-        unsafe { sys::cuMemSetAccess(va, size, &desc, 1) }
-            .result()
-            .map_err(Error::cuda(format!(
-                "granting device {} access to shared memory",
-                ctx.ordinal()
-            )))?;
+        unsafe { vmm::set_access(va, size, &desc) }.map_err(Error::cuda(format!(
+            "granting device {} access to shared memory",
+            ctx.ordinal()
+        )))?;
         Ok(mem)
     }
 
@@ -140,27 +127,16 @@ impl SharedMemory {
     fn forget_mapping(&self) {
         // SAFETY: unmapped reservation and unused handle, both ours.
         unsafe {
-            let _ = sys::cuMemAddressFree(self.va, self.size);
-            let _ = sys::cuMemRelease(self.handle);
+            let _ = vmm::free_addresses(self.va, self.size);
+            let _ = vmm::release(self.handle);
         }
     }
 
     /// A file descriptor that a peer process can import (the caller closes it).
     pub(crate) fn export(&self) -> Result<OwnedFd> {
-        let mut fd: std::ffi::c_int = -1;
-        // SAFETY: the handle is a live POSIX-fd-exportable allocation; `fd` is an out pointer.
-        unsafe {
-            sys::cuMemExportToShareableHandle(
-                std::ptr::addr_of_mut!(fd).cast(),
-                self.handle,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                0,
-            )
-        }
-        .result()
-        .map_err(Error::cuda("exporting shared memory"))?;
-        // SAFETY: the driver returned a fresh descriptor that this process now owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        // SAFETY: the handle is a live POSIX-fd-exportable allocation (`properties` requests
+        // that handle type).
+        unsafe { vmm::export_fd(self.handle) }.map_err(Error::cuda("exporting shared memory"))
     }
 
     /// The mapped address in this process.
@@ -182,9 +158,9 @@ impl Drop for SharedMemory {
         // SAFETY: our mapping and handle; no kernel uses them any more (the engine drains its
         // streams, or leaks the P2P state, before dropping them).
         unsafe {
-            let _ = sys::cuMemUnmap(self.va, self.size);
-            let _ = sys::cuMemAddressFree(self.va, self.size);
-            let _ = sys::cuMemRelease(self.handle);
+            let _ = vmm::unmap(self.va, self.size);
+            let _ = vmm::free_addresses(self.va, self.size);
+            let _ = vmm::release(self.handle);
         }
     }
 }

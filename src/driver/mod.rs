@@ -1,6 +1,24 @@
-//! Driver calls that the engine and the P2P path share, each bounded and with its error's
-//! context: making a context current without cudarc's stored-error check, and a memset that
-//! is waited for on a stream of its own.
+//! Every raw CUDA driver call of the crate is made in this module; the rest of the crate reaches
+//! the driver through these functions or through cudarc (its safe API and its `result` module).
+//!
+//! The submodules hold thin typed wrappers, one per driver call, in the manner of cudarc's
+//! `driver::result`: each takes typed arguments, returns a `Result` with the driver's error and
+//! leaves the error's context to its caller. A wrapper that is sound for any argument is a safe
+//! function; one whose soundness depends on its arguments (contexts, streams, pools, graphs,
+//! allocation handles, addresses, pointers) is an `unsafe fn` whose `# Safety` section says
+//! what its caller guarantees.
+//!
+//! Here are the driver calls that the engine and the P2P path share, each with its error's
+//! context: making a context current without cudarc's stored-error check, a memset that is
+//! waited for, within a bound, on a stream of its own, and the allocation that holds an address.
+
+pub(crate) mod context;
+pub(crate) mod device;
+pub(crate) mod graph;
+pub(crate) mod memory;
+pub(crate) mod pool;
+pub(crate) mod stream;
+pub(crate) mod vmm;
 
 use std::time::{Duration, Instant};
 
