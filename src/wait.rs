@@ -31,6 +31,11 @@ impl Backoff {
     }
 }
 
+/// Whole milliseconds of `d`, saturating.
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -33,7 +33,7 @@ use crate::error::{Error, Result};
 /// (ending a capture, an ordering, a graph's destruction) uses this.
 pub(crate) fn make_current(ctx: &CudaContext) -> std::result::Result<(), result::DriverError> {
     // SAFETY: `ctx` holds a live context.
-    unsafe { sys::cuCtxSetCurrent(ctx.cu_ctx()) }.result()
+    unsafe { context::set_current(ctx.cu_ctx()) }
 }
 
 /// Longest [`memset_now`] waits for its memset.
@@ -74,18 +74,18 @@ fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
     let mut backoff = crate::wait::Backoff::new();
     loop {
         // SAFETY: `stream` is a live stream of the current context.
-        match unsafe { sys::cuStreamQuery(stream) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(()),
-            sys::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < within => backoff.pause(),
-            sys::CUresult::CUDA_ERROR_NOT_READY => {
+        match unsafe { stream::is_idle(stream) } {
+            Ok(true) => return Ok(()),
+            Ok(false) if start.elapsed() < within => backoff.pause(),
+            Ok(false) => {
                 return Err(Error::StreamsBusy {
-                    waited_ms: crate::nccl::millis(start.elapsed()),
+                    waited_ms: crate::wait::millis(start.elapsed()),
                 })
             }
-            e => {
+            Err(source) => {
                 return Err(Error::Cuda {
                     during: "waiting for a memset".into(),
-                    source: result::DriverError(e),
+                    source,
                 })
             }
         }

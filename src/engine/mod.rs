@@ -574,7 +574,7 @@ impl EngineGuard<'_> {
             }
             if start.elapsed() > limit {
                 return Err(Error::StreamsBusy {
-                    waited_ms: crate::nccl::millis(start.elapsed()),
+                    waited_ms: crate::wait::millis(start.elapsed()),
                 });
             }
             backoff.pause();
@@ -587,7 +587,7 @@ impl EngineGuard<'_> {
         let limit = self.drain_limit();
         lock_within(&self.state.nccl, limit).ok_or_else(|| Error::NcclTimeout {
             during: "waiting for an abort of the NCCL communicators to finish".into(),
-            waited_ms: crate::nccl::millis(limit),
+            waited_ms: crate::wait::millis(limit),
         })
     }
 
@@ -781,7 +781,7 @@ impl EngineGuard<'_> {
             let start = Instant::now();
             if !self.engine.wait_idle(limit) {
                 joined = joined.and(Err(Error::StreamsBusy {
-                    waited_ms: crate::nccl::millis(start.elapsed()),
+                    waited_ms: crate::wait::millis(start.elapsed()),
                 }));
             }
         }

@@ -27,7 +27,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaEvent, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::nccl::{millis, Nccl};
+use crate::nccl::Nccl;
+use crate::wait::millis;
 
 /// How often the thread looks at queued work: the detection delay beyond the timeout.
 pub(crate) const POLL: Duration = Duration::from_millis(5);

@@ -14,6 +14,7 @@ use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
 
 use crate::error::{Error, Result};
+use crate::wait::millis;
 pub use lib::nccl_version;
 pub(crate) use lib::{Config, NcclLib, UniqueId};
 
@@ -374,11 +375,6 @@ fn connect(comms: &mut Comms, ranks: &[(usize, Arc<CudaContext>)]) -> Result<()>
         }
     }
     status
-}
-
-/// Whole milliseconds of `d`, saturating.
-pub(crate) fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The NCCL path of an engine: live, aborted after a failure, or off in this clique.

@@ -97,17 +97,27 @@ impl SharedMemory {
                 });
             }
         };
+        // SAFETY: `va` is a fresh reservation of `size` bytes and `handle` an allocation of as
+        // many.
+        if let Err(e) = unsafe { vmm::map(va, size, handle) } {
+            // Nothing owns them yet (no `SharedMemory`, whose drop would free them again).
+            // SAFETY: an unmapped reservation and an unused handle, both ours, freed once.
+            unsafe {
+                let _ = vmm::free_addresses(va, size);
+                let _ = vmm::release(handle);
+            }
+            return Err(Error::Cuda {
+                during: "mapping shared memory".into(),
+                source: e,
+            });
+        }
+        // From here on, its drop unmaps and frees them.
         let mem = SharedMemory {
             ctx: ctx.clone(),
             handle,
             va,
             size,
         };
-        // SAFETY: `va` is a fresh reservation of `size` bytes and `handle` an allocation of as
-        // many.
-        unsafe { vmm::map(va, size, handle) }
-            .map_err(Error::cuda("mapping shared memory"))
-            .inspect_err(|_| mem.forget_mapping())?;
         let desc = sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -121,15 +131,6 @@ impl SharedMemory {
             ctx.ordinal()
         )))?;
         Ok(mem)
-    }
-
-    /// Frees a reservation that was never mapped (error path of `map`).
-    fn forget_mapping(&self) {
-        // SAFETY: unmapped reservation and unused handle, both ours.
-        unsafe {
-            let _ = vmm::free_addresses(self.va, self.size);
-            let _ = vmm::release(self.handle);
-        }
     }
 
     /// A file descriptor that a peer process can import (the caller closes it).
