@@ -15,9 +15,9 @@ impl EngineGuard<'_> {
     /// Starts capturing every rank's stream into a graph (relaxed mode: the P2P launch threads
     /// enqueue on the streams being captured). On an error the ones begun are ended.
     pub(crate) fn begin_capture(&mut self) -> Result<()> {
-        self.state.captured_nccl = false;
+        self.state.nccl.end_capture();
         self.state.ce.captured = false;
-        self.state.captured_p2p = false;
+        self.state.p2p.end_capture();
         self.drop_segments();
         self.state.segments = (0..self.n()).map(|_| Vec::new()).collect();
         self.state.capture_failed = None;
@@ -166,15 +166,15 @@ impl EngineGuard<'_> {
     pub(crate) fn end_capture(&mut self) -> Result<Vec<GraphExec>> {
         if let Some(e) = self.state.capture_failed.take() {
             self.abandon_capture(self.n());
-            self.state.captured_nccl = false;
+            self.state.nccl.end_capture();
             self.state.ce.captured = false;
-            self.state.captured_p2p = false;
+            self.state.p2p.end_capture();
             return Err(e);
         }
-        let has_nccl = std::mem::take(&mut self.state.captured_nccl);
+        let has_nccl = self.state.nccl.end_capture();
         let has_ce = std::mem::take(&mut self.state.ce.captured);
         let holds = Holds {
-            p2p: std::mem::take(&mut self.state.captured_p2p).then_some(self.state.p2p_gen),
+            p2p: self.state.p2p.end_capture(),
             ce: has_ce.then_some(self.state.ce.gen),
         };
         let mut execs = Vec::with_capacity(self.n());
@@ -227,7 +227,7 @@ impl EngineGuard<'_> {
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
         if let Some(holds) = execs.first().map(|g| g.holds) {
-            if holds.p2p.is_some_and(|g| g != self.state.p2p_gen) {
+            if holds.p2p.is_some_and(|g| !self.state.p2p.holds_current(g)) {
                 return Err(Error::P2pUnavailable(
                     "the P2P state this graph was captured with has closed since: capture it \
                      again"

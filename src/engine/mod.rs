@@ -23,8 +23,8 @@ use crate::config::{Settings, MAX_GPUS};
 use crate::driver::make_current;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nccl::{Comms, Nccl, RankOp};
-use crate::p2p::P2p;
+use crate::nccl::{self, Comms, Nccl, RankOp};
+use crate::p2p::{self, P2p};
 use crate::plan::Step;
 use graphs::Ended;
 pub(crate) use graphs::GraphExec;
@@ -95,21 +95,16 @@ impl Item {
 
 /// What the lock protects.
 struct State {
-    /// Shared with the watchdog, which aborts it without the engine's lock.
-    nccl: Arc<Mutex<Nccl>>,
-    /// An NCCL step was queued inside the capture in progress.
-    captured_nccl: bool,
-    /// A P2P step was queued inside the capture in progress.
-    captured_p2p: bool,
+    /// The NCCL path.
+    nccl: nccl::State,
     /// Where ranks share a device: per rank, the graphs of the capture in progress ended so
     /// far, one per P2P step ([`EngineGuard::cut_capture`]).
     segments: Vec<Vec<Ended>>,
     /// A cut of the capture in progress failed: the capture's error, returned by every later
     /// step and by its end (whatever is captured after it is discarded).
     capture_failed: Option<Error>,
-    /// Bumped whenever the P2P state closes: a graph captured before holds its addresses.
-    p2p_gen: u64,
-    p2p: std::result::Result<P2p, Error>,
+    /// The P2P path, its generation and its availability.
+    p2p: p2p::State,
     /// One reusable event per rank, for ordering a rank's stream with another stream.
     events: Vec<CudaEvent>,
     /// Per rank: the fork and join events of its `aux` stream.
@@ -130,7 +125,7 @@ pub(crate) struct Engine {
     /// Whether the P2P path can run, or why not: what the P2P state says, readable without
     /// the lock (routes are chosen before it is taken). Closed for good after a failure across
     /// processes.
-    p2p_status: Mutex<std::result::Result<(), Error>>,
+    p2p_status: Arc<p2p::Status>,
     /// Calls queued so far (broadcasts and graph launches): errors name calls by number.
     /// Written under the lock, read without it (`Clique::calls` inside a capture closure).
     calls: AtomicU64,
@@ -184,11 +179,11 @@ impl Engine {
                 .iter()
                 .any(|b| b.ctx.ordinal() == a.ctx.ordinal())
         });
-        let p2p_status = Mutex::new(p2p.as_ref().map(|_| ()).map_err(Clone::clone));
+        let (p2p, p2p_status) = p2p::State::new(p2p);
         let live = matches!(nccl, Nccl::Live(_));
-        let nccl = Arc::new(Mutex::new(nccl));
+        let nccl = nccl::State::new(nccl);
         let watchdog = if live {
-            Some(watchdog::Watchdog::start(nccl.clone(), settings.timeout)?)
+            Some(watchdog::Watchdog::start(nccl.shared(), settings.timeout)?)
         } else {
             None
         };
@@ -198,11 +193,8 @@ impl Engine {
             settings,
             state: Mutex::new(State {
                 nccl,
-                captured_nccl: false,
-                captured_p2p: false,
                 segments: Vec::new(),
                 capture_failed: None,
-                p2p_gen: 0,
                 p2p,
                 events,
                 aux_events,
@@ -326,9 +318,7 @@ impl Engine {
         guard.drain(false)?;
         guard.state.ce.release = false;
         guard.set_ce_flags(0)?;
-        if let Ok(p2p) = &guard.state.p2p {
-            drop(p2p.first_error());
-        }
+        drop(guard.state.p2p.first_error());
         guard.reset_p2p()?;
         guard.state.desynced = false;
         let mut nccl = guard.nccl()?;
@@ -349,12 +339,7 @@ impl Engine {
         &self,
         f: impl FnOnce(std::result::Result<(), &Error>) -> R,
     ) -> R {
-        f(self
-            .p2p_status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map(|_| ()))
+        self.p2p_status.with(f)
     }
 
     /// Number of calls queued so far (see `Clique::calls`).
@@ -435,32 +420,15 @@ impl EngineGuard<'_> {
     /// Closes the P2P path for good with `why`; its state is dropped, or leaked (`leak`) where
     /// a reset may still write it.
     fn close_p2p(&mut self, why: Error, leak: bool) {
-        *self
-            .engine
-            .p2p_status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Err(why.clone());
-        let old = std::mem::replace(&mut self.state.p2p, Err(why));
-        self.state.p2p_gen += 1;
-        if let (Ok(p2p), true) = (old, leak) {
-            p2p.abandon();
-        }
+        self.state.p2p.close(why, leak);
     }
 
     /// Resets the P2P signal areas (the streams drained). When the reset does not finish, the
     /// path closes and its state is leaked.
     fn reset_p2p(&mut self) -> Result<()> {
-        let reset = match &self.state.p2p {
-            Ok(p2p) => p2p.recover(),
-            Err(_) => return Ok(()),
-        };
-        if let Err(e @ Error::StreamsBusy { .. }) = &reset {
-            let why = Error::P2pUnavailable(format!(
-                "the P2P path closed: resetting its signal areas did not finish ({e})"
-            ));
-            self.close_p2p(why, true);
-        }
-        reset
+        self.state
+            .p2p
+            .reset_with("resetting its signal areas", P2p::recover)
     }
 
     /// Counts a call; its number.
@@ -508,10 +476,7 @@ impl EngineGuard<'_> {
     }
 
     fn recover_if_needed(&mut self) -> Result<()> {
-        let error = match &self.state.p2p {
-            Ok(p2p) => p2p.first_error(),
-            Err(_) => None,
-        };
+        let error = self.state.p2p.first_error();
         if error.is_none() && !self.state.desynced {
             return Ok(());
         }
@@ -520,7 +485,7 @@ impl EngineGuard<'_> {
         self.set_ce_flags(0)?;
         // Across processes every process would have to reset its signal area at the same
         // point: until a coordinated reset exists, the P2P path closes after a timeout.
-        if self.state.p2p.as_ref().is_ok_and(P2p::across_processes) {
+        if self.state.p2p.across_processes() {
             let why = error.clone().unwrap_or_else(|| {
                 Error::P2pUnavailable("a launch reached only some ranks".into())
             });
@@ -562,10 +527,7 @@ impl EngineGuard<'_> {
             }
             // A P2P kernel that timed out: report it now (the reset waits for idle streams, at
             // the next call).
-            if let Some(e) = report_p2p
-                .then(|| self.state.p2p.as_ref().ok().and_then(P2p::first_error))
-                .flatten()
-            {
+            if let Some(e) = report_p2p.then(|| self.state.p2p.first_error()).flatten() {
                 self.state.desynced = true;
                 return Err(e);
             }
@@ -585,15 +547,18 @@ impl EngineGuard<'_> {
     /// work on the streams; waiting for it is bounded like [`EngineGuard::drain`].
     fn nccl(&self) -> Result<MutexGuard<'_, Nccl>> {
         let limit = self.drain_limit();
-        lock_within(&self.state.nccl, limit).ok_or_else(|| Error::NcclTimeout {
-            during: "waiting for an abort of the NCCL communicators to finish".into(),
-            waited_ms: crate::wait::millis(limit),
-        })
+        self.state
+            .nccl
+            .lock_within(limit)
+            .ok_or_else(|| Error::NcclTimeout {
+                during: "waiting for an abort of the NCCL communicators to finish".into(),
+                waited_ms: crate::wait::millis(limit),
+            })
     }
 
     /// The P2P path's availability.
     pub(crate) fn p2p(&mut self) -> Result<&mut P2p> {
-        self.state.p2p.as_mut().map_err(|e| e.clone())
+        self.state.p2p.get()
     }
 
     /// Enqueues `steps` over `items` from `root`, on every rank's stream.
@@ -610,7 +575,8 @@ impl EngineGuard<'_> {
         for step in steps {
             match step {
                 Step::P2pOne { tensor, protocol } => {
-                    self.state.captured_p2p |= self.capturing();
+                    let capturing = self.capturing();
+                    self.state.p2p.note_step(capturing);
                     let it = &items[*tensor];
                     let r = self.spinning(|e, streams| {
                         // SAFETY: per this function's contract; `streams` are the ranks'
@@ -630,7 +596,8 @@ impl EngineGuard<'_> {
                     self.cut_capture()?;
                 }
                 Step::P2pList { tensors } => {
-                    self.state.captured_p2p |= self.capturing();
+                    let capturing = self.capturing();
+                    self.state.p2p.note_step(capturing);
                     let copies: Vec<Vec<(u64, u64, usize)>> = (0..n)
                         .map(|rank| {
                             tensors
@@ -689,7 +656,7 @@ impl EngineGuard<'_> {
                         return Err(e);
                     }
                     drop(nccl);
-                    self.state.captured_nccl |= capturing;
+                    self.state.nccl.note_step(capturing);
                     if let (Some(w), Some(begun)) = (watch, begun) {
                         let what = watchdog::Watched::Broadcast {
                             tensors: tensors.len(),
@@ -858,26 +825,24 @@ impl EngineGuard<'_> {
     /// [`P2p::set_packet_counters`]; test support).
     pub(crate) fn set_packet_counters(&mut self, value: u32) -> Result<()> {
         self.synchronize()?;
-        let set = self.p2p()?.set_packet_counters(value);
-        if let Err(e @ Error::StreamsBusy { .. }) = &set {
-            let why = Error::P2pUnavailable(format!(
-                "the P2P path closed: setting its packet counters did not finish ({e})"
-            ));
-            self.close_p2p(why, true);
-        }
-        set
+        self.p2p()?;
+        self.state
+            .p2p
+            .reset_with("setting its packet counters", |p2p| {
+                p2p.set_packet_counters(value)
+            })
     }
 
     /// Turns the P2P launch threads on or off.
     pub(crate) fn set_parallel_launch(&mut self, on: bool) {
-        if let Ok(p2p) = &mut self.state.p2p {
+        if let Some(p2p) = self.state.p2p.live_mut() {
             p2p.set_parallel_launch(on);
         }
     }
 
     /// Whether P2P launches go through the launch threads.
     pub(crate) fn parallel_launch(&self) -> bool {
-        self.state.p2p.as_ref().is_ok_and(P2p::parallel_launch)
+        self.state.p2p.live().is_some_and(P2p::parallel_launch)
     }
 
     /// Marks this thread as the one capturing (or not any more); see [`Engine::lock`].
@@ -889,20 +854,6 @@ impl EngineGuard<'_> {
             .unwrap_or_else(|e| e.into_inner());
         *owner = on.then(|| std::thread::current().id());
         self.engine.capturing.store(on, Ordering::Release);
-    }
-}
-
-/// Locks `m`, waiting at most `limit`.
-fn lock_within(m: &Mutex<Nccl>, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
-    let start = Instant::now();
-    let mut backoff = crate::wait::Backoff::new();
-    loop {
-        match m.try_lock() {
-            Ok(g) => return Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < limit => backoff.pause(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        }
     }
 }
 
@@ -925,9 +876,9 @@ impl Drop for Engine {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .nccl
-            .clone();
+            .shared();
         // The watchdog may hold NCCL while its abort waits for queued kernels.
-        match lock_within(&shared, Duration::from_secs(1)) {
+        match nccl::lock_within(&shared, Duration::from_secs(1)) {
             Some(mut nccl) => {
                 if !idle {
                     nccl.abort("the clique was dropped while work was still running".into());
@@ -947,16 +898,12 @@ impl Drop for Engine {
             None => idle = false,
         }
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        if idle {
-            state.p2p = Err(Error::P2pUnavailable("dropped".into()));
-        } else {
+        if !idle {
             tracing::warn!(
                 "GPU work still running while dropping a clique: its P2P buffers are leaked"
             );
-            let p2p =
-                std::mem::replace(&mut state.p2p, Err(Error::P2pUnavailable("dropped".into())));
-            std::mem::forget(p2p);
             state.ce.leak_flags();
         }
+        state.p2p.drop_path(idle);
     }
 }

@@ -3,7 +3,7 @@
 mod lib;
 
 use std::ffi::{c_int, c_void};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
 use std::time::{Duration, Instant};
@@ -404,6 +404,58 @@ impl Nccl {
                 tracing::warn!(%reason, "aborting the NCCL communicators");
                 comms.abort();
             }
+        }
+    }
+}
+
+/// What an engine keeps of its NCCL path: the communicators, shared with the watchdog (which
+/// aborts them without the engine's lock), and whether the capture in progress holds an NCCL
+/// step.
+pub(crate) struct State {
+    comms: Arc<Mutex<Nccl>>,
+    captured: bool,
+}
+
+impl State {
+    pub(crate) fn new(nccl: Nccl) -> State {
+        State {
+            comms: Arc::new(Mutex::new(nccl)),
+            captured: false,
+        }
+    }
+
+    /// The communicators, for the watchdog.
+    pub(crate) fn shared(&self) -> Arc<Mutex<Nccl>> {
+        self.comms.clone()
+    }
+
+    /// The communicators, locked within `limit` (the watchdog holds them while an abort waits
+    /// for queued kernels); `None` when that did not happen in time.
+    pub(crate) fn lock_within(&self, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
+        lock_within(&self.comms, limit)
+    }
+
+    /// Notes an NCCL step queued while `capturing`.
+    pub(crate) fn note_step(&mut self, capturing: bool) {
+        self.captured |= capturing;
+    }
+
+    /// Ends the capture in progress: whether its graph holds an NCCL step.
+    pub(crate) fn end_capture(&mut self) -> bool {
+        std::mem::take(&mut self.captured)
+    }
+}
+
+/// Locks `m`, waiting at most `limit`.
+pub(crate) fn lock_within(m: &Mutex<Nccl>, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
+    let start = Instant::now();
+    let mut backoff = Backoff::new();
+    loop {
+        match m.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < limit => backoff.pause(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
         }
     }
 }

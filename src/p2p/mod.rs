@@ -8,6 +8,9 @@ pub(crate) mod compile;
 pub(crate) mod ipc;
 mod launcher;
 mod shared;
+mod state;
+
+pub(crate) use state::{State, Status};
 
 use std::ffi::c_void;
 use std::sync::Arc;
