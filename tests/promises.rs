@@ -469,11 +469,12 @@ fn recovery_does_not_wait_for_the_callers_unrelated_work() {
 }
 
 /// Packet ops keep their order and their back-pressure across the wrap of the 32-bit op
-/// counters: the counters start 6 ops short of `u32::MAX`, and a peer held back makes the root
-/// run ahead until every slot of its ring is in use, so it must wait for acknowledgements of
-/// ops numbered on both sides of the wrap. A test that is not wrap-aware (`seq > SLOTS` before
-/// waiting, as the kernel once had) reuses a slot the peer has not read: the peer then waits for
-/// a tag that is gone (`Timeout`) or reads newer data.
+/// counters: the counters start one to three ops short of `u32::MAX`, and a peer held back
+/// makes the root run ahead until every slot of its ring is in use, so its ring of four slots
+/// straddles the wrap and it must wait for the acknowledgement of an op numbered before the
+/// wrap. A test that is not wrap-aware (`seq > SLOTS` before waiting, as the kernel once had)
+/// reuses a slot the peer has not read: the peer then waits for a tag that is gone (`Timeout`)
+/// or reads newer data.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
@@ -484,9 +485,11 @@ fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
     let mut rng = rng();
     let p2p = BroadcastOptions::path(BroadcastPath::P2p);
     let max = gpucast::PACKET_MAX_BYTES;
-    for round in 0..3 {
-        // Ops u32::MAX - 5, ...: the wrap falls inside every round.
-        clique.set_packet_counters_for_test(u32::MAX - 6).unwrap();
+    for round in 0..3u32 {
+        // The first op is u32::MAX - round: the wrap falls within the first four.
+        clique
+            .set_packet_counters_for_test(u32::MAX - 1 - round)
+            .unwrap();
         let sizes: Vec<usize> = (0..14)
             .map(|i| match i % 4 {
                 0 => max,
