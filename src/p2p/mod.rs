@@ -703,12 +703,12 @@ impl P2p {
 
     /// Resets every local rank's signal area ([`P2p::recover`]), then sets its packet-op
     /// counters and packet acknowledgements to `value`, as if every rank had finished packet
-    /// op `value` on every block right after a reset: the next packet broadcast is op
-    /// `value + 1`, and no slot of the zeroed inboxes holds a tag of the ops to come (each
-    /// block writes all its slots before its counter reaches 0). Test support, so that the
-    /// counters' wrap past `u32::MAX` can be run (2^32 broadcasts would take hours). The
-    /// caller has drained every stream; in one process only (peers in other processes keep
-    /// their counters).
+    /// op `value` on every block: the next packet broadcast is op `value + 1`. Every word of
+    /// the inboxes is set to `value` too, so no slot holds the tag of an op to come (a zeroed
+    /// inbox would hold tag 0, which the first ops after a `value` close to `u32::MAX`
+    /// reach before their root wrote the slot). Test support, so that the counters' wrap past
+    /// `u32::MAX` can be run (2^32 broadcasts would take hours). The caller has drained every
+    /// stream; in one process only (peers in other processes keep their counters).
     pub(crate) fn set_packet_counters(&self, value: u32) -> Result<()> {
         if self.across_processes() {
             return Err(Error::InvalidArgument(
@@ -720,11 +720,13 @@ impl P2p {
             for (word, words) in [
                 (layout::PACKET_SEQ, MAX_BLOCKS as usize),
                 (layout::PACKET_ACK, MAX_BLOCKS as usize * MAX_GPUS),
+                (layout::INBOX_OFFSET / 4, layout::INBOX_BYTES / 4),
             ] {
                 // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context, and
-                // both ranges lie inside its flag words (`layout`'s order is checked by a
-                // test); on StreamsBusy the memset may still run, into memory that stays
-                // allocated as long as this state lives (a later reset leaks it then).
+                // the ranges lie inside it (two in its flag words, in `layout`'s order, which a
+                // test checks; the inbox last, ending at TOTAL_BYTES); on StreamsBusy the
+                // memset may still run, into memory that stays allocated as long as this
+                // state lives (the caller closes the path and leaks it then).
                 unsafe {
                     crate::driver::memset_now(&r.ctx, r.signal + 4 * word as u64, value, words)
                 }?;
