@@ -654,3 +654,82 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
         replay(&mut graph, &mut rng, &what);
     }
 }
+
+/// An NCCL abort (the watchdog's answer to a late peer) while a graph that captured the
+/// communicators is alive: NCCL's abort waits until every such graph is destroyed, so done on
+/// the caller's thread it would wait for a graph that thread owns, forever. The abort must
+/// return at once; the live graph must then refuse to launch (its NCCL kernels would return
+/// without writing a byte) before and after `recover`, while new eager calls and new captures
+/// work bit for bit after `recover`. Runs on a clique of one GPU (NCCL with one rank).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
+    let clique: &'static Clique = Box::leak(Box::new(
+        Clique::builder()
+            .devices(&[0])
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap(),
+    ));
+    let nccl = BroadcastOptions::path(BroadcastPath::Nccl);
+    let n = (1 << 16) + 3;
+    let check = |graph: &mut gpucast::OwnedGraph<'static, (CudaSlice<u8>, Vec<CudaSlice<u8>>)>,
+                 rng: &mut rand::rngs::StdRng,
+                 what: &str| {
+        let data: Vec<u8> = random_vec(n, rng);
+        let (input, outputs) = graph.buffers_mut();
+        clique.stream(0).memcpy_htod(&data, input).unwrap();
+        clique.stream(0).memset_zeros(&mut outputs[0]).unwrap();
+        graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
+        clique.synchronize().unwrap();
+        assert_bytes_eq(clique.stream(0), &graph.buffers().1[0], &data, what);
+    };
+    let capture = || {
+        let input = clique.stream(0).alloc_zeros::<u8>(n).unwrap();
+        let outputs = clique.alloc_outputs::<u8>(n).unwrap();
+        clique
+            .capture_owned((input, outputs), |c, (input, outputs)| {
+                c.broadcast_with(0, input, outputs, &nccl)
+            })
+            .unwrap()
+    };
+    let mut rng = rng();
+    let mut graph = capture();
+    check(&mut graph, &mut rng, "a replay before the abort");
+    within(
+        Duration::from_secs(30),
+        "an NCCL abort beside a live graph",
+        || clique.abort_nccl_for_test().unwrap(),
+    );
+    let refused = |graph: &mut gpucast::OwnedGraph<'static, _>, what: &str| match graph.launch() {
+        Err(Error::CommunicatorsAborted { .. }) => {}
+        other => panic!("{what}: a graph of aborted communicators launched: {other:?}"),
+    };
+    refused(&mut graph, "after the abort");
+    let input = clique.stream(0).clone_htod(&vec![5u8; n]).unwrap();
+    let mut outs = clique.alloc_outputs::<u8>(n).unwrap();
+    match clique.broadcast_with(0, &input, &mut outs, &nccl) {
+        Err(Error::CommunicatorsAborted { .. }) => {}
+        other => panic!("an eager NCCL call after the abort: {other:?}"),
+    }
+    within(Duration::from_secs(60), "recover after the abort", || {
+        clique.recover().unwrap()
+    });
+    refused(&mut graph, "after recover");
+    let data: Vec<u8> = random_vec(n, &mut rng);
+    let input = clique.stream(0).clone_htod(&data).unwrap();
+    let mut outs = poisoned_outputs::<u8>(clique, n, &mut rng);
+    clique.broadcast_with(0, &input, &mut outs, &nccl).unwrap();
+    clique.synchronize().unwrap();
+    assert_bytes_eq(
+        clique.stream(0),
+        &outs[0],
+        &data,
+        "an eager call after recover",
+    );
+    let mut again = capture();
+    check(&mut again, &mut rng, "a new graph after recover");
+    // The old graph goes: the abort waiting for it can finish.
+    drop(graph);
+    check(&mut again, &mut rng, "the new graph after the old one went");
+}

@@ -337,6 +337,17 @@ impl Clique {
         self.core.engine.fail_graph_launch(rank, part);
     }
 
+    /// Aborts the clique's NCCL communicators as its watchdog does after a fault: later NCCL
+    /// calls fail with [`Error::CommunicatorsAborted`] until [`Clique::recover`]. Test
+    /// support (with one GPU no NCCL peer can be late). Not for use.
+    #[doc(hidden)]
+    pub fn abort_nccl_for_test(&self) -> Result<()> {
+        self.core
+            .engine
+            .lock()?
+            .abort_nccl("aborted by a test".into())
+    }
+
     /// The route a broadcast of `bytes` bytes would take with `options`.
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
         self.core.route(bytes, options)

@@ -172,10 +172,18 @@ impl EngineGuard<'_> {
             return Err(e);
         }
         let has_nccl = self.state.nccl.end_capture();
+        // The communicators the graph's NCCL kernels use (0, which names none, where they
+        // were aborted during the capture).
+        let comms = if has_nccl {
+            Some(self.nccl().map_or(0, |n| n.live_id()))
+        } else {
+            None
+        };
         let has_ce = std::mem::take(&mut self.state.ce.captured);
         let holds = Holds {
             p2p: self.state.p2p.end_capture(),
             ce: has_ce.then_some(self.state.ce.gen),
+            nccl: comms,
         };
         let mut execs = Vec::with_capacity(self.n());
         let mut status = Ok(());
@@ -233,6 +241,17 @@ impl EngineGuard<'_> {
                      again"
                         .into(),
                 ));
+            }
+            if let Some(comms) = holds.nccl {
+                // Kernels of aborted communicators return at once, their outputs unwritten.
+                if self.nccl()?.live_id() != comms || comms == 0 {
+                    return Err(Error::CommunicatorsAborted {
+                        reason: "the NCCL communicators this graph was captured with were \
+                                 aborted since: capture it again"
+                            .into(),
+                        undefined_calls: Vec::new(),
+                    });
+                }
             }
             if holds.ce.is_some_and(|g| g != self.state.ce.gen) {
                 return Err(Error::CopyEngineUnavailable(
@@ -388,13 +407,16 @@ pub(crate) struct GraphExec {
     holds: Holds,
 }
 
-/// The generations of the P2P state and of the copy-engine flags a graph was captured with
-/// (`None`: it holds none of them). A graph whose state has been closed or replaced since is
-/// never launched: its addresses point into memory that is freed or leaked half reset.
+/// The generations of the P2P state and of the copy-engine flags a graph was captured with,
+/// and the NCCL communicators (`None`: it holds none of them). A graph whose state has been
+/// closed or replaced since is never launched: its addresses point into memory that is freed
+/// or leaked half reset, or its NCCL kernels would return without writing their outputs.
 #[derive(Debug, Clone, Copy)]
 struct Holds {
     p2p: Option<u64>,
     ce: Option<u64>,
+    /// The id of the NCCL communicators it captured (`Comms`' id).
+    nccl: Option<u64>,
 }
 
 // SAFETY: graph handles may be used from any thread as long as calls on one graph do not

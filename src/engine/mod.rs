@@ -182,8 +182,13 @@ impl Engine {
         let (p2p, p2p_status) = p2p::State::new(p2p);
         let live = matches!(nccl, Nccl::Live(_));
         let nccl = nccl::State::new(nccl);
+        let nccl_graphs = Arc::new(AtomicUsize::new(0));
         let watchdog = if live {
-            Some(watchdog::Watchdog::start(nccl.shared(), settings.timeout)?)
+            Some(watchdog::Watchdog::start(
+                nccl.shared(),
+                nccl_graphs.clone(),
+                settings.timeout,
+            )?)
         } else {
             None
         };
@@ -207,7 +212,7 @@ impl Engine {
             capture_thread: Mutex::new(None),
             watchdog,
             watching: AtomicBool::new(true),
-            nccl_graphs: Arc::new(AtomicUsize::new(0)),
+            nccl_graphs,
             fail_launch: AtomicU64::new(0),
         })
     }
@@ -652,7 +657,8 @@ impl EngineGuard<'_> {
                         comms.broadcast_group(root, entries, self.engine.settings.timeout)
                     };
                     if let Err(e) = queued {
-                        nccl.abort(format!("a grouped broadcast failed: {e}"));
+                        let graphs = self.engine.nccl_graphs.load(Ordering::Acquire) > 0;
+                        nccl.abort(format!("a grouped broadcast failed: {e}"), graphs);
                         return Err(e);
                     }
                     drop(nccl);
@@ -833,6 +839,14 @@ impl EngineGuard<'_> {
             })
     }
 
+    /// Aborts the NCCL communicators with `reason`, as the watchdog does after a fault (test
+    /// support: with one GPU no NCCL peer can be late).
+    pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
+        let graphs = self.engine.nccl_graphs.load(Ordering::Acquire) > 0;
+        self.nccl()?.abort(reason, graphs);
+        Ok(())
+    }
+
     /// Turns the P2P launch threads on or off.
     pub(crate) fn set_parallel_launch(&mut self, on: bool) {
         if let Some(p2p) = self.state.p2p.live_mut() {
@@ -881,7 +895,11 @@ impl Drop for Engine {
         match nccl::lock_within(&shared, Duration::from_secs(1)) {
             Some(mut nccl) => {
                 if !idle {
-                    nccl.abort("the clique was dropped while work was still running".into());
+                    let graphs = self.nccl_graphs.load(Ordering::Acquire) > 0;
+                    nccl.abort(
+                        "the clique was dropped while work was still running".into(),
+                        graphs,
+                    );
                     idle = self.wait_idle(Duration::from_secs(1));
                 }
                 if idle {

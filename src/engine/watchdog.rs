@@ -20,6 +20,7 @@
 //! (bounded, see `Engine::nccl`).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -98,6 +99,9 @@ struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
     nccl: Arc<Mutex<Nccl>>,
+    /// The engine's count of live graphs that hold NCCL broadcasts: an abort then finishes on
+    /// a thread of its own (it waits for those graphs), so this one goes on watching.
+    nccl_graphs: Arc<AtomicUsize>,
     timeout: Duration,
 }
 
@@ -115,11 +119,16 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     /// Starts watching calls on `nccl` with `timeout`.
-    pub(crate) fn start(nccl: Arc<Mutex<Nccl>>, timeout: Duration) -> Result<Watchdog> {
+    pub(crate) fn start(
+        nccl: Arc<Mutex<Nccl>>,
+        nccl_graphs: Arc<AtomicUsize>,
+        timeout: Duration,
+    ) -> Result<Watchdog> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
             nccl,
+            nccl_graphs,
             timeout,
         });
         let inner = shared.clone();
@@ -316,11 +325,12 @@ fn watch(shared: &Shared) {
             });
             drop(q);
             tracing::error!(%reason, ?undefined, "aborting NCCL");
+            let graphs = shared.nccl_graphs.load(Ordering::Acquire) > 0;
             shared
                 .nccl
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .abort(reason);
+                .abort(reason, graphs);
             q = shared.queue();
             continue;
         }

@@ -39,7 +39,12 @@ pub(crate) struct RankOp {
 pub(crate) struct Comms {
     lib: &'static NcclLib,
     comms: Vec<Comm>,
+    /// Unique in the process: a graph that captured these communicators names them by it.
+    id: u64,
 }
+
+/// The next [`Comms::id`].
+static NEXT_COMMS_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl Comms {
     /// One communicator per rank of a clique of this process (rank i on `ctxs[i]`), within
@@ -225,6 +230,31 @@ impl Comms {
         self.release(abort, "ncclCommAbort");
     }
 
+    /// [`Comms::abort`] on a thread of its own, never joined. `ncclCommAbort` stops the
+    /// communicators' kernels at once, then (NCCL 2.26 and later) waits until every CUDA graph
+    /// that captured them is destroyed before it returns: where such a graph is alive, the
+    /// thread that owns it could otherwise wait for itself. If no thread can be started, the
+    /// communicators are leaked unaborted (their kernels then end only when their peers come,
+    /// and the engine's waits give up on them), never destroyed here: that would wait too.
+    fn abort_detached(self) {
+        let slot = Arc::new(Mutex::new(Some(self)));
+        let taken = slot.clone();
+        let spawned = std::thread::Builder::new()
+            .name("gpucast-nccl-abort".into())
+            .spawn(move || {
+                let comms = taken.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(comms) = comms {
+                    comms.abort();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "no thread for an NCCL abort: the communicators are leaked");
+            if let Some(comms) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                std::mem::forget(comms);
+            }
+        }
+    }
+
     /// Ends every communicator with `end` (`ncclCommDestroy` or `ncclCommAbort`), logging
     /// failures: nothing is left to use afterwards.
     fn release(&mut self, end: lib::CommFn, name: &str) {
@@ -299,6 +329,7 @@ fn join_and_connect(
     let mut comms = Comms {
         lib,
         comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
+        id: NEXT_COMMS_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     };
     if status.is_ok() {
         status = connect(&mut comms, ranks);
@@ -397,13 +428,28 @@ impl Nccl {
         }
     }
 
-    /// Aborts the communicators (if live) and remembers why.
-    pub(crate) fn abort(&mut self, reason: String) {
+    /// Aborts the communicators (if live) and remembers why. Where a CUDA graph that captured
+    /// them may be alive (`graphs_alive`), the abort finishes on a thread of its own
+    /// ([`Comms::abort_detached`]) and this returns at once; the communicators count as aborted
+    /// from here on either way.
+    pub(crate) fn abort(&mut self, reason: String, graphs_alive: bool) {
         if let Nccl::Live(_) = self {
             if let Nccl::Live(comms) = std::mem::replace(self, Nccl::Aborted(reason.clone())) {
                 tracing::warn!(%reason, "aborting the NCCL communicators");
-                comms.abort();
+                if graphs_alive {
+                    comms.abort_detached();
+                } else {
+                    comms.abort();
+                }
             }
+        }
+    }
+
+    /// The id of the live communicators ([`Comms::id`]), 0 where there are none.
+    pub(crate) fn live_id(&self) -> u64 {
+        match self {
+            Nccl::Live(c) => c.id,
+            Nccl::Aborted(_) | Nccl::Off(_) => 0,
         }
     }
 }
