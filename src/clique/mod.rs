@@ -328,10 +328,10 @@ impl Clique {
         self.core.engine.lock()?.set_packet_counters(value)
     }
 
-    /// Makes the next launch of part `part` of rank `rank`'s graph fail without being queued,
-    /// once (a graph has one part, or where ranks share a GPU one per P2P step and a last
-    /// one): test support for a graph launch that reached some ranks and not others. Not for
-    /// use.
+    /// Makes the next graph launch fail at part `part` of rank `rank`'s graph, without queueing
+    /// that part (a graph has one part, or where ranks share a GPU one per P2P step and a last
+    /// one); disarmed after that launch whether or not it reached the part. Test support for a
+    /// graph launch that reached some ranks and not others. Not for use.
     #[doc(hidden)]
     pub fn fail_graph_launch_for_test(&self, rank: usize, part: usize) {
         self.core.engine.fail_graph_launch(rank, part);

@@ -62,7 +62,8 @@ pub(crate) unsafe fn memset_now(
     let set = unsafe { sys::cuMemsetD32Async(ptr, value, words, stream) }
         .result()
         .map_err(Error::cuda("queueing a memset"))
-        .and_then(|()| wait_idle(stream, start, MEMSET_WITHIN));
+        // SAFETY: `stream` was created above and is destroyed only below.
+        .and_then(|()| unsafe { wait_idle(stream, start, MEMSET_WITHIN) });
     // SAFETY: created above and used nowhere else; work still queued (after a wait that gave
     // up) completes before the driver frees the stream.
     let _ = unsafe { result::stream::destroy(stream) };
@@ -70,10 +71,13 @@ pub(crate) unsafe fn memset_now(
 }
 
 /// Waits, by polling, until `stream` is idle or `within` has passed since `start`.
-fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
+///
+/// # Safety
+/// `stream` is a live stream.
+unsafe fn wait_idle(stream: CUstream, start: Instant, within: Duration) -> Result<()> {
     let mut backoff = crate::wait::Backoff::new();
     loop {
-        // SAFETY: `stream` is a live stream of the current context.
+        // SAFETY: `stream` is live (this function's contract).
         match unsafe { stream::is_idle(stream) } {
             Ok(true) => return Ok(()),
             Ok(false) if start.elapsed() < within => backoff.pause(),

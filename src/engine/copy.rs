@@ -164,7 +164,8 @@ impl Flags {
 impl Drop for Flags {
     fn drop(&mut self) {
         for (ctx, ptr) in &self.areas {
-            if ctx.bind_to_thread().is_ok() {
+            // Not cudarc's bind_to_thread: an error it stored would skip the free (a leak).
+            if driver::make_current(ctx).is_ok() {
                 // SAFETY: allocated in `new`, not used again (the engine drops the flags only
                 // when its streams are idle, and leaks them otherwise).
                 let _ = unsafe { result::free_sync(*ptr) };

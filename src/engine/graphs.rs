@@ -234,6 +234,13 @@ impl EngineGuard<'_> {
     /// went out, the ranks launched could wait for the missing one: the copy-engine flags are
     /// released (P2P kernels time out by themselves) and the next call drains and resets.
     pub(crate) fn launch_graphs(&mut self, execs: &[GraphExec]) -> Result<()> {
+        let launched = self.launch_graphs_once(execs);
+        // A failure armed for a test and not reached by this launch never fires later.
+        self.engine.fail_launch.store(0, Ordering::Relaxed);
+        launched
+    }
+
+    fn launch_graphs_once(&mut self, execs: &[GraphExec]) -> Result<()> {
         if let Some(holds) = execs.first().map(|g| g.holds) {
             if holds.p2p.is_some_and(|g| !self.state.p2p.holds_current(g)) {
                 return Err(Error::P2pUnavailable(

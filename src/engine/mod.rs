@@ -223,9 +223,9 @@ impl Engine {
         self.watching.store(on, Ordering::Relaxed);
     }
 
-    /// Makes the next launch of part `part` of rank `rank`'s graph fail (as a driver error)
-    /// without queueing it, once: test support for a graph launch that reached some ranks
-    /// and not others.
+    /// Makes the next graph launch fail (as a driver error) at part `part` of rank `rank`'s
+    /// graph, without queueing that part: test support for a graph launch that reached some
+    /// ranks and not others. Disarmed after that launch, whether or not it reached the part.
     pub(crate) fn fail_graph_launch(&self, rank: usize, part: usize) {
         let code = ((rank as u64) << 32 | part as u64) + 1;
         self.fail_launch.store(code, Ordering::Relaxed);

@@ -157,7 +157,11 @@ unsafe impl Send for SendCtx {}
 
 impl Launcher {
     /// Starts one worker per context after the first.
-    pub(crate) fn new(ctxs: &[CUcontext]) -> std::io::Result<Launcher> {
+    ///
+    /// # Safety
+    /// Every context is live and stays live until the launcher is dropped (its workers make
+    /// them current).
+    pub(crate) unsafe fn new(ctxs: &[CUcontext]) -> std::io::Result<Launcher> {
         let mut workers = Vec::new();
         for (rank, &ctx) in ctxs.iter().enumerate().skip(1) {
             let slot = Arc::new(Slot::new());
@@ -227,7 +231,8 @@ pub(super) unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError
 }
 
 fn worker(slot: &Slot, ctx: SendCtx) {
-    // SAFETY: the context outlives the launcher (the engine drops the launcher first).
+    // SAFETY: the context stays live while the launcher lives (`Launcher::new`'s contract),
+    // and the launcher's drop ends this worker.
     let bound = unsafe { crate::driver::context::set_current(ctx.0) };
     let mut idle_since = Instant::now();
     loop {

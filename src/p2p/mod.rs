@@ -156,7 +156,9 @@ impl P2p {
         }
         if n > 1 {
             let raw: Vec<_> = ctxs.iter().map(|c| c.cu_ctx()).collect();
-            match launcher::Launcher::new(&raw) {
+            // SAFETY: the contexts are the ranks' primary contexts, which `p2p.ranks` keeps
+            // (`RankKernels::ctx`) until `P2p`'s drop, and that drop ends the launcher first.
+            match unsafe { launcher::Launcher::new(&raw) } {
                 Ok(l) => p2p.launcher = Some(l),
                 Err(e) => {
                     tracing::warn!(error = %e, "no launch threads: launching from the caller's thread")
@@ -791,7 +793,8 @@ impl Drop for P2p {
         // Stop the launch threads first: they hold the contexts current.
         self.launcher = None;
         for r in self.ranks.iter().filter(|r| r.plain) {
-            if r.ctx.bind_to_thread().is_ok() {
+            // Not cudarc's bind_to_thread: an error it stored would skip the free (a leak).
+            if crate::driver::make_current(&r.ctx).is_ok() {
                 // SAFETY: allocated by `malloc_sync` in this context; no kernel uses it any more.
                 if let Err(e) = unsafe { result::free_sync(r.signal) } {
                     tracing::warn!(error = %e, "could not free a signal area");

@@ -97,8 +97,9 @@ impl SharedMemory {
                 });
             }
         };
-        // SAFETY: `va` is a fresh reservation of `size` bytes and `handle` an allocation of as
-        // many.
+        // SAFETY: `va` is a fresh reservation of `size` bytes and `handle` a live allocation
+        // handle (of as many bytes, or, for an import, of what the peer's card says: the driver
+        // refuses a map larger than the allocation).
         if let Err(e) = unsafe { vmm::map(va, size, handle) } {
             // Nothing owns them yet (no `SharedMemory`, whose drop would free them again).
             // SAFETY: an unmapped reservation and an unused handle, both ours, freed once.
@@ -153,7 +154,9 @@ impl SharedMemory {
 
 impl Drop for SharedMemory {
     fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_err() {
+        // Not cudarc's bind_to_thread: an error it stored would return early (a leak) and be
+        // lost.
+        if crate::driver::make_current(&self.ctx).is_err() {
             return;
         }
         // SAFETY: our mapping and handle; no kernel uses them any more (the engine drains its

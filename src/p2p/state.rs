@@ -34,8 +34,8 @@ pub(crate) struct State {
     status: Arc<Status>,
     /// Bumped whenever the path closes: a graph captured before holds its addresses.
     gen: u64,
-    /// A P2P step was queued inside the capture in progress.
-    captured: bool,
+    /// The generation when the capture in progress queued its first P2P step, if it did.
+    captured: Option<u64>,
 }
 
 impl State {
@@ -48,7 +48,7 @@ impl State {
             path,
             status: status.clone(),
             gen: 0,
-            captured: false,
+            captured: None,
         };
         (state, status)
     }
@@ -111,12 +111,16 @@ impl State {
 
     /// Notes a P2P step queued while `capturing`.
     pub(crate) fn note_step(&mut self, capturing: bool) {
-        self.captured |= capturing;
+        if capturing && self.captured.is_none() {
+            self.captured = Some(self.gen);
+        }
     }
 
-    /// Ends the capture in progress: the generation its graph holds, if it holds a P2P step.
+    /// Ends the capture in progress: the generation its graph holds, if it holds a P2P step
+    /// (the one of its first step: where the path closed during the capture, the graph holds
+    /// addresses of the closed state and never launches).
     pub(crate) fn end_capture(&mut self) -> Option<u64> {
-        std::mem::take(&mut self.captured).then_some(self.gen)
+        self.captured.take()
     }
 
     /// Whether a graph that holds generation `gen` may still launch.
