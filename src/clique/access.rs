@@ -17,6 +17,7 @@
 //!
 //! A buffer from another context than the clique's on its device is rejected by validation.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
@@ -54,20 +55,45 @@ pub(crate) fn info_of_dyn(t: &dyn DeviceTensor) -> BufferInfo {
     }
 }
 
-/// The streams of a call's buffers that are not their rank's clique stream, once each.
+/// The streams of a call's buffers that are not their rank's clique stream, once each; every
+/// one is live for `'s` (borrowed, or promised by [`Foreign::note_raw`]'s caller) and a stream
+/// of its rank's context (validation checked every buffer's and raw stream's context first).
 #[derive(Default)]
-pub(crate) struct Foreign {
+pub(crate) struct Foreign<'s> {
     list: Vec<(usize, CUstream)>,
+    streams: PhantomData<&'s CudaStream>,
 }
 
-impl Foreign {
-    /// Notes that a buffer of `rank` lives on `stream`, whose clique stream is `rank_stream`.
-    pub(crate) fn note(&mut self, rank: usize, stream: &CudaStream, rank_stream: &CudaStream) {
-        self.note_raw(rank, stream.cu_stream(), rank_stream);
+impl<'s> Foreign<'s> {
+    /// Notes that a buffer of `rank` lives on `stream`, whose clique stream is `rank_stream`
+    /// (an error if `stream` is of another context: validation refuses such buffers first).
+    pub(crate) fn note(
+        &mut self,
+        rank: usize,
+        stream: &'s CudaStream,
+        rank_stream: &CudaStream,
+    ) -> Result<()> {
+        if stream.context().cu_ctx() != rank_stream.context().cu_ctx() {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "a buffer of rank {rank} is on a stream of another context"
+            )));
+        }
+        // SAFETY: `stream` is borrowed for `'s`, so live that long, and of the rank's context
+        // (checked above).
+        unsafe { self.note_raw(rank, stream.cu_stream(), rank_stream) };
+        Ok(())
     }
 
     /// [`Foreign::note`] for a raw stream handle.
-    pub(crate) fn note_raw(&mut self, rank: usize, stream: CUstream, rank_stream: &CudaStream) {
+    ///
+    /// # Safety
+    /// `stream` is a live stream of rank `rank`'s context and stays live for `'s`.
+    pub(crate) unsafe fn note_raw(
+        &mut self,
+        rank: usize,
+        stream: CUstream,
+        rank_stream: &CudaStream,
+    ) {
         if stream != rank_stream.cu_stream() && !self.list.contains(&(rank, stream)) {
             self.list.push((rank, stream));
         }
@@ -82,12 +108,15 @@ impl Foreign {
         f: impl FnOnce(&mut EngineGuard<'_>) -> Result<()>,
     ) -> Result<()> {
         for &(rank, s) in &self.list {
-            engine.stream_waits_for(rank, s)?;
+            // SAFETY: every stream noted is a live stream of its rank's context for `'s` (the
+            // type's invariant), and `self` is borrowed within `'s`.
+            unsafe { engine.stream_waits_for(rank, s) }?;
         }
         let done = f(engine);
         let mut after = Ok(());
         for &(rank, s) in &self.list {
-            after = after.and(engine.waits_for_stream(rank, s));
+            // SAFETY: as above.
+            after = after.and(unsafe { engine.waits_for_stream(rank, s) });
         }
         done.and(after)
     }
@@ -112,7 +141,7 @@ where
 {
     let mut foreign = Foreign::default();
     for (local, s) in buffers() {
-        foreign.note(local, s, engine.stream(local));
+        foreign.note(local, s, engine.stream(local))?;
     }
     let streams = || buffers().map(|(_, s)| s);
     stored_error(streams(), Check::Before)?;

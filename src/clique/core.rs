@@ -307,7 +307,10 @@ impl Core {
         let step = self.replan_single(step, bytes, options)?;
         let mut foreign = Foreign::default();
         for (local, &s) in b.streams.iter().enumerate() {
-            foreign.note_raw(local, s, self.stream(local));
+            // SAFETY: the caller guarantees live streams until the broadcast is queued (this
+            // function's contract), their contexts were checked above, and `foreign` is
+            // dropped before this returns.
+            unsafe { foreign.note_raw(local, s, self.stream(local)) };
         }
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
@@ -489,7 +492,9 @@ impl Core {
         let mut engine = self.engine.lock()?;
         for (local, s) in streams.iter().enumerate() {
             if s.cu_stream() != self.stream(local).cu_stream() {
-                engine.stream_waits_for(local, s.cu_stream())?;
+                // SAFETY: `s` is borrowed, so live, and `check_streams` checked that it is a
+                // stream of this rank's context.
+                unsafe { engine.stream_waits_for(local, s.cu_stream()) }?;
             }
         }
         Ok(())

@@ -691,7 +691,8 @@ impl EngineGuard<'_> {
     pub(crate) fn fork_aux(&mut self, rank: usize) -> Result<CUstream> {
         let (main, aux) = (self.work_stream(rank), self.aux_stream(rank));
         let fork = self.state.aux_events[rank].0.cu_event();
-        self.order_with(rank, fork, main, aux)
+        // SAFETY: one of the rank's events; both are the rank's own streams (the engine's).
+        unsafe { self.order_with(rank, fork, main, aux) }
             .map_err(Error::cuda(format!("forking rank {rank}'s second stream")))?;
         Ok(aux)
     }
@@ -701,7 +702,8 @@ impl EngineGuard<'_> {
     pub(crate) fn join_aux(&mut self, rank: usize) -> Result<()> {
         let (main, aux) = (self.work_stream(rank), self.aux_stream(rank));
         let join = self.state.aux_events[rank].1.cu_event();
-        self.order_with(rank, join, aux, main)
+        // SAFETY: as in `fork_aux`.
+        unsafe { self.order_with(rank, join, aux, main) }
             .map_err(Error::cuda(format!("joining rank {rank}'s second stream")))
     }
 
@@ -762,37 +764,51 @@ impl EngineGuard<'_> {
         joined.map(|()| launched)
     }
 
-    /// Makes rank `rank`'s stream wait for the work queued so far on `other` (a stream of the
-    /// same device).
-    pub(crate) fn stream_waits_for(&mut self, rank: usize, other: CUstream) -> Result<()> {
+    /// Makes rank `rank`'s stream wait for the work queued so far on `other`.
+    ///
+    /// # Safety
+    /// `other` is a live stream of rank `rank`'s context.
+    pub(crate) unsafe fn stream_waits_for(&mut self, rank: usize, other: CUstream) -> Result<()> {
         let own = self.engine.ranks[rank].stream.get().cu_stream();
-        self.order(rank, other, own).map_err(Error::cuda(format!(
+        // SAFETY: `own` is the rank's own stream; `other` per this function's contract.
+        unsafe { self.order(rank, other, own) }.map_err(Error::cuda(format!(
             "ordering rank {rank} after a buffer's stream"
         )))
     }
 
-    /// Makes `other` (a stream of rank `rank`'s device) wait for the work queued so far on the
-    /// rank's stream.
-    pub(crate) fn waits_for_stream(&mut self, rank: usize, other: CUstream) -> Result<()> {
+    /// Makes `other` wait for the work queued so far on rank `rank`'s stream.
+    ///
+    /// # Safety
+    /// `other` is a live stream of rank `rank`'s context.
+    pub(crate) unsafe fn waits_for_stream(&mut self, rank: usize, other: CUstream) -> Result<()> {
         let own = self.engine.ranks[rank].stream.get().cu_stream();
-        self.order(rank, own, other).map_err(Error::cuda(format!(
+        // SAFETY: `own` is the rank's own stream; `other` per this function's contract.
+        unsafe { self.order(rank, own, other) }.map_err(Error::cuda(format!(
             "ordering a buffer's stream after rank {rank}"
         )))
     }
 
     /// Makes `later` wait for the work queued so far on `earlier`, with rank `rank`'s event.
-    fn order(
+    ///
+    /// # Safety
+    /// Both streams are live streams of rank `rank`'s context.
+    unsafe fn order(
         &mut self,
         rank: usize,
         earlier: CUstream,
         later: CUstream,
     ) -> std::result::Result<(), result::DriverError> {
         let event = self.state.events[rank].cu_event();
-        self.order_with(rank, event, earlier, later)
+        // SAFETY: one of the rank's events; the streams per this function's contract.
+        unsafe { self.order_with(rank, event, earlier, later) }
     }
 
     /// [`EngineGuard::order`] with `event`, one of rank `rank`'s events.
-    fn order_with(
+    ///
+    /// # Safety
+    /// `event` is one of rank `rank`'s events in the engine's state, and both streams are live
+    /// streams of the rank's context.
+    unsafe fn order_with(
         &self,
         rank: usize,
         event: sys::CUevent,
@@ -802,10 +818,8 @@ impl EngineGuard<'_> {
         // Not `bind_to_thread`: an error cudarc stored from unrelated work must not stop this
         // ordering (a buffer's stream would then move on before the call's work on the buffer).
         make_current(&self.engine.ranks[rank].ctx)?;
-        // SAFETY: `event` belongs to this rank's context (every caller passes one of the
-        // rank's events in `State`) and both streams are live streams of the same device's
-        // primary context (the callers check buffers' contexts); both calls only enqueue, and
-        // the event is reused only under the engine's lock (`&self` of a guard).
+        // SAFETY: `event` and both streams per this function's contract; both calls only
+        // enqueue, and the event is reused only under the engine's lock (`&self` of a guard).
         unsafe {
             result::event::record(event, earlier)?;
             result::stream::wait_event(later, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
