@@ -661,34 +661,48 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
 }
 
 /// An NCCL abort (the watchdog's answer to a late peer) while a graph that captured the
-/// communicators is alive: NCCL's abort waits until every such graph is destroyed, so done on
-/// the caller's thread it would wait for a graph that thread owns, forever. The abort must
-/// return at once; the live graph must then refuse to launch (its NCCL kernels would return
-/// without writing a byte) before and after `recover`, while new eager calls and new captures
-/// work bit for bit after `recover`. Runs on a clique of one GPU (NCCL with one rank).
+/// communicators is alive. NCCL's abort waits until every graph that captured them is
+/// destroyed, so done on the caller's thread it would wait for a graph that thread owns,
+/// forever: the abort must return at once. The live graph must then refuse to launch (on
+/// several ranks its NCCL kernels would return without writing) before and after `recover`,
+/// while new eager calls and new captures work bit for bit after `recover`. On two GPUs or
+/// more it runs on GPUs 0 and 1; with one, on a clique of one GPU, where NCCL turns a
+/// broadcast into a local copy that leaves the abort nothing to wait for (the refusal is
+/// tested there, the wait is not).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
-    let clique: &'static Clique = Box::leak(Box::new(
+    let devices: &[usize] = if gpus() >= 2 { &[0, 1] } else { &[0] };
+    let clique = Arc::new(
         Clique::builder()
-            .devices(&[0])
+            .devices(devices)
             .timeout(Duration::from_secs(2))
             .build()
             .unwrap(),
-    ));
+    );
+    let ranks = clique.len();
     let nccl = BroadcastOptions::path(BroadcastPath::Nccl);
     let n = (1 << 16) + 3;
-    let check = |graph: &mut gpucast::OwnedGraph<'static, (CudaSlice<u8>, Vec<CudaSlice<u8>>)>,
-                 rng: &mut rand::rngs::StdRng,
-                 what: &str| {
-        let data: Vec<u8> = random_vec(n, rng);
-        let (input, outputs) = graph.buffers_mut();
-        clique.stream(0).memcpy_htod(&data, input).unwrap();
-        clique.stream(0).memset_zeros(&mut outputs[0]).unwrap();
-        graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
-        clique.synchronize().unwrap();
-        assert_bytes_eq(clique.stream(0), &graph.buffers().1[0], &data, what);
-    };
+    type Bufs = (CudaSlice<u8>, Vec<CudaSlice<u8>>);
+    let check =
+        |graph: &mut gpucast::OwnedGraph<'_, Bufs>, rng: &mut rand::rngs::StdRng, what: &str| {
+            let data: Vec<u8> = random_vec(n, rng);
+            let (input, outputs) = graph.buffers_mut();
+            clique.stream(0).memcpy_htod(&data, input).unwrap();
+            for (rank, out) in outputs.iter_mut().enumerate() {
+                clique.stream(rank).memset_zeros(out).unwrap();
+            }
+            graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
+            clique.synchronize().unwrap();
+            for (rank, out) in graph.buffers().1.iter().enumerate() {
+                assert_bytes_eq(
+                    clique.stream(rank),
+                    out,
+                    &data,
+                    &format!("{what}, rank {rank}"),
+                );
+            }
+        };
     let capture = || {
         let input = clique.stream(0).alloc_zeros::<u8>(n).unwrap();
         let outputs = clique.alloc_outputs::<u8>(n).unwrap();
@@ -701,12 +715,13 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
     let mut rng = rng();
     let mut graph = capture();
     check(&mut graph, &mut rng, "a replay before the abort");
+    let c = clique.clone();
     within(
         Duration::from_secs(30),
-        "an NCCL abort beside a live graph",
-        || clique.abort_nccl_for_test().unwrap(),
+        &format!("an NCCL abort beside a live graph ({ranks} rank(s))"),
+        move || c.abort_nccl_for_test().unwrap(),
     );
-    let refused = |graph: &mut gpucast::OwnedGraph<'static, _>, what: &str| match graph.launch() {
+    let refused = |graph: &mut gpucast::OwnedGraph<'_, Bufs>, what: &str| match graph.launch() {
         Err(Error::CommunicatorsAborted { .. }) => {}
         other => panic!("{what}: a graph of aborted communicators launched: {other:?}"),
     };
@@ -717,24 +732,35 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
         Err(Error::CommunicatorsAborted { .. }) => {}
         other => panic!("an eager NCCL call after the abort: {other:?}"),
     }
-    within(Duration::from_secs(60), "recover after the abort", || {
-        clique.recover().unwrap()
-    });
+    let c = clique.clone();
+    within(
+        Duration::from_secs(60),
+        "recover after the abort",
+        move || c.recover().unwrap(),
+    );
     refused(&mut graph, "after recover");
     let data: Vec<u8> = random_vec(n, &mut rng);
     let input = clique.stream(0).clone_htod(&data).unwrap();
-    let mut outs = poisoned_outputs::<u8>(clique, n, &mut rng);
+    let mut outs = poisoned_outputs::<u8>(&clique, n, &mut rng);
     clique.broadcast_with(0, &input, &mut outs, &nccl).unwrap();
     clique.synchronize().unwrap();
-    assert_bytes_eq(
-        clique.stream(0),
-        &outs[0],
-        &data,
-        "an eager call after recover",
-    );
+    for (rank, out) in outs.iter().enumerate() {
+        assert_bytes_eq(
+            clique.stream(rank),
+            out,
+            &data,
+            &format!("an eager call after recover, rank {rank}"),
+        );
+    }
     let mut again = capture();
     check(&mut again, &mut rng, "a new graph after recover");
     // The old graph goes: the abort waiting for it can finish.
     drop(graph);
     check(&mut again, &mut rng, "the new graph after the old one went");
+    drop(again);
+    let c = clique.clone();
+    drop(clique);
+    within(Duration::from_secs(60), "dropping the clique", move || {
+        drop(c)
+    });
 }

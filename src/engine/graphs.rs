@@ -172,10 +172,25 @@ impl EngineGuard<'_> {
             return Err(e);
         }
         let has_nccl = self.state.nccl.end_capture();
-        // The communicators the graph's NCCL kernels use (0, which names none, where they
-        // were aborted during the capture).
+        // The communicators the graph's NCCL kernels use. Where they were aborted during the
+        // capture (or cannot be read), the capture fails once every stream's capture ended: a
+        // graph of aborted communicators never launches.
+        let mut aborted = Ok(());
         let comms = if has_nccl {
-            Some(self.nccl().map_or(0, |n| n.live_id()))
+            let id = match self.nccl() {
+                Ok(n) => n.live_id(),
+                Err(e) => {
+                    aborted = Err(e);
+                    0
+                }
+            };
+            if id == 0 && aborted.is_ok() {
+                aborted = Err(Error::CommunicatorsAborted {
+                    reason: "the NCCL communicators were aborted during the capture".into(),
+                    undefined_calls: Vec::new(),
+                });
+            }
+            Some(id)
         } else {
             None
         };
@@ -200,20 +215,28 @@ impl EngineGuard<'_> {
                     if graphs.is_empty() || counted != Ok(0) {
                         graphs.push(graph);
                     } else {
-                        GraphExec::destroy_graphs(&r.ctx, [graph]);
+                        // SAFETY: the graph just ended, empty, used nowhere else.
+                        unsafe { GraphExec::destroy_graphs(&r.ctx, [graph]) };
                     }
-                    match GraphExec::instantiate(
-                        r.ctx.clone(),
-                        graphs,
-                        has_nccl.then(|| self.engine.nccl_graphs.clone()),
-                        holds,
-                    ) {
+                    // SAFETY: the rank's graphs, ended by this capture (its cut parts and the
+                    // last one) in its context, which `end_capture_stream` made current, and
+                    // used nowhere after this.
+                    let exec = unsafe {
+                        GraphExec::instantiate(
+                            r.ctx.clone(),
+                            graphs,
+                            has_nccl.then(|| self.engine.nccl_graphs.clone()),
+                            holds,
+                        )
+                    };
+                    match exec {
                         Ok(exec) => execs.push(exec),
                         Err(e) => status = status.and(Err(e)),
                     }
                 }
                 Err(e) => {
-                    GraphExec::destroy_graphs(&r.ctx, graphs);
+                    // SAFETY: the rank's cut parts, owned here and used nowhere after this.
+                    unsafe { GraphExec::destroy_graphs(&r.ctx, graphs) };
                     status = status.and(Err(e));
                 }
             }
@@ -226,7 +249,7 @@ impl EngineGuard<'_> {
                 }));
             }
         }
-        status.map(|()| execs)
+        status.and(aborted).map(|()| execs)
     }
 
     /// Launches one graph per rank, on the ranks' streams ([`EngineGuard::spinning`]: on
@@ -241,6 +264,11 @@ impl EngineGuard<'_> {
     }
 
     fn launch_graphs_once(&mut self, execs: &[GraphExec]) -> Result<()> {
+        // A graph with NCCL broadcasts holds the communicators from the check that they are
+        // still the ones it captured until it is queued with the watchdog: an abort, which
+        // takes them first, comes before the check (refused) or after the watch (named).
+        let shared = self.state.nccl.shared();
+        let mut _communicators = None;
         if let Some(holds) = execs.first().map(|g| g.holds) {
             if holds.p2p.is_some_and(|g| !self.state.p2p.holds_current(g)) {
                 return Err(Error::P2pUnavailable(
@@ -250,8 +278,14 @@ impl EngineGuard<'_> {
                 ));
             }
             if let Some(comms) = holds.nccl {
+                let limit = self.drain_limit();
+                let nccl =
+                    crate::nccl::lock_within(&shared, limit).ok_or_else(|| Error::NcclTimeout {
+                        during: "waiting for the NCCL communicators (held by the watchdog)".into(),
+                        waited_ms: crate::wait::millis(limit),
+                    })?;
                 // Kernels of aborted communicators return at once, their outputs unwritten.
-                if self.nccl()?.live_id() != comms || comms == 0 {
+                if nccl.live_id() != comms || comms == 0 {
                     return Err(Error::CommunicatorsAborted {
                         reason: "the NCCL communicators this graph was captured with were \
                                  aborted since: capture it again"
@@ -259,6 +293,7 @@ impl EngineGuard<'_> {
                         undefined_calls: Vec::new(),
                     });
                 }
+                _communicators = Some(nccl);
             }
             if holds.ce.is_some_and(|g| g != self.state.ce.gen) {
                 return Err(Error::CopyEngineUnavailable(
@@ -443,9 +478,12 @@ impl GraphExec {
         self.holds.ce.is_some()
     }
 
-    /// Instantiates `graphs` (live graphs from end_capture in `ctx`, which is current), owning
-    /// them from here on (destroyed on an error).
-    fn instantiate(
+    /// Instantiates `graphs`, owning them from here on (destroyed on an error).
+    ///
+    /// # Safety
+    /// `graphs` are live graphs ended by a capture in `ctx`, which is current, and owned by
+    /// the caller, who hands them over (uses none of them again).
+    unsafe fn instantiate(
         ctx: Arc<CudaContext>,
         graphs: Vec<sys::CUgraph>,
         nccl_count: Option<Arc<AtomicUsize>>,
@@ -455,14 +493,16 @@ impl GraphExec {
         let mut failed = None;
         for graph in graphs {
             if failed.is_some() {
-                GraphExec::destroy_graphs(&ctx, [graph]);
+                // SAFETY: handed over by the caller, not instantiated, used nowhere else.
+                unsafe { GraphExec::destroy_graphs(&ctx, [graph]) };
                 continue;
             }
             // SAFETY: `graph` is a live graph from end_capture in the current context.
             match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
                 Ok(exec) => parts.push((graph, exec)),
                 Err(e) => {
-                    GraphExec::destroy_graphs(&ctx, [graph]);
+                    // SAFETY: as above; its instantiation failed.
+                    unsafe { GraphExec::destroy_graphs(&ctx, [graph]) };
                     failed = Some(e);
                 }
             }
@@ -487,7 +527,13 @@ impl GraphExec {
     }
 
     /// Destroys graphs that were never instantiated.
-    fn destroy_graphs(ctx: &Arc<CudaContext>, graphs: impl IntoIterator<Item = sys::CUgraph>) {
+    ///
+    /// # Safety
+    /// `graphs` are live graphs of `ctx`, owned by the caller and used nowhere after this.
+    unsafe fn destroy_graphs(
+        ctx: &Arc<CudaContext>,
+        graphs: impl IntoIterator<Item = sys::CUgraph>,
+    ) {
         if make_current(ctx).is_ok() {
             for g in graphs {
                 // SAFETY: an owned graph, not used again.

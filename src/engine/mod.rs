@@ -184,11 +184,7 @@ impl Engine {
         let nccl = nccl::State::new(nccl);
         let nccl_graphs = Arc::new(AtomicUsize::new(0));
         let watchdog = if live {
-            Some(watchdog::Watchdog::start(
-                nccl.shared(),
-                nccl_graphs.clone(),
-                settings.timeout,
-            )?)
+            Some(watchdog::Watchdog::start(nccl.shared(), settings.timeout)?)
         } else {
             None
         };
@@ -548,15 +544,16 @@ impl EngineGuard<'_> {
         }
     }
 
-    /// The NCCL state. The watchdog holds it while an abort waits for kernels queued behind
-    /// work on the streams; waiting for it is bounded like [`EngineGuard::drain`].
+    /// The NCCL state. The watchdog holds it while it names the calls an abort leaves undefined
+    /// (aborts themselves finish on a thread of their own); waiting for it is bounded like
+    /// [`EngineGuard::drain`].
     fn nccl(&self) -> Result<MutexGuard<'_, Nccl>> {
         let limit = self.drain_limit();
         self.state
             .nccl
             .lock_within(limit)
             .ok_or_else(|| Error::NcclTimeout {
-                during: "waiting for an abort of the NCCL communicators to finish".into(),
+                during: "waiting for the NCCL communicators (held by the watchdog)".into(),
                 waited_ms: crate::wait::millis(limit),
             })
     }
@@ -657,12 +654,11 @@ impl EngineGuard<'_> {
                         comms.broadcast_group(root, entries, self.engine.settings.timeout)
                     };
                     if let Err(e) = queued {
-                        let graphs = self.engine.nccl_graphs.load(Ordering::Acquire) > 0;
-                        nccl.abort(format!("a grouped broadcast failed: {e}"), graphs);
+                        nccl.abort(format!("a grouped broadcast failed: {e}"));
                         return Err(e);
                     }
-                    drop(nccl);
-                    self.state.nccl.note_step(capturing);
+                    // Queued with the watchdog before the communicators are let go: an abort
+                    // (which takes them first) then names this call among the undefined ones.
                     if let (Some(w), Some(begun)) = (watch, begun) {
                         let what = watchdog::Watched::Broadcast {
                             tensors: tensors.len(),
@@ -671,6 +667,8 @@ impl EngineGuard<'_> {
                         };
                         w.watch(begun, &own, call, what)?;
                     }
+                    drop(nccl);
+                    self.state.nccl.note_step(capturing);
                 }
             }
         }
@@ -856,8 +854,7 @@ impl EngineGuard<'_> {
     /// Aborts the NCCL communicators with `reason`, as the watchdog does after a fault (test
     /// support: with one GPU no NCCL peer can be late).
     pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
-        let graphs = self.engine.nccl_graphs.load(Ordering::Acquire) > 0;
-        self.nccl()?.abort(reason, graphs);
+        self.nccl()?.abort(reason);
         Ok(())
     }
 
@@ -909,11 +906,7 @@ impl Drop for Engine {
         match nccl::lock_within(&shared, Duration::from_secs(1)) {
             Some(mut nccl) => {
                 if !idle {
-                    let graphs = self.nccl_graphs.load(Ordering::Acquire) > 0;
-                    nccl.abort(
-                        "the clique was dropped while work was still running".into(),
-                        graphs,
-                    );
+                    nccl.abort("the clique was dropped while work was still running".into());
                     idle = self.wait_idle(Duration::from_secs(1));
                 }
                 if idle {

@@ -15,12 +15,11 @@
 //!
 //! NCCL's abort waits for the kernels already queued on the communicators (they see the abort
 //! flag and return at once), so a local rank held back by work queued before the broadcast
-//! delays the abort's end, never frees what a queued kernel still uses. The thread does the
-//! abort; callers see the error at once and wait for the abort only if they need NCCL again
-//! (bounded, see `Engine::nccl`).
+//! delays the abort's end, never frees what a queued kernel still uses. It also waits for
+//! every graph that captured the communicators to be destroyed, so it finishes on a thread of
+//! its own (`Nccl::abort`): this thread goes on watching, and callers see the error at once.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -99,9 +98,6 @@ struct Shared {
     queue: Mutex<Queue>,
     wake: Condvar,
     nccl: Arc<Mutex<Nccl>>,
-    /// The engine's count of live graphs that hold NCCL broadcasts: an abort then finishes on
-    /// a thread of its own (it waits for those graphs), so this one goes on watching.
-    nccl_graphs: Arc<AtomicUsize>,
     timeout: Duration,
 }
 
@@ -119,16 +115,11 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     /// Starts watching calls on `nccl` with `timeout`.
-    pub(crate) fn start(
-        nccl: Arc<Mutex<Nccl>>,
-        nccl_graphs: Arc<AtomicUsize>,
-        timeout: Duration,
-    ) -> Result<Watchdog> {
+    pub(crate) fn start(nccl: Arc<Mutex<Nccl>>, timeout: Duration) -> Result<Watchdog> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
             nccl,
-            nccl_graphs,
             timeout,
         });
         let inner = shared.clone();
@@ -314,23 +305,24 @@ fn watch(shared: &Shared) {
             None => None,
         };
         if let Some(reason) = reason {
+            // The communicators first, then the queue, as callers take them: a caller holds
+            // the communicators from its enqueue until its call is queued here, so every call
+            // that reached NCCL before the abort is among the calls named, and none after it.
+            // Callers hold them only that long, and the abort below never waits.
+            drop(q);
+            let mut nccl = shared.nccl.lock().unwrap_or_else(|e| e.into_inner());
+            q = shared.queue();
             let undefined: Vec<u64> = q.pending.iter().map(|p| p.call).collect();
             let spare: Vec<_> = q.pending.drain(..).map(|p| (p.start, p.end)).collect();
             q.spare.extend(spare);
-            // The error first: callers learn of the fault while the abort waits for queued
-            // kernels.
             q.fault = Some(Error::CommunicatorsAborted {
                 reason: reason.clone(),
                 undefined_calls: undefined.clone(),
             });
             drop(q);
             tracing::error!(%reason, ?undefined, "aborting NCCL");
-            let graphs = shared.nccl_graphs.load(Ordering::Acquire) > 0;
-            shared
-                .nccl
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .abort(reason, graphs);
+            nccl.abort(reason);
+            drop(nccl);
             q = shared.queue();
             continue;
         }

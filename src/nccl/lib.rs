@@ -158,11 +158,12 @@ impl NcclLib {
             .map_err(Clone::clone)
     }
 
-    /// `Ok` for ncclSuccess, else an error with NCCL's message and its last-error text.
+    /// `Ok` for ncclSuccess, else an error with NCCL's message and its last-error text (of
+    /// `comm`, or of the thread's last call where there is none).
     pub(crate) fn check(
         &self,
         code: RawResult,
-        comm: ncclComm_t,
+        comm: Option<&super::Comm>,
         during: impl FnOnce() -> String,
     ) -> Result<()> {
         if code == 0 {
@@ -170,7 +171,9 @@ impl NcclLib {
         }
         // SAFETY: ncclGetErrorString accepts any result code and returns a static string.
         let mut message = unsafe { cstr((self.get_error_string)(code)) };
-        // SAFETY: ncclGetLastError accepts a null or live communicator.
+        let comm = comm.map_or(std::ptr::null_mut(), |c| c.0);
+        // SAFETY: ncclGetLastError accepts a null or live communicator, and a `Comm` holds a
+        // live one (it is consumed when its communicator ends).
         let last = unsafe { cstr((self.get_last_error)(comm)) };
         if !last.is_empty() {
             message = format!("{message}: {last}");
@@ -187,7 +190,7 @@ impl NcclLib {
         let mut v: c_int = 0;
         // SAFETY: `v` is a valid out pointer.
         let code = unsafe { (self.get_version)(&mut v) };
-        self.check(code, std::ptr::null_mut(), || "ncclGetVersion".into())?;
+        self.check(code, None, || "ncclGetVersion".into())?;
         Ok(split_version(v))
     }
 }

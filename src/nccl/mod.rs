@@ -18,9 +18,10 @@ use crate::wait::millis;
 pub use lib::nccl_version;
 pub(crate) use lib::{Config, NcclLib, UniqueId};
 
-/// One communicator handle. NCCL allows a communicator to be used from any thread, one call at
-/// a time: it is `Send`, and `Comms` is only reached under the engine's lock.
-struct Comm(ncclComm_t);
+/// One communicator handle, live while this exists (made only here from a communicator NCCL
+/// created, consumed when it ends). NCCL allows a communicator to be used from any thread, one
+/// call at a time: it is `Send`, and `Comms` is only reached under the engine's lock.
+pub(crate) struct Comm(ncclComm_t);
 
 // SAFETY: an ncclComm_t is a heap object of the NCCL library, not tied to the thread that made
 // it; calls on it must not overlap, which the engine's lock guarantees (`Comms` is not `Sync`).
@@ -61,7 +62,7 @@ impl Comms {
         let mut id = UniqueId([0; 128]);
         // SAFETY: `id` is a valid out pointer of ncclUniqueId's size.
         let code = unsafe { (lib.get_unique_id)(&mut id) };
-        lib.check(code, std::ptr::null_mut(), || "ncclGetUniqueId".into())?;
+        lib.check(code, None, || "ncclGetUniqueId".into())?;
         Ok(id)
     }
 
@@ -138,8 +139,7 @@ impl Comms {
         let root_c = c_int::try_from(root).expect("root is validated to be < 8");
         // SAFETY: ncclGroupStart has no preconditions.
         let code = unsafe { (self.lib.group_start)() };
-        self.lib
-            .check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
+        self.lib.check(code, None, || "ncclGroupStart".into())?;
         let mut failure = None;
         'outer: for (count, dtype, ops) in entries {
             for (rank, (op, comm)) in ops.iter().zip(&self.comms).enumerate() {
@@ -157,7 +157,7 @@ impl Comms {
                 };
                 if let Err(e) = self
                     .lib
-                    .check(code, comm.0, || format!("ncclBroadcast on rank {rank}"))
+                    .check(code, Some(comm), || format!("ncclBroadcast on rank {rank}"))
                 {
                     failure = Some(e);
                     break 'outer;
@@ -175,8 +175,7 @@ impl Comms {
             // overrides that: a non-blocking one finishes the group's work in the background.
             return self.wait_ready(deadline, || "queueing a grouped ncclBroadcast".into());
         }
-        self.lib
-            .check(code, std::ptr::null_mut(), || "ncclGroupEnd".into())
+        self.lib.check(code, None, || "ncclGroupEnd".into())
     }
 
     /// Polls every communicator until none is in progress, an error shows, or `deadline`
@@ -204,7 +203,7 @@ impl Comms {
             let mut state: lib::RawResult = 0;
             // SAFETY: `comm` is live; `state` is a valid out pointer.
             let code = unsafe { (self.lib.comm_get_async_error)(comm.0, &mut state) };
-            self.lib.check(code, comm.0, || {
+            self.lib.check(code, Some(comm), || {
                 format!("ncclCommGetAsyncError on rank {rank}")
             })?;
             match state {
@@ -212,7 +211,7 @@ impl Comms {
                 lib::IN_PROGRESS => busy = true,
                 e => self
                     .lib
-                    .check(e, comm.0, || format!("{} (rank {rank})", during()))?,
+                    .check(e, Some(comm), || format!("{} (rank {rank})", during()))?,
             }
         }
         Ok(busy)
@@ -231,11 +230,12 @@ impl Comms {
     }
 
     /// [`Comms::abort`] on a thread of its own, never joined. `ncclCommAbort` stops the
-    /// communicators' kernels at once, then (NCCL 2.26 and later) waits until every CUDA graph
-    /// that captured them is destroyed before it returns: where such a graph is alive, the
-    /// thread that owns it could otherwise wait for itself. If no thread can be started, the
-    /// communicators are leaked unaborted (their kernels then end only when their peers come,
-    /// and the engine's waits give up on them), never destroyed here: that would wait too.
+    /// communicators' kernels at once, then waits (in `commDestroySync`) until every CUDA graph
+    /// that captured them is destroyed before it returns: where such a graph is alive, or a
+    /// capture in progress holds them, the thread that owns it could otherwise wait for itself.
+    /// If no thread can be started, the communicators are leaked unaborted (their kernels then
+    /// end only when their peers come, and every wait of the engine gives up on them, bounded),
+    /// never destroyed here: that would wait too.
     fn abort_detached(self) {
         let slot = Arc::new(Mutex::new(Some(self)));
         let taken = slot.clone();
@@ -248,7 +248,11 @@ impl Comms {
                 }
             });
         if let Err(e) = spawned {
-            tracing::error!(error = %e, "no thread for an NCCL abort: the communicators are leaked");
+            tracing::error!(
+                error = %e,
+                "no thread for an NCCL abort: the communicators are leaked unaborted, and NCCL \
+                 work still queued may never end: create a new clique or communicator"
+            );
             if let Some(comms) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
                 std::mem::forget(comms);
             }
@@ -263,10 +267,7 @@ impl Comms {
             let code = unsafe { end(comm.0) };
             // A non-blocking communicator may finish in the background.
             let code = if code == lib::IN_PROGRESS { 0 } else { code };
-            if let Err(e) = self
-                .lib
-                .check(code, std::ptr::null_mut(), || format!("{name} rank {rank}"))
-            {
+            if let Err(e) = self.lib.check(code, None, || format!("{name} rank {rank}")) {
                 tracing::warn!(error = %e, "could not end an NCCL communicator");
             }
         }
@@ -295,7 +296,7 @@ fn join_and_connect(
     if grouped {
         // SAFETY: no preconditions.
         let code = unsafe { (lib.group_start)() };
-        lib.check(code, std::ptr::null_mut(), || "ncclGroupStart".into())?;
+        lib.check(code, None, || "ncclGroupStart".into())?;
     }
     let mut status = Ok(());
     for ((global, ctx), slot) in ranks.iter().zip(&mut raw) {
@@ -312,7 +313,7 @@ fn join_and_connect(
         let rank = c_int::try_from(*global).expect("ranks are validated");
         // SAFETY: `slot` is an out pointer, `id` the job's id, `config` a valid config.
         let code = unsafe { (lib.comm_init_rank_config)(slot, n, *id, rank, &mut config) };
-        if let Err(e) = lib.check(code, std::ptr::null_mut(), || {
+        if let Err(e) = lib.check(code, None, || {
             format!("ncclCommInitRankConfig for rank {global} of {world}")
         }) {
             status = Err(e);
@@ -322,7 +323,7 @@ fn join_and_connect(
     if grouped {
         // SAFETY: matches the ncclGroupStart above.
         let code = unsafe { (lib.group_end)() };
-        status = status.and(lib.check(code, std::ptr::null_mut(), || {
+        status = status.and(lib.check(code, None, || {
             "ncclGroupEnd after ncclCommInitRankConfig".into()
         }));
     }
@@ -428,19 +429,15 @@ impl Nccl {
         }
     }
 
-    /// Aborts the communicators (if live) and remembers why. Where a CUDA graph that captured
-    /// them may be alive (`graphs_alive`), the abort finishes on a thread of its own
-    /// ([`Comms::abort_detached`]) and this returns at once; the communicators count as aborted
-    /// from here on either way.
-    pub(crate) fn abort(&mut self, reason: String, graphs_alive: bool) {
+    /// Aborts the communicators (if live) and remembers why. The abort finishes on a thread of
+    /// its own ([`Comms::abort_detached`]: it waits for every graph that captured them, which
+    /// a caller may own, or which a capture in progress is recording), so this returns at
+    /// once; the communicators count as aborted from here on.
+    pub(crate) fn abort(&mut self, reason: String) {
         if let Nccl::Live(_) = self {
             if let Nccl::Live(comms) = std::mem::replace(self, Nccl::Aborted(reason.clone())) {
                 tracing::warn!(%reason, "aborting the NCCL communicators");
-                if graphs_alive {
-                    comms.abort_detached();
-                } else {
-                    comms.abort();
-                }
+                comms.abort_detached();
             }
         }
     }

@@ -62,7 +62,8 @@ impl SharedMemory {
             "allocating {size} bytes of shareable memory on device {}",
             ctx.ordinal()
         )))?;
-        SharedMemory::map(ctx, handle, size)
+        // SAFETY: created just above, handed over.
+        unsafe { SharedMemory::map(ctx, handle, size) }
     }
 
     /// Maps a peer's allocation received as `fd` (which is closed once imported) for this
@@ -75,12 +76,17 @@ impl SharedMemory {
         let handle =
             vmm::import_fd(fd.as_fd()).map_err(Error::cuda("importing a peer process's memory"))?;
         drop(fd);
-        SharedMemory::map(ctx, handle, size)
+        // SAFETY: imported just above, handed over.
+        unsafe { SharedMemory::map(ctx, handle, size) }
     }
 
     /// Reserves an address range, maps `handle` there and grants `ctx`'s device access; on
     /// failure releases what it took.
-    fn map(
+    ///
+    /// # Safety
+    /// `handle` is a live allocation handle owned by the caller, who hands it over (it is
+    /// released here on failure, or by the result's drop).
+    unsafe fn map(
         ctx: &Arc<CudaContext>,
         handle: CUmemGenericAllocationHandle,
         size: usize,
