@@ -264,11 +264,11 @@ impl EngineGuard<'_> {
     }
 
     fn launch_graphs_once(&mut self, execs: &[GraphExec]) -> Result<()> {
-        // A graph with NCCL broadcasts holds the communicators from the check that they are
-        // still the ones it captured until it is queued with the watchdog: an abort, which
-        // takes them first, comes before the check (refused) or after the watch (named).
-        let shared = self.state.nccl.shared();
-        let mut _communicators = None;
+        // The id of the NCCL communicators the graph's broadcasts use (0: none). An abort
+        // decided between the check below and the watch is caught by the watch, which then
+        // refuses the call and names it (the communicators are not held across the launches: a
+        // launch may wait in the driver for work that only the abort can end).
+        let mut comms_id = 0;
         if let Some(holds) = execs.first().map(|g| g.holds) {
             if holds.p2p.is_some_and(|g| !self.state.p2p.holds_current(g)) {
                 return Err(Error::P2pUnavailable(
@@ -278,14 +278,8 @@ impl EngineGuard<'_> {
                 ));
             }
             if let Some(comms) = holds.nccl {
-                let limit = self.drain_limit();
-                let nccl =
-                    crate::nccl::lock_within(&shared, limit).ok_or_else(|| Error::NcclTimeout {
-                        during: "waiting for the NCCL communicators (held by the watchdog)".into(),
-                        waited_ms: crate::wait::millis(limit),
-                    })?;
                 // Kernels of aborted communicators return at once, their outputs unwritten.
-                if nccl.live_id() != comms || comms == 0 {
+                if self.nccl()?.live_id() != comms || comms == 0 {
                     return Err(Error::CommunicatorsAborted {
                         reason: "the NCCL communicators this graph was captured with were \
                                  aborted since: capture it again"
@@ -293,7 +287,7 @@ impl EngineGuard<'_> {
                         undefined_calls: Vec::new(),
                     });
                 }
-                _communicators = Some(nccl);
+                comms_id = comms;
             }
             if holds.ce.is_some_and(|g| g != self.state.ce.gen) {
                 return Err(Error::CopyEngineUnavailable(
@@ -336,7 +330,7 @@ impl EngineGuard<'_> {
         let ranks = &self.engine.ranks;
         // One result per rank launched (every rank when together, else up to the first
         // failure), and whether any graph, or part of one, went out.
-        let (results, went_out): (Vec<_>, bool) = self.spinning(|_, streams| {
+        let spun: Result<(Vec<_>, bool)> = self.spinning(|_, streams| {
             let jobs = ranks.iter().zip(execs).zip(streams.iter().copied());
             Ok(if together {
                 let results: Vec<_> = std::thread::scope(|s| {
@@ -371,10 +365,31 @@ impl EngineGuard<'_> {
                     launch(rank, r, g, p, st)
                 })
             })
-        })?;
+        });
+        // NCCL work that went out, even where the launch failed, is watched: where some ranks'
+        // broadcasts wait for a rank that never launched, the watchdog ends them.
+        let watched = |e: &EngineGuard<'_>, begun| match (watch, begun) {
+            (Some(w), Some(begun)) => e.watch_nccl(
+                w,
+                begun,
+                &own,
+                call,
+                watchdog::Watched::GraphLaunch,
+                comms_id,
+            ),
+            _ => Ok(()),
+        };
+        let (results, went_out) = match spun {
+            Ok(spun) => spun,
+            Err(e) => {
+                let _ = watched(self, begun);
+                return Err(e);
+            }
+        };
         if let Some((rank, &Err(e))) = results.iter().enumerate().find(|(_, r)| r.is_err()) {
             // The ranks whose graphs (or parts of them) went out wait for this one.
             if went_out {
+                let _ = watched(self, begun);
                 self.state.desynced = true;
                 self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
                 self.set_ce_flags(1)?;
@@ -384,10 +399,7 @@ impl EngineGuard<'_> {
                 source: e,
             });
         }
-        if let (Some(w), Some(begun)) = (watch, begun) {
-            w.watch(begun, &own, call, watchdog::Watched::GraphLaunch)?;
-        }
-        Ok(())
+        watched(self, begun)
     }
 
     /// Uploads each graph to its device ahead of the first launch.

@@ -642,6 +642,7 @@ impl EngineGuard<'_> {
                     let own: Vec<&Arc<CudaStream>> =
                         self.engine.ranks.iter().map(|r| r.stream.get()).collect();
                     let mut nccl = self.nccl()?;
+                    let id = nccl.live_id();
                     let comms = nccl.live()?;
                     // Only once NCCL is known to be live: an aborted path records nothing.
                     let begun = watch.map(|w| w.begin(&own)).transpose()?;
@@ -654,25 +655,60 @@ impl EngineGuard<'_> {
                         comms.broadcast_group(root, entries, self.engine.settings.timeout)
                     };
                     if let Err(e) = queued {
-                        nccl.abort(format!("a grouped broadcast failed: {e}"));
+                        let reason = format!("a grouped broadcast failed: {e}");
+                        // The calls queued before it lose their kernels to the abort too.
+                        if let Some(w) = &self.engine.watchdog {
+                            w.fail_all(&reason, id);
+                        }
+                        nccl.abort(reason);
+                        drop(nccl);
+                        // Inside a capture the graph may hold some of its kernels: the
+                        // capture fails at its end (its communicators are aborted).
+                        self.state.nccl.note_step(capturing);
                         return Err(e);
                     }
-                    // Queued with the watchdog before the communicators are let go: an abort
-                    // (which takes them first) then names this call among the undefined ones.
+                    drop(nccl);
+                    self.state.nccl.note_step(capturing);
                     if let (Some(w), Some(begun)) = (watch, begun) {
                         let what = watchdog::Watched::Broadcast {
                             tensors: tensors.len(),
                             bytes: tensors.iter().map(|&t| items[t].bytes()).sum(),
                             root,
                         };
-                        w.watch(begun, &own, call, what)?;
+                        self.watch_nccl(w, begun, &own, call, what, id)?;
                     }
-                    drop(nccl);
-                    self.state.nccl.note_step(capturing);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
+    /// reached the GPU) with the watchdog `w`. Where that fails other than because those
+    /// communicators are being aborted (the error then names the call), they are aborted:
+    /// nothing would bound the work's wait for its peers otherwise.
+    pub(crate) fn watch_nccl(
+        &self,
+        w: &watchdog::Watchdog,
+        begun: watchdog::Begun,
+        own: &[&Arc<CudaStream>],
+        call: u64,
+        what: watchdog::Watched,
+        comms: u64,
+    ) -> Result<()> {
+        match w.watch(begun, own, call, what, comms) {
+            Err(e) if !matches!(e, Error::CommunicatorsAborted { .. }) => {
+                let reason = format!("watching NCCL call {call} failed: {e}");
+                w.fail_all(&reason, comms);
+                if let Ok(mut nccl) = self.nccl() {
+                    if nccl.live_id() == comms {
+                        nccl.abort(reason);
+                    }
+                }
+                Err(e)
+            }
+            watched => watched,
+        }
     }
 
     /// A P2P launch that failed on some rank leaves the others waiting for it: reset before the
@@ -854,7 +890,11 @@ impl EngineGuard<'_> {
     /// Aborts the NCCL communicators with `reason`, as the watchdog does after a fault (test
     /// support: with one GPU no NCCL peer can be late).
     pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
-        self.nccl()?.abort(reason);
+        let mut nccl = self.nccl()?;
+        if let Some(w) = &self.engine.watchdog {
+            w.fail_all(&reason, nccl.live_id());
+        }
+        nccl.abort(reason);
         Ok(())
     }
 
@@ -902,7 +942,7 @@ impl Drop for Engine {
             .unwrap_or_else(|e| e.into_inner())
             .nccl
             .shared();
-        // The watchdog may hold NCCL while its abort waits for queued kernels.
+        // The watchdog holds NCCL briefly when it aborts (the abort itself is detached).
         match nccl::lock_within(&shared, Duration::from_secs(1)) {
             Some(mut nccl) => {
                 if !idle {

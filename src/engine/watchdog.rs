@@ -71,6 +71,8 @@ impl std::fmt::Display for Watched {
 struct Pending<E = CudaEvent> {
     call: u64,
     what: Watched,
+    /// The id of the communicators it was queued on.
+    comms: u64,
     start: Vec<E>,
     end: Vec<E>,
     /// When the thread first saw a start event passed (the call's kernel waits for its peers
@@ -88,6 +90,9 @@ struct Queue {
     spare: Vec<Pair<CudaEvent>>,
     /// The abort not yet reported to a caller.
     fault: Option<Error>,
+    /// The communicators (by id) the last fault aborts, and why: a call on them queued here
+    /// after the fault was decided is refused by [`Watchdog::watch`], naming itself.
+    aborted: Option<(u64, String)>,
     stop: bool,
     /// The thread waits without a deadline (it found nothing queued for [`NAP`]): the next
     /// call wakes it.
@@ -157,25 +162,34 @@ impl Watchdog {
         Ok(Begun { start, end })
     }
 
-    /// Records the end events of call number `call` (described by `what`) and queues it.
+    /// Records the end events of call number `call` (described by `what`), queued on the
+    /// communicators with id `comms`, and queues it. Where those communicators are being
+    /// aborted (the fault was decided before this call was queued here), the call is not
+    /// queued: the error names it (its outputs are undefined).
     pub(crate) fn watch(
         &self,
         begun: Begun,
         streams: &[&Arc<CudaStream>],
         call: u64,
         what: Watched,
+        comms: u64,
     ) -> Result<()> {
         for (e, s) in begun.end.iter().zip(streams) {
             e.record(s)
                 .map_err(Error::cuda("recording a watchdog event"))?;
         }
         let mut q = self.shared.queue();
+        if let Some(refused) = refused(&q.aborted, comms, call) {
+            q.spare.push((begun.start, begun.end));
+            return Err(refused);
+        }
         // Unless the thread waits without a deadline, it looks again within POLL by itself, and
         // a wake-up would be wasted.
         let asleep = q.asleep;
         q.pending.push_back(Pending {
             call,
             what,
+            comms,
             start: begun.start,
             end: begun.end,
             started: None,
@@ -190,6 +204,13 @@ impl Watchdog {
     /// The abort not reported yet, if any (reported once).
     pub(crate) fn take_fault(&self) -> Option<Error> {
         self.shared.queue().fault.take()
+    }
+
+    /// An abort of the communicators with id `comms` decided elsewhere (a failed enqueue, say),
+    /// before it is carried out: every call queued here becomes undefined, as after a fault of
+    /// the watchdog's own, and later calls on those communicators are refused by `watch`.
+    pub(crate) fn fail_all(&self, reason: &str, comms: u64) {
+        fail_pending(&mut self.shared.queue(), reason, comms);
     }
 }
 
@@ -257,6 +278,56 @@ fn look<E>(
     late
 }
 
+/// Makes every call queued in `q` undefined by a fault of the communicators with id `comms`
+/// (`reason`): they leave the queue, the fault names them (with those of an earlier fault not
+/// yet reported), and `comms` counts as aborted for calls queued later.
+fn fail_pending(q: &mut Queue, reason: &str, comms: u64) {
+    let Queue {
+        pending,
+        spare,
+        fault,
+        aborted,
+        ..
+    } = q;
+    fail_all_in(pending, spare, fault, aborted, reason, comms);
+}
+
+/// [`fail_pending`] on the parts of a queue (`E`: CUDA events; plain flags in the tests).
+fn fail_all_in<E>(
+    pending: &mut VecDeque<Pending<E>>,
+    spare: &mut Vec<Pair<E>>,
+    fault: &mut Option<Error>,
+    aborted: &mut Option<(u64, String)>,
+    reason: &str,
+    comms: u64,
+) {
+    let mut undefined = match fault.take() {
+        Some(Error::CommunicatorsAborted {
+            undefined_calls, ..
+        }) => undefined_calls,
+        _ => Vec::new(),
+    };
+    undefined.extend(pending.iter().map(|p| p.call));
+    spare.extend(pending.drain(..).map(|p| (p.start, p.end)));
+    *fault = Some(Error::CommunicatorsAborted {
+        reason: reason.into(),
+        undefined_calls: undefined,
+    });
+    *aborted = Some((comms, reason.into()));
+}
+
+/// The error for call `call` on the communicators with id `comms`, if an abort of them was
+/// decided (`aborted`) before the call could be queued: the call is then undefined.
+fn refused(aborted: &Option<(u64, String)>, comms: u64, call: u64) -> Option<Error> {
+    match aborted {
+        Some((id, reason)) if *id == comms => Some(Error::CommunicatorsAborted {
+            reason: reason.clone(),
+            undefined_calls: vec![call],
+        }),
+        _ => None,
+    }
+}
+
 /// The thread's loop.
 fn watch(shared: &Shared) {
     let mut q = shared.queue();
@@ -305,23 +376,18 @@ fn watch(shared: &Shared) {
             None => None,
         };
         if let Some(reason) = reason {
-            // The communicators first, then the queue, as callers take them: a caller holds
-            // the communicators from its enqueue until its call is queued here, so every call
-            // that reached NCCL before the abort is among the calls named, and none after it.
-            // Callers hold them only that long, and the abort below never waits.
+            // Decided under the queue: every call queued so far is named, and one queued
+            // later on these communicators is refused by `watch`, naming itself; then the
+            // abort, of these communicators only (not of ones `recover` built meanwhile). The
+            // error comes first: callers learn of the fault while the abort is carried out.
+            let comms = q.pending.front().map_or(0, |p| p.comms);
+            fail_pending(&mut q, &reason, comms);
             drop(q);
+            tracing::error!(%reason, "aborting NCCL");
             let mut nccl = shared.nccl.lock().unwrap_or_else(|e| e.into_inner());
-            q = shared.queue();
-            let undefined: Vec<u64> = q.pending.iter().map(|p| p.call).collect();
-            let spare: Vec<_> = q.pending.drain(..).map(|p| (p.start, p.end)).collect();
-            q.spare.extend(spare);
-            q.fault = Some(Error::CommunicatorsAborted {
-                reason: reason.clone(),
-                undefined_calls: undefined.clone(),
-            });
-            drop(q);
-            tracing::error!(%reason, ?undefined, "aborting NCCL");
-            nccl.abort(reason);
+            if nccl.live_id() == comms {
+                nccl.abort(reason);
+            }
             drop(nccl);
             q = shared.queue();
             continue;
@@ -358,6 +424,7 @@ mod tests {
             pending.push_back(Pending {
                 call: call as u64,
                 what: Watched::GraphLaunch,
+                comms: 1,
                 start,
                 end,
                 started: None,
@@ -487,5 +554,47 @@ mod tests {
         // Per look: call 0's end events (2), call 1's start events (2); call 0's start was
         // seen once and is not asked again.
         assert!(queries.get() <= 10 * 4 + 1, "{} queries", queries.get());
+    }
+
+    /// A fault names every call queued (and those of an earlier fault not yet reported), and
+    /// marks its communicators aborted: a later call on them is refused naming itself, one on
+    /// communicators built since is not.
+    #[test]
+    fn a_fault_names_every_queued_call_and_refuses_later_ones_on_its_communicators() {
+        let (mut pending, _flags) = queue(3, 2);
+        let mut spare = Vec::new();
+        let mut fault = Some(Error::CommunicatorsAborted {
+            reason: "earlier".into(),
+            undefined_calls: vec![7],
+        });
+        let mut aborted = None;
+        fail_all_in(
+            &mut pending,
+            &mut spare,
+            &mut fault,
+            &mut aborted,
+            "late",
+            1,
+        );
+        assert!(pending.is_empty());
+        assert_eq!(spare.len(), 3);
+        match fault {
+            Some(Error::CommunicatorsAborted {
+                reason,
+                undefined_calls,
+            }) => {
+                assert_eq!(reason, "late");
+                assert_eq!(undefined_calls, vec![7, 0, 1, 2]);
+            }
+            other => panic!("{other:?}"),
+        }
+        match refused(&aborted, 1, 9) {
+            Some(Error::CommunicatorsAborted {
+                undefined_calls, ..
+            }) => assert_eq!(undefined_calls, vec![9]),
+            other => panic!("{other:?}"),
+        }
+        assert!(refused(&aborted, 2, 10).is_none());
+        assert!(refused(&None, 1, 11).is_none());
     }
 }

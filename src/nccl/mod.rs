@@ -20,11 +20,14 @@ pub(crate) use lib::{Config, NcclLib, UniqueId};
 
 /// One communicator handle, live while this exists (made only here from a communicator NCCL
 /// created, consumed when it ends). NCCL allows a communicator to be used from any thread, one
-/// call at a time: it is `Send`, and `Comms` is only reached under the engine's lock.
+/// call at a time: it is `Send`, and `Comms` is only reached through the mutex that holds the
+/// engine's `Nccl`.
 pub(crate) struct Comm(ncclComm_t);
 
 // SAFETY: an ncclComm_t is a heap object of the NCCL library, not tied to the thread that made
-// it; calls on it must not overlap, which the engine's lock guarantees (`Comms` is not `Sync`).
+// it; calls on it must not overlap, which the mutex around the engine's `Nccl` guarantees (the
+// engine and its watchdog reach the communicators only through it; `Comms` is not `Sync`), and
+// an abort on a thread of its own takes the communicators out of it first.
 unsafe impl Send for Comm {}
 
 /// One rank's part of a broadcast.
@@ -472,8 +475,8 @@ impl State {
         self.comms.clone()
     }
 
-    /// The communicators, locked within `limit` (the watchdog holds them while an abort waits
-    /// for queued kernels); `None` when that did not happen in time.
+    /// The communicators, locked within `limit` (the watchdog holds them briefly, to abort them
+    /// or to ask for an asynchronous error); `None` when that did not happen in time.
     pub(crate) fn lock_within(&self, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
         lock_within(&self.comms, limit)
     }
