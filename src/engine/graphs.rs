@@ -382,7 +382,15 @@ impl EngineGuard<'_> {
         let (results, went_out) = match spun {
             Ok(spun) => spun,
             Err(e) => {
-                let _ = watched(self, begun);
+                // A join of the second streams failed: the rank's stream no longer waits for
+                // its graph, so events there cannot tell whether NCCL work it holds ended.
+                drop(begun);
+                if comms_id != 0 {
+                    self.abort_comms(
+                        format!("a graph launch with NCCL broadcasts failed: {e}"),
+                        comms_id,
+                    );
+                }
                 return Err(e);
             }
         };

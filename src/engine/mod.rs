@@ -698,16 +698,23 @@ impl EngineGuard<'_> {
     ) -> Result<()> {
         match w.watch(begun, own, call, what, comms) {
             Err(e) if !matches!(e, Error::CommunicatorsAborted { .. }) => {
-                let reason = format!("watching NCCL call {call} failed: {e}");
-                w.fail_all(&reason, comms);
-                if let Ok(mut nccl) = self.nccl() {
-                    if nccl.live_id() == comms {
-                        nccl.abort(reason);
-                    }
-                }
+                self.abort_comms(format!("watching NCCL call {call} failed: {e}"), comms);
                 Err(e)
             }
             watched => watched,
+        }
+    }
+
+    /// Aborts the NCCL communicators with id `comms` (if still live) for `reason`, naming the
+    /// calls queued with the watchdog: where NCCL work may have reached the GPU unwatched.
+    pub(crate) fn abort_comms(&self, reason: String, comms: u64) {
+        if let Some(w) = &self.engine.watchdog {
+            w.fail_all(&reason, comms);
+        }
+        if let Ok(mut nccl) = self.nccl() {
+            if nccl.live_id() == comms {
+                nccl.abort(reason);
+            }
         }
     }
 

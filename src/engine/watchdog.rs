@@ -279,41 +279,47 @@ fn look<E>(
 }
 
 /// Makes every call queued in `q` undefined by a fault of the communicators with id `comms`
-/// (`reason`): they leave the queue, the fault names them (with those of an earlier fault not
-/// yet reported), and `comms` counts as aborted for calls queued later.
+/// (`reason`), at once: see [`take_pending`] and [`publish_fault`].
 fn fail_pending(q: &mut Queue, reason: &str, comms: u64) {
-    let Queue {
-        pending,
-        spare,
-        fault,
-        aborted,
-        ..
-    } = q;
-    fail_all_in(pending, spare, fault, aborted, reason, comms);
+    let undefined = take_pending(&mut q.pending, &mut q.spare, &mut q.aborted, reason, comms);
+    publish_fault(&mut q.fault, reason, undefined);
 }
 
-/// [`fail_pending`] on the parts of a queue (`E`: CUDA events; plain flags in the tests).
-fn fail_all_in<E>(
+/// Takes every call out of `pending` (their events go to `spare`) for a fault of the
+/// communicators with id `comms`, which count as aborted for calls queued later (`aborted`);
+/// the calls taken, which the fault names (`E`: CUDA events; plain flags in the tests).
+fn take_pending<E>(
     pending: &mut VecDeque<Pending<E>>,
     spare: &mut Vec<Pair<E>>,
-    fault: &mut Option<Error>,
     aborted: &mut Option<(u64, String)>,
     reason: &str,
     comms: u64,
-) {
-    let mut undefined = match fault.take() {
+) -> Vec<u64> {
+    let undefined = pending.iter().map(|p| p.call).collect();
+    spare.extend(pending.drain(..).map(|p| (p.start, p.end)));
+    *aborted = Some((comms, reason.into()));
+    undefined
+}
+
+/// Keeps the fault `reason` for the next caller, naming the calls `undefined` (with those of an
+/// earlier fault not yet reported). A fault that leaves no call undefined, after none before,
+/// is not kept: the caller that caused it has its own error.
+fn publish_fault(fault: &mut Option<Error>, reason: &str, mut undefined: Vec<u64>) {
+    let earlier = match fault.take() {
         Some(Error::CommunicatorsAborted {
             undefined_calls, ..
-        }) => undefined_calls,
-        _ => Vec::new(),
+        }) => Some(undefined_calls),
+        _ => None,
     };
-    undefined.extend(pending.iter().map(|p| p.call));
-    spare.extend(pending.drain(..).map(|p| (p.start, p.end)));
+    if earlier.is_none() && undefined.is_empty() {
+        return;
+    }
+    let mut all = earlier.unwrap_or_default();
+    all.append(&mut undefined);
     *fault = Some(Error::CommunicatorsAborted {
         reason: reason.into(),
-        undefined_calls: undefined,
+        undefined_calls: all,
     });
-    *aborted = Some((comms, reason.into()));
 }
 
 /// The error for call `call` on the communicators with id `comms`, if an abort of them was
@@ -359,37 +365,55 @@ fn watch(shared: &Shared) {
             passed,
         );
         let reason = match late {
-            Some(r) => Some(r),
+            // Every queued call is on one set of communicators (a fault empties the queue).
+            Some(r) => Some((r, q.pending.front().map_or(0, |p| p.comms))),
             None if !q.pending.is_empty() => {
                 // Ask NCCL without holding the queue: a caller may be queueing meanwhile.
                 drop(q);
                 let error = match shared.nccl.try_lock() {
                     Ok(nccl) => match &*nccl {
-                        Nccl::Live(comms) => comms.async_error().err(),
+                        Nccl::Live(comms) => comms.async_error().err().map(|e| (e, nccl.live_id())),
                         _ => None,
                     },
                     Err(_) => None,
                 };
                 q = shared.queue();
-                error.map(|e| format!("NCCL reported an error while a broadcast ran: {e}"))
+                // Only for the calls it was read for: not where the queue was emptied, or
+                // refilled on other communicators, meanwhile.
+                error
+                    .filter(|(_, id)| q.pending.front().is_some_and(|p| p.comms == *id))
+                    .map(|(e, id)| {
+                        (
+                            format!("NCCL reported an error while a broadcast ran: {e}"),
+                            id,
+                        )
+                    })
             }
             None => None,
         };
-        if let Some(reason) = reason {
-            // Decided under the queue: every call queued so far is named, and one queued
-            // later on these communicators is refused by `watch`, naming itself; then the
-            // abort, of these communicators only (not of ones `recover` built meanwhile). The
-            // error comes first: callers learn of the fault while the abort is carried out.
-            let comms = q.pending.front().map_or(0, |p| p.comms);
-            fail_pending(&mut q, &reason, comms);
+        if let Some((reason, comms)) = reason {
+            // Decided under the queue: the calls queued so far leave it (they are undefined),
+            // and one queued later on these communicators is refused by `watch`, naming
+            // itself. Then the abort, of these communicators only (not of ones `recover` built
+            // meanwhile), and only then the error: a caller who sees it and recovers finds the
+            // communicators aborted, and builds new ones.
+            let queue = &mut *q;
+            let undefined = take_pending(
+                &mut queue.pending,
+                &mut queue.spare,
+                &mut queue.aborted,
+                &reason,
+                comms,
+            );
             drop(q);
-            tracing::error!(%reason, "aborting NCCL");
+            tracing::error!(%reason, ?undefined, "aborting NCCL");
             let mut nccl = shared.nccl.lock().unwrap_or_else(|e| e.into_inner());
             if nccl.live_id() == comms {
-                nccl.abort(reason);
+                nccl.abort(reason.clone());
             }
-            drop(nccl);
             q = shared.queue();
+            publish_fault(&mut q.fault, &reason, undefined);
+            drop(nccl);
             continue;
         }
         let (guard, _) = shared
@@ -558,7 +582,7 @@ mod tests {
 
     /// A fault names every call queued (and those of an earlier fault not yet reported), and
     /// marks its communicators aborted: a later call on them is refused naming itself, one on
-    /// communicators built since is not.
+    /// communicators built since is not. A fault that leaves nothing undefined is not kept.
     #[test]
     fn a_fault_names_every_queued_call_and_refuses_later_ones_on_its_communicators() {
         let (mut pending, _flags) = queue(3, 2);
@@ -568,17 +592,11 @@ mod tests {
             undefined_calls: vec![7],
         });
         let mut aborted = None;
-        fail_all_in(
-            &mut pending,
-            &mut spare,
-            &mut fault,
-            &mut aborted,
-            "late",
-            1,
-        );
+        let undefined = take_pending(&mut pending, &mut spare, &mut aborted, "late", 1);
+        publish_fault(&mut fault, "late", undefined);
         assert!(pending.is_empty());
         assert_eq!(spare.len(), 3);
-        match fault {
+        match fault.take() {
             Some(Error::CommunicatorsAborted {
                 reason,
                 undefined_calls,
@@ -596,5 +614,10 @@ mod tests {
         }
         assert!(refused(&aborted, 2, 10).is_none());
         assert!(refused(&None, 1, 11).is_none());
+        // Nothing queued, nothing reported before: no fault for the next caller.
+        let undefined = take_pending(&mut pending, &mut spare, &mut aborted, "again", 2);
+        publish_fault(&mut fault, "again", undefined);
+        assert!(fault.is_none());
+        assert!(refused(&aborted, 2, 12).is_some());
     }
 }
