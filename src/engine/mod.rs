@@ -223,15 +223,15 @@ impl Engine {
     /// graph, without queueing that part: test support for a graph launch that reached some
     /// ranks and not others. Disarmed after that launch, whether or not it reached the part.
     pub(crate) fn fail_graph_launch(&self, rank: usize, part: usize) {
-        let code = ((rank as u64) << 32 | part as u64) + 1;
-        self.fail_launch.store(code, Ordering::Relaxed);
+        self.fail_launch
+            .store(launch_code(rank, part), Ordering::Relaxed);
     }
 
     /// Whether the launch of `part` of `rank`'s graph is the one to fail (then disarmed).
     fn launch_fails(&self, rank: usize, part: usize) -> bool {
         let armed = self.fail_launch.load(Ordering::Relaxed);
         armed != 0
-            && armed == ((rank as u64) << 32 | part as u64) + 1
+            && armed == launch_code(rank, part)
             && self
                 .fail_launch
                 .compare_exchange(armed, 0, Ordering::Relaxed, Ordering::Relaxed)
@@ -655,12 +655,8 @@ impl EngineGuard<'_> {
                         comms.broadcast_group(root, entries, self.engine.settings.timeout)
                     };
                     if let Err(e) = queued {
-                        let reason = format!("a grouped broadcast failed: {e}");
                         // The calls queued before it lose their kernels to the abort too.
-                        if let Some(w) = &self.engine.watchdog {
-                            w.fail_all(&reason, id);
-                        }
-                        nccl.abort(reason);
+                        self.abort_locked(&mut nccl, format!("a grouped broadcast failed: {e}"));
                         drop(nccl);
                         // Inside a capture the graph may hold some of its kernels: the
                         // capture fails at its end (its communicators are aborted).
@@ -708,14 +704,20 @@ impl EngineGuard<'_> {
     /// Aborts the NCCL communicators with id `comms` (if still live) for `reason`, naming the
     /// calls queued with the watchdog: where NCCL work may have reached the GPU unwatched.
     pub(crate) fn abort_comms(&self, reason: String, comms: u64) {
-        if let Some(w) = &self.engine.watchdog {
-            w.fail_all(&reason, comms);
-        }
         if let Ok(mut nccl) = self.nccl() {
             if nccl.live_id() == comms {
-                nccl.abort(reason);
+                self.abort_locked(&mut nccl, reason);
             }
         }
+    }
+
+    /// Aborts the communicators in `nccl` (locked) for `reason`, first naming the calls
+    /// queued with the watchdog on them, which lose their kernels to the abort too.
+    fn abort_locked(&self, nccl: &mut Nccl, reason: String) {
+        if let Some(w) = &self.engine.watchdog {
+            w.fail_all(&reason, nccl.live_id());
+        }
+        nccl.abort(reason);
     }
 
     /// A P2P launch that failed on some rank leaves the others waiting for it: reset before the
@@ -898,10 +900,7 @@ impl EngineGuard<'_> {
     /// support: with one GPU no NCCL peer can be late).
     pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
         let mut nccl = self.nccl()?;
-        if let Some(w) = &self.engine.watchdog {
-            w.fail_all(&reason, nccl.live_id());
-        }
-        nccl.abort(reason);
+        self.abort_locked(&mut nccl, reason);
         Ok(())
     }
 
@@ -927,6 +926,11 @@ impl EngineGuard<'_> {
         *owner = on.then(|| std::thread::current().id());
         self.engine.capturing.store(on, Ordering::Release);
     }
+}
+
+/// How [`Engine::fail_launch`] names part `part` of rank `rank`'s graph (never 0).
+fn launch_code(rank: usize, part: usize) -> u64 {
+    ((rank as u64) << 32 | part as u64) + 1
 }
 
 impl Drop for Engine {
