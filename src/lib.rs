@@ -86,6 +86,7 @@
 
 mod clique;
 mod config;
+mod copy;
 mod driver;
 mod dtype;
 mod engine;

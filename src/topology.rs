@@ -97,17 +97,8 @@ impl Topology {
 }
 
 impl Topology {
-    /// `Ok` when every pair has peer access, so that each rank's copy engines can read its
-    /// predecessor's buffer directly; otherwise the reason, as the error a forced call returns.
-    pub(crate) fn copy_engine_support(&self) -> Result<(), crate::error::Error> {
-        match self.missing_peer_access() {
-            Some(why) => Err(crate::error::Error::CopyEngineUnavailable(why)),
-            None => Ok(()),
-        }
-    }
-
     /// The first pair without peer access, as a sentence.
-    fn missing_peer_access(&self) -> Option<String> {
+    pub(crate) fn missing_peer_access(&self) -> Option<String> {
         let n = self.len();
         (0..n)
             .flat_map(|i| (0..n).map(move |j| (i, j)))

@@ -147,7 +147,7 @@ impl CliqueBuilder {
         let job = core::Placement {
             globals: (0..n).collect(),
             world: n,
-            copy_engine: built.topology.copy_engine_support(),
+            copy_engine: crate::copy::support(&built.topology),
             nccl_on: built.nccl_on,
             calls: None,
         };

@@ -6,7 +6,6 @@
 //! The engine works on raw device addresses ([`Item`]); turning typed buffers into addresses
 //! and ordering them with the streams they live on is `clique::access`'s job.
 
-mod copy;
 mod graphs;
 pub(crate) mod streams;
 mod watchdog;
@@ -20,11 +19,12 @@ use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 
 use crate::config::{Settings, MAX_GPUS};
+use crate::copy;
 use crate::driver::make_current;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nccl::{self, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
+pub(crate) use crate::plan::Item;
 use crate::plan::Step;
 use graphs::Ended;
 pub(crate) use graphs::GraphExec;
@@ -73,23 +73,6 @@ impl Rank {
             stream,
             ctx,
         })
-    }
-}
-
-/// One tensor of a call, as addresses: `src` on the root, `dsts[rank]` on every rank (the
-/// root's own output included; equal to `src` in place).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Item {
-    pub src: u64,
-    pub dsts: [u64; MAX_GPUS],
-    pub count: usize,
-    pub dtype: DType,
-}
-
-impl Item {
-    pub(crate) fn bytes(&self) -> usize {
-        // Validation checked that this product fits.
-        self.count * self.dtype.size()
     }
 }
 
@@ -245,22 +228,10 @@ impl Engine {
             .filter(|_| self.watching.load(Ordering::Relaxed))
     }
 
-    /// Why the copy engines cannot run inside a capture here, if they cannot: where two ranks
-    /// share a device. A captured copy-engine broadcast waits on flags that another rank's
-    /// graph writes (stream memory operations, which have no timeout), and the streams of one
-    /// device share its few hardware queues: a graph waiting there holds back, for good, a
-    /// graph queued behind it that would write its flag.
+    /// Why the copy engines cannot run inside a capture here, if they cannot
+    /// ([`copy::graph_support`]).
     pub(crate) fn copy_engine_in_graph(&self) -> std::result::Result<(), Error> {
-        if self.shared_device {
-            return Err(Error::CopyEngineUnavailable(
-                "the copy engines cannot run in a graph where ranks share a device: each \
-                 rank's graph waits on flags another rank's graph writes, without a timeout, \
-                 and two streams of one device can share a hardware queue, where such a wait \
-                 holds back the graph that would write its flag (use P2P or Auto)"
-                    .into(),
-            ));
-        }
-        Ok(())
+        copy::graph_support(self.shared_device)
     }
 
     /// Number of ranks.
@@ -324,7 +295,7 @@ impl Engine {
         guard.state.desynced = false;
         let mut nccl = guard.nccl()?;
         if matches!(*nccl, Nccl::Aborted(_)) {
-            *nccl = Nccl::Live(rebuild()?);
+            *nccl = guard.state.nccl.adopt(rebuild()?);
             tracing::info!("NCCL communicators rebuilt");
         }
         Ok(())
@@ -679,6 +650,69 @@ impl EngineGuard<'_> {
         Ok(())
     }
 
+    /// Enqueues the copy-engine broadcast ([`copy`]) of `tensors` of `items` from job rank
+    /// `root` (a rank of this process), the root's own output included when out of place.
+    ///
+    /// # Safety
+    /// As for [`EngineGuard::run`].
+    unsafe fn copy_engine(&mut self, root: usize, items: &[Item], tensors: &[usize]) -> Result<()> {
+        let capturing = self.capturing();
+        // Routes are chosen with this in mind (`Core`); a last line where they were not.
+        if capturing {
+            self.engine.copy_engine_in_graph()?;
+        }
+        let engine = self.engine;
+        let root = engine
+            .ranks
+            .iter()
+            .position(|r| r.global == root)
+            .ok_or_else(|| {
+                Error::CopyEngineUnavailable("the root is not a rank of this process".into())
+            })?;
+        let call = copy::Call::plan(root, self.n(), items, tensors, capturing);
+        self.state.ce.captured |= capturing;
+        let lanes: Vec<copy::Lane<'_>> = engine
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, rank)| copy::Lane {
+                ctx: &rank.ctx,
+                stream: self.work_stream(r),
+                global: rank.global,
+            })
+            .collect();
+        let local: Vec<&Item> = tensors
+            .iter()
+            .map(|&t| &items[t])
+            .filter(|it| it.dsts[root] != it.src)
+            .collect();
+        if local.is_empty() {
+            // SAFETY: per this function's contract; the lanes' streams are the ranks' own.
+            return unsafe { self.state.ce.queue(&lanes, root, items, &call) };
+        }
+        // The root's own copies on its second stream, between a fork after everything before
+        // the call on its stream and a join before anything after it.
+        let aux = self.fork_aux(root)?;
+        let mut queued = Ok(());
+        for it in local {
+            // SAFETY: per this function's contract: the root's input and output hold the
+            // tensor, and `aux`, a stream of the root's context, runs after the root's stream
+            // reached the call (fork).
+            queued = unsafe { copy::copy_on(&lanes[root], aux, it.dsts[root], it.src, it.bytes()) };
+            if queued.is_err() {
+                break;
+            }
+        }
+        if queued.is_ok() {
+            // SAFETY: as above.
+            queued = unsafe { self.state.ce.queue(&lanes, root, items, &call) };
+        }
+        // Joined whatever failed above, so the root's stream never moves past work still
+        // queued on the side.
+        let joined = self.join_aux(root);
+        queued.and(joined)
+    }
+
     /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
     /// reached the GPU) with the watchdog `w`. Where that fails other than because those
     /// communicators are being aborted (the error then names the call), they are aborted:
@@ -935,9 +969,10 @@ fn launch_code(rank: usize, part: usize) -> u64 {
 
 impl Drop for Engine {
     /// Never hangs and never panics: waits for the streams at most twice the timeout plus a
-    /// second; if work is still running then (an NCCL peer that will never come), aborts NCCL and waits
-    /// a second more; if the streams are still busy, leaks the P2P memory rather than free it
-    /// under a running kernel.
+    /// second; if work is still running then (an NCCL peer that will never come), aborts NCCL
+    /// and waits a second more; then for the NCCL aborts still running as long again; if the
+    /// streams are still busy, leaks the P2P memory rather than free it under a running
+    /// kernel.
     fn drop(&mut self) {
         // A P2P kernel may wait up to twice the timeout (a wait, then a late reader's lease).
         let limit = self
@@ -974,6 +1009,21 @@ impl Drop for Engine {
             None => idle = false,
         }
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Aborts of this engine's communicators finish on threads of their own; NCCL frees
+        // their memory there, which waits for the device, and with it for other work of the
+        // process. Waited for here, bounded, so that a clique's drop leaves nothing of its own
+        // running; not where a graph with NCCL steps outlives the clique (forgotten): an abort
+        // that waits for it never ends.
+        let forgotten = self.nccl_graphs.load(Ordering::Acquire) > 0;
+        if !state
+            .nccl
+            .wait_for_aborts(if forgotten { Duration::ZERO } else { limit })
+        {
+            tracing::warn!(
+                "an abort of this clique's NCCL communicators did not finish (a graph that \
+                 captured them is still alive): it goes on in the background"
+            );
+        }
         if !idle {
             tracing::warn!(
                 "GPU work still running while dropping a clique: its P2P buffers are leaked"

@@ -3,6 +3,7 @@
 mod lib;
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
@@ -45,6 +46,9 @@ pub(crate) struct Comms {
     comms: Vec<Comm>,
     /// Unique in the process: a graph that captured these communicators names them by it.
     id: u64,
+    /// Detached aborts still running ([`Comms::abort_detached`]), counted with those of the
+    /// other communicators of the same engine ([`State::adopt`]).
+    aborting: Arc<AtomicUsize>,
 }
 
 /// The next [`Comms::id`].
@@ -240,6 +244,9 @@ impl Comms {
     /// end only when their peers come, and every wait of the engine gives up on them, bounded),
     /// never destroyed here: that would wait too.
     fn abort_detached(self) {
+        let aborting = self.aborting.clone();
+        aborting.fetch_add(1, Ordering::AcqRel);
+        let done = aborting.clone();
         let slot = Arc::new(Mutex::new(Some(self)));
         let taken = slot.clone();
         let spawned = std::thread::Builder::new()
@@ -249,8 +256,10 @@ impl Comms {
                 if let Some(comms) = comms {
                     comms.abort();
                 }
+                done.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
+            aborting.fetch_sub(1, Ordering::AcqRel);
             tracing::error!(
                 error = %e,
                 "no thread for an NCCL abort: the communicators are leaked unaborted, and NCCL \
@@ -333,7 +342,8 @@ fn join_and_connect(
     let mut comms = Comms {
         lib,
         comms: raw.into_iter().filter(|c| !c.is_null()).map(Comm).collect(),
-        id: NEXT_COMMS_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        id: NEXT_COMMS_ID.fetch_add(1, Ordering::Relaxed),
+        aborting: Arc::default(),
     };
     if status.is_ok() {
         status = connect(&mut comms, ranks);
@@ -460,13 +470,47 @@ impl Nccl {
 pub(crate) struct State {
     comms: Arc<Mutex<Nccl>>,
     captured: bool,
+    /// Aborts of this engine's communicators still running on threads of their own.
+    aborting: Arc<AtomicUsize>,
 }
 
 impl State {
     pub(crate) fn new(nccl: Nccl) -> State {
+        let aborting = Arc::<AtomicUsize>::default();
+        let nccl = match nccl {
+            Nccl::Live(mut comms) => {
+                comms.aborting = aborting.clone();
+                Nccl::Live(comms)
+            }
+            other => other,
+        };
         State {
             comms: Arc::new(Mutex::new(nccl)),
             captured: false,
+            aborting,
+        }
+    }
+
+    /// `comms` as this engine's live communicators: their aborts count among its own.
+    pub(crate) fn adopt(&self, mut comms: Comms) -> Nccl {
+        comms.aborting = self.aborting.clone();
+        Nccl::Live(comms)
+    }
+
+    /// Waits, by polling, until no abort of this engine's communicators is running, at most
+    /// `limit`; whether none is. An abort waits (inside NCCL) for every graph that captured
+    /// the communicators, so one whose graph was forgotten never ends.
+    pub(crate) fn wait_for_aborts(&self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let mut backoff = Backoff::new();
+        loop {
+            if self.aborting.load(Ordering::Acquire) == 0 {
+                return true;
+            }
+            if start.elapsed() >= limit {
+                return false;
+            }
+            backoff.pause();
         }
     }
 

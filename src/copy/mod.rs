@@ -1,6 +1,6 @@
 //! The copy-engine route: no kernel, no SM. Each rank pushes the message into the rank after
-//! it in a chain that starts at the root ([`plan::chain`]), chunk by chunk
-//! ([`plan::chunks`]), with `cuMemcpyAsync` on its own stream (its own copy engine), so every
+//! it in a chain that starts at the root ([`schedule::chain`]), chunk by chunk
+//! ([`schedule::chunks`]), with `cuMemcpyAsync` on its own stream (its own copy engine), so every
 //! link carries the message once whatever the number of ranks, and a rank forwards chunk k
 //! while it receives chunk k + 1. Out of place, the root copies its own output on a second
 //! stream, forked from its stream and joined back, so that copy runs beside the chain's.
@@ -11,23 +11,26 @@
 //! 0.3% (2725 us).
 //!
 //! Ordering between ranks:
-//! - eager calls use one event per rank ([`plan::eager_ops`]): a rank copies into its
+//! - eager calls use one event per rank ([`schedule::eager_ops`]): a rank copies into its
 //!   successor after the successor's stream reached the call, forwards chunk k after its
 //!   predecessor's copy of chunk k, and leaves the call after the last copy into it;
 //! - captured calls cannot wait on events of another rank's capture (each rank has a graph of
 //!   its own), so they use stream memory operations on [`Flags`] in device memory: the same
 //!   hand-offs as flags set to 1 by the writer and reset to 0 by the reader, which replay
-//!   identically at every launch ([`plan::captured_ops`]).
+//!   identically at every launch ([`schedule::captured_ops`]).
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext, CudaEvent};
 
-use super::{EngineGuard, Item};
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::plan::{self, ChainOp, Chunk, Flag, WINDOW};
+use crate::plan::Item;
+use crate::topology::Topology;
+use schedule::{ChainOp, Chunk, Flag, WINDOW};
+
+pub(crate) mod schedule;
 
 /// Index of the "successor free" flag after the arrival flags.
 const FREE: usize = WINDOW;
@@ -36,6 +39,34 @@ const WAIT: sys::CUevent_wait_flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEF
 
 /// Bytes of one rank's flag area.
 const FLAG_BYTES: usize = (WINDOW + 1) * 4;
+
+/// `Ok` where the copy engines can run the broadcast of a clique of `topology`: every pair
+/// has peer access, so that each rank's copy engine writes its successor's buffer directly;
+/// otherwise the reason, as the error a forced call returns.
+pub(crate) fn support(topology: &Topology) -> std::result::Result<(), Error> {
+    match topology.missing_peer_access() {
+        Some(why) => Err(Error::CopyEngineUnavailable(why)),
+        None => Ok(()),
+    }
+}
+
+/// Why the copy engines cannot run inside a capture, if they cannot: where two ranks share a
+/// device (`shared_device`). A captured copy-engine broadcast waits on flags that another
+/// rank's graph writes (stream memory operations, which have no timeout), and the streams of
+/// one device share its few hardware queues: a graph waiting there holds back, for good, a
+/// graph queued behind it that would write its flag.
+pub(crate) fn graph_support(shared_device: bool) -> std::result::Result<(), Error> {
+    if shared_device {
+        return Err(Error::CopyEngineUnavailable(
+            "the copy engines cannot run in a graph where ranks share a device: each \
+             rank's graph waits on flags another rank's graph writes, without a timeout, \
+             and two streams of one device can share a hardware queue, where such a wait \
+             holds back the graph that would write its flag (use P2P or Auto)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
 
 /// What the copy-engine path keeps between calls, under the engine's lock.
 pub(crate) struct State {
@@ -174,154 +205,118 @@ impl Drop for Flags {
     }
 }
 
-impl EngineGuard<'_> {
-    /// Enqueues the copy-engine broadcast of `tensors` of `items` from job rank `root` (a rank
-    /// of this process), including the root's own output when out of place.
-    ///
-    /// # Safety
-    /// As for [`EngineGuard::run`].
-    pub(super) unsafe fn copy_engine(
-        &mut self,
+/// One rank as a copy-engine call sees it.
+pub(crate) struct Lane<'a> {
+    /// Its device's primary context.
+    pub ctx: &'a Arc<CudaContext>,
+    /// The stream its work goes to now (its capture stream while a capture records).
+    pub stream: CUstream,
+    /// Its rank in the job, for errors.
+    pub global: usize,
+}
+
+/// The operations of one call: its chunks and what each rank's stream does with them.
+pub(crate) struct Call {
+    chunks: Vec<Chunk>,
+    ops: Vec<ChainOp>,
+}
+
+impl Call {
+    /// The broadcast of `tensors` of `items` from local rank `root` over `n` ranks, chained
+    /// from the root ([`schedule::chain`]); ordered by flags when `captured`, else by events.
+    pub(crate) fn plan(
         root: usize,
+        n: usize,
         items: &[Item],
         tensors: &[usize],
-    ) -> Result<()> {
-        // Routes are chosen with this in mind (`Core`); a last line where they were not.
-        if self.capturing() {
-            self.engine.copy_engine_in_graph()?;
-        }
-        let n = self.n();
-        let root = self
-            .engine
-            .ranks
-            .iter()
-            .position(|r| r.global == root)
-            .ok_or_else(|| {
-                Error::CopyEngineUnavailable("the root is not a rank of this process".into())
-            })?;
+        captured: bool,
+    ) -> Call {
         let bytes: Vec<usize> = items.iter().map(Item::bytes).collect();
         let total = tensors.iter().map(|&t| bytes[t]).sum();
-        let chunks = plan::chunks(tensors, &bytes, plan::chunk_bytes(total, n));
-        let order = plan::chain(root, n);
-        let capturing = self.capturing();
-        self.state.ce.captured |= capturing;
-        let ops = if capturing {
-            plan::captured_ops(&order, chunks.len())
+        let chunks = schedule::chunks(tensors, &bytes, schedule::chunk_bytes(total, n));
+        let order = schedule::chain(root, n);
+        let ops = if captured {
+            schedule::captured_ops(&order, chunks.len())
         } else {
-            plan::eager_ops(&order, chunks.len())
+            schedule::eager_ops(&order, chunks.len())
         };
-        let local: Vec<&Item> = tensors
-            .iter()
-            .map(|&t| &items[t])
-            .filter(|it| it.dsts[root] != it.src)
-            .collect();
-        if local.is_empty() {
-            // SAFETY: per this function's contract.
-            return unsafe { self.queue(root, items, &chunks, &ops) };
-        }
-        // The root's own copies on its second stream, between a fork after everything before
-        // the call on its stream and a join before anything after it.
-        let aux = self.fork_aux(root)?;
-        let mut queued = Ok(());
-        for it in local {
-            // SAFETY: per this function's contract: the root's input and output hold the
-            // tensor, and `aux` runs after the root's stream reached the call (fork).
-            queued = unsafe { self.copy_on(root, aux, it.dsts[root], it.src, it.bytes()) };
-            if queued.is_err() {
-                break;
-            }
-        }
-        if queued.is_ok() {
-            // SAFETY: per this function's contract.
-            queued = unsafe { self.queue(root, items, &chunks, &ops) };
-        }
-        // Joined whatever failed above, so the root's stream never moves past work still
-        // queued on the side.
-        let joined = self.join_aux(root);
-        queued.and(joined)
+        Call { chunks, ops }
     }
+}
 
-    fn bind(&self, rank: usize) -> Result<()> {
-        self.engine.ranks[rank]
-            .ctx
-            .bind_to_thread()
-            .map_err(Error::cuda("binding a context"))
-    }
+/// Copies `len` bytes from `src` to `dst` on `stream`, a stream of `lane`'s context, with its
+/// copy engine.
+///
+/// # Safety
+/// `dst` and `src` hold `len` bytes reachable from the lane's device, valid until `stream`
+/// passes this point; `stream` is a live stream of the lane's context.
+pub(crate) unsafe fn copy_on(
+    lane: &Lane<'_>,
+    stream: CUstream,
+    dst: u64,
+    src: u64,
+    len: usize,
+) -> Result<()> {
+    lane.ctx
+        .bind_to_thread()
+        .map_err(Error::cuda("binding a context"))?;
+    // SAFETY: per this function's contract, `stream` being a stream of the lane's context,
+    // made current just above; unified addressing lets the driver find both devices from the
+    // addresses.
+    unsafe { driver::memory::copy_async(dst, src, len, stream) }.map_err(Error::cuda(format!(
+        "copy-engine copy on rank {}",
+        lane.global
+    )))
+}
 
-    /// # Safety
-    /// `dst` and `src` hold `len` bytes reachable from `rank`'s device, valid until its stream
-    /// passes this point.
-    unsafe fn copy(&self, rank: usize, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: per this function's contract.
-        unsafe { self.copy_on(rank, self.raw_stream(rank), dst, src, len) }
-    }
-
-    /// # Safety
-    /// As for [`EngineGuard::copy`], on `stream`, a stream of `rank`'s context.
-    unsafe fn copy_on(
-        &self,
-        rank: usize,
-        stream: CUstream,
-        dst: u64,
-        src: u64,
-        len: usize,
-    ) -> Result<()> {
-        self.bind(rank)?;
-        // SAFETY: per this function's contract, `stream` being a stream of `rank`'s context,
-        // made current just above; unified addressing lets the driver find both devices from
-        // the addresses.
-        unsafe { driver::memory::copy_async(dst, src, len, stream) }.map_err(Error::cuda(format!(
-            "copy-engine copy on rank {}",
-            self.engine.ranks[rank].global
-        )))
-    }
-
-    fn raw_stream(&self, rank: usize) -> CUstream {
-        self.work_stream(rank)
-    }
-
-    /// Queues `ops` (from [`plan::eager_ops`] or [`plan::captured_ops`]) over `chunks` of
-    /// `items`, `root` being the chain's first rank.
+impl State {
+    /// Queues `call` over `items` on `lanes` (one per local rank, in order), `root` being the
+    /// chain's first rank.
     ///
     /// # Safety
-    /// As for [`EngineGuard::run`].
-    unsafe fn queue(
+    /// Every lane's stream is a live stream of its context, and each of `items` holds, on every
+    /// rank, buffers of its size that stay valid until that rank's stream passes this call
+    /// (the root's input at `src`, each rank's output at `dsts[rank]`), reachable from every
+    /// device (peer access between every pair).
+    pub(crate) unsafe fn queue(
         &mut self,
+        lanes: &[Lane<'_>],
         root: usize,
         items: &[Item],
-        chunks: &[Chunk],
-        ops: &[ChainOp],
+        call: &Call,
     ) -> Result<()> {
-        if ops
+        if call
+            .ops
             .iter()
             .any(|o| matches!(o, ChainOp::WaitFlag { .. } | ChainOp::WriteFlag { .. }))
-            && self.state.ce.flags.is_none()
+            && self.flags.is_none()
         {
-            let ctxs: Vec<_> = self.engine.ranks.iter().map(|r| r.ctx.clone()).collect();
-            self.state.ce.flags = Some(Flags::new(&ctxs)?);
+            let ctxs: Vec<_> = lanes.iter().map(|l| l.ctx.clone()).collect();
+            self.flags = Some(Flags::new(&ctxs)?);
         }
         // After a failure the copies stop but every record and wait still goes out: each
         // rank's stream then waits for whatever copies into its buffers did go out, so no
         // stream moves past a copy still writing a buffer its caller may free.
         let mut failed: Option<Error> = None;
-        for op in ops {
+        for op in &call.ops {
             if failed.is_some() && !op.after_failure() {
                 continue;
             }
             // SAFETY: per this function's contract.
-            if let Err(e) = unsafe { self.queue_op(root, items, chunks, op) } {
+            if let Err(e) = unsafe { self.queue_op(lanes, root, items, &call.chunks, op) } {
                 failed.get_or_insert(e);
             }
         }
         failed.map_or(Ok(()), Err)
     }
 
-    /// Queues one operation of [`EngineGuard::queue`].
+    /// Queues one operation of [`State::queue`].
     ///
     /// # Safety
-    /// As for [`EngineGuard::run`].
+    /// As for [`State::queue`].
     unsafe fn queue_op(
-        &mut self,
+        &self,
+        lanes: &[Lane<'_>],
         root: usize,
         items: &[Item],
         chunks: &[Chunk],
@@ -329,15 +324,15 @@ impl EngineGuard<'_> {
     ) -> Result<()> {
         match *op {
             ChainOp::Record { rank } => {
-                let event = self.state.ce.events[rank].cu_event();
+                let event = self.events[rank].cu_event();
                 // SAFETY: the event and the stream belong to the rank's context.
-                unsafe { result::event::record(event, self.raw_stream(rank)) }
+                unsafe { result::event::record(event, lanes[rank].stream) }
                     .map_err(Error::cuda("recording a copy-engine event"))?;
             }
             ChainOp::Wait { rank, of } => {
-                let event = self.state.ce.events[of].cu_event();
+                let event = self.events[of].cu_event();
                 // SAFETY: live stream and event; events of another device may be waited on.
-                unsafe { result::stream::wait_event(self.raw_stream(rank), event, WAIT) }
+                unsafe { result::stream::wait_event(lanes[rank].stream, event, WAIT) }
                     .map_err(Error::cuda("ordering copy-engine ranks"))?;
             }
             ChainOp::Copy {
@@ -350,17 +345,18 @@ impl EngineGuard<'_> {
                 let it = &items[c.tensor];
                 let base = if from == root { it.src } else { it.dsts[from] };
                 let off = c.offset as u64;
+                let lane = &lanes[rank];
                 // SAFETY: per this function's contract: both buffers hold the tensor, and
                 // the chunk lies inside it.
-                unsafe { self.copy(rank, it.dsts[into] + off, base + off, c.len) }?;
+                unsafe { copy_on(lane, lane.stream, it.dsts[into] + off, base + off, c.len) }?;
             }
             ChainOp::WaitFlag { rank, flag } => {
                 let addr = self.flags().addr(rank, flag);
                 let mode = flag_wait_mode(self.flags().flush[rank]);
-                // SAFETY: the rank's stream is live (owned by the engine); `addr` is a live
-                // flag of the engine's areas, reachable from this device (peer access between
-                // every pair).
-                unsafe { driver::stream::wait_value_32(self.raw_stream(rank), addr, 1, mode) }
+                // SAFETY: the rank's stream is live (this function's contract); `addr` is a
+                // live flag of this state's areas, reachable from this device (peer access
+                // between every pair).
+                unsafe { driver::stream::wait_value_32(lanes[rank].stream, addr, 1, mode) }
                     .map_err(Error::cuda("queueing a copy-engine flag wait"))?;
             }
             ChainOp::WriteFlag {
@@ -373,9 +369,9 @@ impl EngineGuard<'_> {
                 // The default write follows the work before it with a memory barrier: the
                 // copies it announces are visible first.
                 let mode = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-                // SAFETY: as for the wait; the flags are the engine's own, written only by
-                // its streams.
-                unsafe { driver::stream::write_value_32(self.raw_stream(rank), addr, value, mode) }
+                // SAFETY: as for the wait; the flags are this state's own, written only by the
+                // engine's streams.
+                unsafe { driver::stream::write_value_32(lanes[rank].stream, addr, value, mode) }
                     .map_err(Error::cuda("queueing a copy-engine flag write"))?;
             }
         }
@@ -383,9 +379,7 @@ impl EngineGuard<'_> {
     }
 
     fn flags(&self) -> &Flags {
-        self.state
-            .ce
-            .flags
+        self.flags
             .as_ref()
             .expect("made before the first flag operation")
     }
