@@ -197,9 +197,6 @@ mod tests {
     use crate::error::Error;
     use std::sync::OnceLock;
 
-    /// After a failed copy, every copy that went out is still waited for by the stream of the
-    /// rank it writes into: a record of the copying rank after the copy, then a wait of the
-    /// receiving rank for that record, both among the ops that still go out.
     #[test]
     fn a_single_broadcast_takes_the_step_of_its_route() {
         assert_eq!(single(3, Route::Empty), None);

@@ -274,7 +274,8 @@ impl State {
     /// chain's first rank.
     ///
     /// # Safety
-    /// Every lane's stream is a live stream of its context, and each of `items` holds, on every
+    /// `lanes` are this state's ranks, in order (the contexts its events and flags were made
+    /// on); every lane's stream is a live stream of its context; and each of `items` holds, on every
     /// rank, buffers of its size that stay valid until that rank's stream passes this call
     /// (the root's input at `src`, each rank's output at `dsts[rank]`), reachable from every
     /// device (peer access between every pair).

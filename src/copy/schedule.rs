@@ -243,6 +243,9 @@ pub(crate) fn captured_ops(order: &[usize], chunks: usize) -> Vec<ChainOp> {
 mod tests {
     use super::*;
 
+    /// After a failed copy, every copy that went out is still waited for by the stream of the
+    /// rank it writes into: a record of the copying rank after the copy, then a wait of the
+    /// receiving rank for that record, both among the ops that still go out.
     #[test]
     fn a_failed_copy_still_leaves_every_earlier_copy_waited_for() {
         for n in 2..=8 {

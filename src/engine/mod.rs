@@ -687,7 +687,10 @@ impl EngineGuard<'_> {
             .filter(|it| it.dsts[root] != it.src)
             .collect();
         if local.is_empty() {
-            // SAFETY: per this function's contract; the lanes' streams are the ranks' own.
+            // SAFETY: the lanes are the engine's ranks in order, their streams the ranks' own
+            // (or their capture streams); the buffers per this function's contract; and a
+            // copy-engine step is planned only where every pair has peer access
+            // (`copy::support`), so every buffer is reachable from every device.
             return unsafe { self.state.ce.queue(&lanes, root, items, &call) };
         }
         // The root's own copies on its second stream, between a fork after everything before
@@ -704,7 +707,7 @@ impl EngineGuard<'_> {
             }
         }
         if queued.is_ok() {
-            // SAFETY: as above.
+            // SAFETY: as for the queueing without local copies above.
             queued = unsafe { self.state.ce.queue(&lanes, root, items, &call) };
         }
         // Joined whatever failed above, so the root's stream never moves past work still
@@ -1020,8 +1023,9 @@ impl Drop for Engine {
             .wait_for_aborts(if forgotten { Duration::ZERO } else { limit })
         {
             tracing::warn!(
-                "an abort of this clique's NCCL communicators did not finish (a graph that \
-                 captured them is still alive): it goes on in the background"
+                "an abort of this clique's NCCL communicators did not finish within the drop's \
+                 bound (it waits for a graph that captured them, or for work on the device): \
+                 it goes on in the background"
             );
         }
         if !idle {

@@ -51,6 +51,15 @@ pub(crate) struct Comms {
     aborting: Arc<AtomicUsize>,
 }
 
+/// Decrements its counter when dropped.
+struct CountDown(Arc<AtomicUsize>);
+
+impl Drop for CountDown {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// The next [`Comms::id`].
 static NEXT_COMMS_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -252,11 +261,12 @@ impl Comms {
         let spawned = std::thread::Builder::new()
             .name("gpucast-nccl-abort".into())
             .spawn(move || {
+                // Counted down however the abort ends, a panic included.
+                let _done = CountDown(done);
                 let comms = taken.lock().unwrap_or_else(|e| e.into_inner()).take();
                 if let Some(comms) = comms {
                     comms.abort();
                 }
-                done.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
             aborting.fetch_sub(1, Ordering::AcqRel);
