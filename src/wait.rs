@@ -31,6 +31,21 @@ impl Backoff {
     }
 }
 
+/// Polls `done` with a [`Backoff`] until it holds or `limit` has passed; whether it held.
+pub(crate) fn until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    let mut backoff = Backoff::new();
+    loop {
+        if done() {
+            return true;
+        }
+        if start.elapsed() > limit {
+            return false;
+        }
+        backoff.pause();
+    }
+}
+
 /// Whole milliseconds of `d`, saturating.
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

@@ -342,18 +342,8 @@ impl Engine {
 
     /// Waits until every stream is idle or `limit` passes; whether they all became idle.
     fn wait_idle(&self, limit: Duration) -> bool {
-        let start = Instant::now();
-        let mut backoff = crate::wait::Backoff::new();
-        loop {
-            // A stream in error never counts as idle here: its work may still run.
-            if self.streams_idle().unwrap_or(false) {
-                return true;
-            }
-            if start.elapsed() > limit {
-                return false;
-            }
-            backoff.pause();
-        }
+        // A stream in error never counts as idle here: its work may still run.
+        crate::wait::until(limit, || self.streams_idle().unwrap_or(false))
     }
 
     /// Whether every stream has finished its work; a stream's CUDA error, naming its rank.

@@ -488,10 +488,7 @@ impl State {
     pub(crate) fn new(nccl: Nccl) -> State {
         let aborting = Arc::<AtomicUsize>::default();
         let nccl = match nccl {
-            Nccl::Live(mut comms) => {
-                comms.aborting = aborting.clone();
-                Nccl::Live(comms)
-            }
+            Nccl::Live(comms) => counted(comms, &aborting),
             other => other,
         };
         State {
@@ -502,26 +499,15 @@ impl State {
     }
 
     /// `comms` as this engine's live communicators: their aborts count among its own.
-    pub(crate) fn adopt(&self, mut comms: Comms) -> Nccl {
-        comms.aborting = self.aborting.clone();
-        Nccl::Live(comms)
+    pub(crate) fn adopt(&self, comms: Comms) -> Nccl {
+        counted(comms, &self.aborting)
     }
 
     /// Waits, by polling, until no abort of this engine's communicators is running, at most
     /// `limit`; whether none is. An abort waits (inside NCCL) for every graph that captured
     /// the communicators, so one whose graph was forgotten never ends.
     pub(crate) fn wait_for_aborts(&self, limit: Duration) -> bool {
-        let start = Instant::now();
-        let mut backoff = Backoff::new();
-        loop {
-            if self.aborting.load(Ordering::Acquire) == 0 {
-                return true;
-            }
-            if start.elapsed() >= limit {
-                return false;
-            }
-            backoff.pause();
-        }
+        crate::wait::until(limit, || self.aborting.load(Ordering::Acquire) == 0)
     }
 
     /// The communicators, for the watchdog.
@@ -544,6 +530,12 @@ impl State {
     pub(crate) fn end_capture(&mut self) -> bool {
         std::mem::take(&mut self.captured)
     }
+}
+
+/// `comms` as live communicators whose detached aborts count in `aborting`.
+fn counted(mut comms: Comms, aborting: &Arc<AtomicUsize>) -> Nccl {
+    comms.aborting = aborting.clone();
+    Nccl::Live(comms)
 }
 
 /// Locks `m`, waiting at most `limit`.
