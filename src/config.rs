@@ -13,6 +13,45 @@ pub(crate) use crate::limits::{MAX_GPUS, PACKET_MAX_BYTES};
 /// Default bound on every wait of a broadcast (a P2P kernel waiting for a peer).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A clique's timeout and every bound derived from it, each computed here, saturating: a
+/// timeout as long as `Duration::MAX` (a caller's "no limit") derives bounds that never
+/// overflow, and every derived wait still ends at a stated time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Timeouts {
+    /// The bound on every wait for a peer: a P2P kernel's, the watchdog's for an NCCL call.
+    pub wait: Duration,
+}
+
+impl Timeouts {
+    /// Bounds derived from `wait`.
+    pub(crate) const fn new(wait: Duration) -> Timeouts {
+        Timeouts { wait }
+    }
+
+    /// The longest a host wait for the streams (or for an abort of NCCL) lasts while the
+    /// clique lives: a P2P kernel may wait twice the timeout (a wait, then a late reader's
+    /// lease), plus two seconds of slack.
+    pub(crate) fn drain(&self) -> Duration {
+        self.wait
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(2))
+    }
+
+    /// The longest a drop waits for the streams before it aborts NCCL: two kernel waits plus
+    /// a second.
+    pub(crate) fn drop_drain(&self) -> Duration {
+        self.wait
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(1))
+    }
+
+    /// The bound on creating NCCL communicators where every rank is in this process: NCCL's
+    /// own setup, never less than a minute.
+    pub(crate) fn nccl_init(&self) -> Duration {
+        self.wait.max(Duration::from_secs(60))
+    }
+}
+
 /// The path a broadcast takes, as a caller asks for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -602,7 +641,8 @@ pub(crate) struct Settings {
     pub thresholds: Thresholds,
     /// `Auto`'s thresholds for calls queued inside a capture.
     pub graph_thresholds: Thresholds,
-    pub timeout: Duration,
+    /// The timeout and its derived bounds.
+    pub timeouts: Timeouts,
     pub parallel_launch: bool,
 }
 
@@ -654,7 +694,7 @@ impl Settings {
             path: req.path.or(env.path).unwrap_or_default(),
             thresholds,
             graph_thresholds,
-            timeout,
+            timeouts: Timeouts::new(timeout),
             parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
         })
     }
@@ -761,11 +801,11 @@ mod tests {
             s.thresholds.packet_max_bytes,
             Thresholds::for_gpus(4).packet_max_bytes
         );
-        assert_eq!(s.timeout, Duration::from_millis(5));
+        assert_eq!(s.timeouts.wait, Duration::from_millis(5));
         assert!(!s.parallel_launch);
         assert_eq!(s.path, BroadcastPath::Auto);
         let d = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
-        assert_eq!(d.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(d.timeouts.wait, DEFAULT_TIMEOUT);
         assert!(d.parallel_launch);
         let zero = Requested {
             timeout: Some(Duration::ZERO),
@@ -782,7 +822,21 @@ mod tests {
             timeout: Some(Duration::MAX),
             ..Requested::default()
         };
-        assert!(Settings::resolve(&huge, &Env::default(), 2).is_ok());
+        let t = Settings::resolve(&huge, &Env::default(), 2)
+            .unwrap()
+            .timeouts;
+        // Every derived bound saturates instead of overflowing.
+        assert_eq!(t.drain(), Duration::MAX);
+        assert_eq!(t.drop_drain(), Duration::MAX);
+        assert_eq!(t.nccl_init(), Duration::MAX);
+    }
+
+    #[test]
+    fn derived_bounds() {
+        let t = Timeouts::new(Duration::from_millis(250));
+        assert_eq!(t.drain(), Duration::from_millis(2500));
+        assert_eq!(t.drop_drain(), Duration::from_millis(1500));
+        assert_eq!(t.nccl_init(), Duration::from_secs(60));
     }
 
     #[test]

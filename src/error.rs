@@ -196,6 +196,14 @@ pub enum Error {
         /// How long it waited.
         waited_ms: u64,
     },
+    /// Another call held the clique longer than the bound a call waits for it (twice the
+    /// timeout plus two seconds): a capture closure that waits for this call's thread, or a
+    /// call stuck in the driver. Nothing was queued.
+    #[error("another call held the clique for {waited_ms} ms (a capture closure waiting for this thread, or a call stuck in the driver); nothing was queued")]
+    Busy {
+        /// How long it waited.
+        waited_ms: u64,
+    },
     /// A launch thread did not take its launch in time. No job is left posted; ranks launched
     /// before the stall time out on their own, and the P2P state is reset before the next call.
     #[error("the launch thread of clique rank {rank} did not take its launch within {waited_ms} ms; the broadcast was cancelled and its outputs are undefined")]
@@ -205,9 +213,12 @@ pub enum Error {
         /// How long the caller waited.
         waited_ms: u64,
     },
-    /// A clique method was called from inside that clique's own capture closure, on the
-    /// capturing thread (it would wait for the capture to end, which waits for it).
-    #[error("a clique call was made inside its own capture closure: queue broadcasts through the closure's `Capture` argument instead")]
+    /// A clique method was called while one of its streams is being captured: from inside
+    /// that clique's own capture closure, on the capturing thread (it would wait for the
+    /// capture to end, which waits for it), or while the caller captures a rank's stream
+    /// (`Clique::stream`, `Communicator::stream`) into a graph of its own, which gpucast could
+    /// not count or keep its memory alive for. Nothing was queued.
+    #[error("a clique call was made while one of its streams is being captured (inside its own capture closure, or a capture the caller began on a rank's stream): queue broadcasts through a gpucast capture instead")]
     CaptureInProgress,
     /// Finding the other processes of the job, or exchanging data with them at
     /// initialisation, failed (a rank missing, a mismatch, a timeout: see the cause).

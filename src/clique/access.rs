@@ -78,6 +78,18 @@ impl<'s> Foreign<'s> {
                 "a buffer of rank {rank} is on a stream of another context"
             )));
         }
+        if stream.cu_stream() != rank_stream.cu_stream() {
+            // A buffer's stream that the caller is capturing: the orderings would record into
+            // its graph, which gpucast does not count.
+            // SAFETY: `stream` is borrowed, so live.
+            let capturing = unsafe { crate::driver::stream::is_capturing(stream.cu_stream()) }
+                .map_err(crate::error::Error::cuda(
+                    "asking whether a buffer's stream is being captured",
+                ))?;
+            if capturing {
+                return Err(crate::error::Error::CaptureInProgress);
+            }
+        }
         // SAFETY: `stream` is borrowed for `'s`, so live that long, and of the rank's context
         // (checked above).
         unsafe { self.note_raw(rank, stream.cu_stream(), rank_stream) };
@@ -101,7 +113,10 @@ impl<'s> Foreign<'s> {
 
     /// Runs `f` (which queues work on the clique's streams) between the two orderings: every
     /// rank's stream waits for its foreign streams before, every foreign stream waits for its
-    /// rank's stream after, even when `f` fails (whatever it queued must be waited for).
+    /// rank's stream after, even when `f` fails (whatever it queued must be waited for) and
+    /// even when it panics: the after-orderings run before the panic goes on, so the buffers'
+    /// guards, which record their events while it unwinds, record on streams that waited for
+    /// whatever `f` queued.
     pub(crate) fn around(
         &self,
         engine: &mut EngineGuard<'_>,
@@ -112,13 +127,18 @@ impl<'s> Foreign<'s> {
             // type's invariant), and `self` is borrowed within `'s`.
             unsafe { engine.stream_waits_for(rank, s) }?;
         }
-        let done = f(engine);
+        // The engine's state stays consistent across a panic of `f` for what follows: the
+        // orderings below only queue event records and waits on live streams.
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(engine)));
         let mut after = Ok(());
         for &(rank, s) in &self.list {
             // SAFETY: as above.
             after = after.and(unsafe { engine.waits_for_stream(rank, s) });
         }
-        done.and(after)
+        match done {
+            Ok(done) => done.and(after),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
 }
 

@@ -126,7 +126,7 @@ fn card(host: &str, settings: &Settings, shared: bool, ordinal: usize) -> Vec<u8
         settings.path,
         settings.thresholds.p2p_max_bytes,
         settings.thresholds.packet_max_bytes,
-        settings.timeout
+        settings.timeouts.wait
     )
     .into_bytes()
 }
@@ -217,9 +217,9 @@ fn rounds_p2p(
             "{world} ranks on one host: the P2P kernel takes at most {MAX_GPUS}"
         )))
     } else if world == 1 {
-        P2p::new(std::slice::from_ref(ctx), settings.timeout, false)
+        P2p::new(std::slice::from_ref(ctx), settings.timeouts.wait, false)
     } else {
-        P2p::new_ipc(ctx, rank, world, exchange, settings.timeout, deadline)
+        P2p::new_ipc(ctx, rank, world, exchange, settings.timeouts.wait, deadline)
     }
 }
 
@@ -409,6 +409,7 @@ impl Communicator {
     /// Hands NCCL broadcasts to the watchdog (`true`, the default) or not. Without it an NCCL
     /// broadcast whose peer never arrives waits forever: this exists to measure what the
     /// watchdog costs (the benchmark's `nccl-nowatch`), not for use.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn set_watchdog(&self, on: bool) {
         self.core.engine.set_watchdog(on);

@@ -442,7 +442,7 @@ impl Core {
         // a failure the peers' cards are read as they are (a dead peer never posts); after
         // success the peers get up to the timeout to post this rank's calls.
         let within = match done {
-            Ok(()) => self.engine.settings().timeout,
+            Ok(()) => self.engine.settings().timeouts.wait,
             Err(_) => std::time::Duration::ZERO,
         };
         match self.calls.as_ref().map(|log| log.check(within)) {

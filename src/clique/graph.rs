@@ -226,9 +226,11 @@ impl<'c, 'buf> Capture<'c, 'buf> {
         options: &BroadcastOptions,
         single: bool,
     ) -> Result<FusedReport> {
-        let report =
-            self.session
-                .enqueue(root, inputs.as_deref(), &mut outputs, options, single)?;
+        let report = self
+            .session
+            .enqueue(root, inputs.as_deref(), &mut outputs, options, single);
+        // Kept even when the call failed: part of it may be in the graph (the capture then
+        // fails as a whole, but the buffers stay borrowed until it has).
         let root_local = self.session.core.globals.iter().position(|&g| g == root);
         self.reads.extend(
             inputs
@@ -239,7 +241,7 @@ impl<'c, 'buf> Capture<'c, 'buf> {
         for (rank, list) in outputs.into_iter().enumerate() {
             self.writes.extend(list.into_iter().map(|b| (rank, b)));
         }
-        Ok(report)
+        report
     }
 }
 

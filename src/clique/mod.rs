@@ -23,7 +23,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use crate::config::{BroadcastOptions, BroadcastPath, Requested, Route, Thresholds};
 use crate::dtype::{DType, Element};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::topology::Topology;
 pub(crate) use core::Core;
 
@@ -287,7 +287,7 @@ impl Clique {
 
     /// The bound on every wait.
     pub fn timeout(&self) -> Duration {
-        self.core.engine.settings().timeout
+        self.core.engine.settings().timeouts.wait
     }
 
     /// `Ok` if the P2P kernel can run on this clique, otherwise the error a forced P2P call
@@ -314,6 +314,7 @@ impl Clique {
     /// Hands NCCL broadcasts to the watchdog (`true`, the default) or not. Without it an NCCL
     /// broadcast whose peer never arrives waits forever: this exists to measure what the
     /// watchdog costs (the benchmark's `nccl-nowatch`), not for use.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn set_watchdog(&self, on: bool) {
         self.core.engine.set_watchdog(on);
@@ -323,6 +324,7 @@ impl Clique {
     /// every rank as if op `value` had just finished everywhere: test support, so that the
     /// counters' wrap past `u32::MAX` runs in a test (it takes 2^32 packet broadcasts
     /// otherwise). Not for use.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn set_packet_counters_for_test(&self, value: u32) -> Result<()> {
         self.core.engine.lock()?.set_packet_counters(value)
@@ -332,6 +334,7 @@ impl Clique {
     /// that part (a graph has one part, or where ranks share a GPU one per P2P step and a last
     /// one); disarmed after that launch whether or not it reached the part. Test support for a
     /// graph launch that reached some ranks and not others. Not for use.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn fail_graph_launch_for_test(&self, rank: usize, part: usize) {
         self.core.engine.fail_graph_launch(rank, part);
@@ -340,6 +343,7 @@ impl Clique {
     /// Aborts the clique's NCCL communicators as its watchdog does after a fault: later NCCL
     /// calls fail with [`Error::CommunicatorsAborted`] until [`Clique::recover`]. Test
     /// support (with one GPU no NCCL peer can be late). Not for use.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub fn abort_nccl_for_test(&self) -> Result<()> {
         self.core
@@ -473,7 +477,7 @@ impl Clique {
     pub fn recover(&self) -> Result<()> {
         let ctxs: Vec<Arc<CudaContext>> =
             (0..self.len()).map(|r| self.context(r).clone()).collect();
-        let timeout = self.timeout().max(Duration::from_secs(60));
+        let timeout = self.core.engine.settings().timeouts.nccl_init();
         self.core
             .engine
             .recover(|| crate::nccl::Comms::init_all(&ctxs, timeout))
@@ -494,6 +498,7 @@ impl Clique {
     /// Raw device addresses: `src` must hold `bytes` bytes on the root's device and each
     /// `dsts[rank]` as many on that rank's device, valid until the streams pass this point; the
     /// caller orders the root's stream with the copies.
+    #[cfg(feature = "testing")]
     #[doc(hidden)]
     pub unsafe fn copy_engine_raw(
         &self,
@@ -509,7 +514,7 @@ impl Clique {
             }
             self.context(rank)
                 .bind_to_thread()
-                .map_err(Error::cuda("binding a context"))?;
+                .map_err(crate::error::Error::cuda("binding a context"))?;
             // SAFETY: per this function's contract; both contexts are live.
             unsafe {
                 cudarc::driver::result::memcpy_peer_async(
@@ -521,7 +526,7 @@ impl Clique {
                     self.stream(rank).cu_stream(),
                 )
             }
-            .map_err(Error::cuda(format!("copying to rank {rank}")))?;
+            .map_err(crate::error::Error::cuda(format!("copying to rank {rank}")))?;
         }
         Ok(())
     }

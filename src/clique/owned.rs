@@ -252,8 +252,11 @@ impl<'c> OwnedCapture<'c> {
         let spans = self.admit(ins.chain(outs))?;
         let report = self
             .inner
-            .broadcast_many_with(root, inputs, outputs, options)?;
+            .broadcast_many_with(root, inputs, outputs, options);
+        // Kept even when the call failed: part of it may be in the graph (the capture then
+        // fails as a whole, but the buffers stay counted until it has).
         self.used.extend(spans);
+        let report = report?;
         Ok(report)
     }
 }

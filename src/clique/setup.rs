@@ -2,7 +2,6 @@
 //! and the topology that results.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
@@ -163,10 +162,7 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     let distinct = (0..ordinals.len()).all(|i| !ordinals[..i].contains(&ordinals[i]));
     let nccl = if distinct {
         // Every rank is here, so joining takes as long as NCCL's setup: a generous bound.
-        Nccl::Live(Comms::init_all(
-            &ctxs,
-            settings.timeout.max(Duration::from_secs(60)),
-        )?)
+        Nccl::Live(Comms::init_all(&ctxs, settings.timeouts.nccl_init())?)
     } else {
         for (i, ctx) in ctxs.iter().enumerate() {
             let (o, before, after) = (ordinals[i], &ordinals[..i], &ordinals[i + 1..]);
@@ -180,7 +176,7 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
     let p2p = topology
         .p2p_support()
         .map_err(Error::P2pUnavailable)
-        .and_then(|()| P2p::new(&ctxs, settings.timeout, settings.parallel_launch));
+        .and_then(|()| P2p::new(&ctxs, settings.timeouts.wait, settings.parallel_launch));
     let engine = Engine::new(ranks, settings, nccl, p2p)?;
     Ok(Built {
         engine,

@@ -19,6 +19,19 @@ pub(crate) unsafe fn is_idle(stream: CUstream) -> Result<bool, DriverError> {
     }
 }
 
+/// Whether `stream` is being captured into a graph (`cuStreamIsCapturing`): active or
+/// invalidated captures alike.
+///
+/// # Safety
+/// `stream` is a live stream.
+pub(crate) unsafe fn is_capturing(stream: CUstream) -> Result<bool, DriverError> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `stream` is live (this function's contract); `status` is a live local, a valid
+    // out pointer.
+    unsafe { sys::cuStreamIsCapturing(stream, &mut status) }.result()?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// The context that `stream` belongs to (`cuStreamGetCtx`).
 ///
 /// # Safety

@@ -298,6 +298,7 @@ impl EngineGuard<'_> {
             }
         }
         let call = self.next_call();
+        self.room_for(call)?;
         let watch = self
             .engine
             .watcher()
@@ -399,8 +400,15 @@ impl EngineGuard<'_> {
             if went_out {
                 let _ = watched(self, begun);
                 self.state.desynced = true;
-                self.state.ce.release = execs.first().is_some_and(GraphExec::has_ce);
-                self.set_ce_flags(1)?;
+                if execs.first().is_some_and(GraphExec::has_ce) {
+                    // Released, a launched rank's graph copies into the outputs of ranks whose
+                    // graphs never ran: their streams (and through them the buffers' own) must
+                    // first wait for every launched graph, or the caller, seeing the error,
+                    // could free an output that is still being written.
+                    self.join_ranks()?;
+                    self.state.ce.release = true;
+                    self.set_ce_flags(1)?;
+                }
             }
             return Err(Error::Cuda {
                 during: format!("launching the graph of rank {rank}"),

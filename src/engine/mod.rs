@@ -167,7 +167,10 @@ impl Engine {
         let nccl = nccl::State::new(nccl);
         let nccl_graphs = Arc::new(AtomicUsize::new(0));
         let watchdog = if live {
-            Some(watchdog::Watchdog::start(nccl.shared(), settings.timeout)?)
+            Some(watchdog::Watchdog::start(
+                nccl.shared(),
+                settings.timeouts.wait,
+            )?)
         } else {
             None
         };
@@ -196,12 +199,14 @@ impl Engine {
         })
     }
 
+    #[cfg(feature = "testing")]
     /// Hands NCCL work to the watchdog (`true`, the default) or not: without it an NCCL
     /// broadcast whose peer never comes waits forever. For measuring what the watchdog costs.
     pub(crate) fn set_watchdog(&self, on: bool) {
         self.watching.store(on, Ordering::Relaxed);
     }
 
+    #[cfg(feature = "testing")]
     /// Makes the next graph launch fail (as a driver error) at part `part` of rank `rank`'s
     /// graph, without queueing that part: test support for a graph launch that reached some
     /// ranks and not others. Disarmed after that launch, whether or not it reached the part.
@@ -265,13 +270,38 @@ impl Engine {
     /// Takes the lock. First, when an earlier call left the P2P protocol broken (a kernel timed
     /// out, or a launch reached only some ranks), drains every stream and resets the signal
     /// areas, so that no new work queues behind a broken state; a timeout is then reported.
+    ///
+    /// A rank's stream that the caller is capturing into a graph of its own (cudarc's
+    /// `begin_capture` on `Clique::stream`) is refused with [`Error::CaptureInProgress`]: the
+    /// graph would hold gpucast's work without gpucast counting it (and replay it after the
+    /// clique freed what it uses).
     pub(crate) fn lock(&self) -> Result<EngineGuard<'_>> {
         let mut guard = self.guard()?;
+        self.refuse_callers_capture()?;
         guard.recover_if_needed()?;
         if let Some(fault) = self.fault() {
             return Err(fault);
         }
         Ok(guard)
+    }
+
+    /// [`Error::CaptureInProgress`] if a rank's own stream is being captured (by the caller:
+    /// gpucast captures on the ranks' capture streams).
+    fn refuse_callers_capture(&self) -> Result<()> {
+        for (rank, r) in self.ranks.iter().enumerate() {
+            // SAFETY: the stream is live (the engine holds it).
+            match unsafe { crate::driver::stream::is_capturing(r.stream.get().cu_stream()) } {
+                Ok(false) => {}
+                Ok(true) => return Err(Error::CaptureInProgress),
+                Err(e) => {
+                    return Err(Error::Cuda {
+                        during: format!("asking whether rank {rank}'s stream is being captured"),
+                        source: e,
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The watchdog's abort not reported yet, if any (reported once).
@@ -325,11 +355,27 @@ impl Engine {
         if self.capturing.load(Ordering::Acquire) && self.capture_owned_here() {
             return Err(Error::CaptureInProgress);
         }
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(EngineGuard {
-            engine: self,
-            state,
-        })
+        // Bounded: a call stuck in the driver, or a capture closure that waits for a thread
+        // calling this clique, must not hold every other caller forever.
+        let limit = self.settings.timeouts.drain();
+        let mut state = None;
+        crate::wait::until(limit, || {
+            state = match self.state.try_lock() {
+                Ok(s) => Some(s),
+                Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            state.is_some()
+        });
+        match state {
+            Some(state) => Ok(EngineGuard {
+                engine: self,
+                state,
+            }),
+            _ => Err(Error::Busy {
+                waited_ms: crate::wait::millis(limit),
+            }),
+        }
     }
 
     fn capture_owned_here(&self) -> bool {
@@ -434,7 +480,7 @@ impl EngineGuard<'_> {
     /// The longest a host wait for the streams (or for an abort of NCCL) lasts: twice the
     /// timeout, plus two seconds.
     fn drain_limit(&self) -> Duration {
-        self.engine.settings.timeout * 2 + Duration::from_secs(2)
+        self.engine.settings.timeouts.drain()
     }
 
     fn recover_if_needed(&mut self) -> Result<()> {
@@ -532,8 +578,27 @@ impl EngineGuard<'_> {
     /// this point; `steps` name tensors of `items` only.
     pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
         self.capture_failed()?;
+        // SAFETY: per this function's contract.
+        let ran = unsafe { self.run_steps(root, items, steps) };
+        if let Err(e) = &ran {
+            // Inside a capture, steps before the failure (or part of the failed one) may be in
+            // the graph: the whole capture fails, so that no graph replays a call whose buffers
+            // its owner did not keep.
+            if self.capturing() && self.state.capture_failed.is_none() {
+                self.state.capture_failed = Some(e.clone());
+            }
+        }
+        ran
+    }
+
+    /// The steps of [`EngineGuard::run`].
+    ///
+    /// # Safety
+    /// As for [`EngineGuard::run`].
+    unsafe fn run_steps(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
         let n = self.n();
         let call = self.next_call();
+        self.room_for(call)?;
         let streams = self.work_streams();
         for step in steps {
             match step {
@@ -613,7 +678,7 @@ impl EngineGuard<'_> {
                         .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
                     // SAFETY: per this function's contract.
                     let queued = unsafe {
-                        comms.broadcast_group(root, entries, self.engine.settings.timeout)
+                        comms.broadcast_group(root, entries, self.engine.settings.timeouts.wait)
                     };
                     if let Err(e) = queued {
                         // The calls queued before it lose their kernels to the abort too.
@@ -858,6 +923,38 @@ impl EngineGuard<'_> {
         )))
     }
 
+    /// Waits until call `call` may be queued without a launch blocking in the driver behind
+    /// NCCL work that never finishes ([`watchdog::Watchdog::room`]); the watchdog's fault if
+    /// it aborted that work meanwhile. Nothing to wait for inside a capture (nothing runs).
+    fn room_for(&mut self, call: u64) -> Result<()> {
+        let Some(w) = self.engine.watchdog.as_ref().filter(|_| !self.capturing()) else {
+            return Ok(());
+        };
+        w.room(call, self.engine.settings.timeouts.drain())?;
+        match self.engine.fault() {
+            Some(fault) => Err(fault),
+            None => Ok(()),
+        }
+    }
+
+    /// Makes every rank's own stream wait for the work queued so far on every other rank's.
+    pub(crate) fn join_ranks(&mut self) -> Result<()> {
+        for earlier in 0..self.n() {
+            let event = self.state.events[earlier].cu_event();
+            let from = self.engine.ranks[earlier].stream.get().cu_stream();
+            for later in (0..self.n()).filter(|&r| r != earlier) {
+                let to = self.engine.ranks[later].stream.get().cu_stream();
+                // SAFETY: `event` is rank `earlier`'s event and `from` its own stream; `to` is a
+                // live stream of another rank (a stream may wait for an event of another
+                // context of the process).
+                unsafe { self.order_with(earlier, event, from, to) }.map_err(Error::cuda(
+                    format!("ordering rank {later}'s stream after rank {earlier}'s"),
+                ))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Makes `later` wait for the work queued so far on `earlier`, with rank `rank`'s event.
     ///
     /// # Safety
@@ -876,8 +973,10 @@ impl EngineGuard<'_> {
     /// [`EngineGuard::order`] with `event`, one of rank `rank`'s events.
     ///
     /// # Safety
-    /// `event` is one of rank `rank`'s events in the engine's state, and both streams are live
-    /// streams of the rank's context.
+    /// `event` is one of rank `rank`'s events in the engine's state, `earlier` is a live
+    /// stream of the rank's context (the event is recorded there), and `later` is a live
+    /// stream of any context of the process (`cuStreamWaitEvent` takes an event of another
+    /// context and device).
     unsafe fn order_with(
         &self,
         rank: usize,
@@ -911,6 +1010,7 @@ impl EngineGuard<'_> {
         }
     }
 
+    #[cfg(feature = "testing")]
     /// Drains the streams, then sets the P2P packet counters of every rank to `value` (see
     /// [`P2p::set_packet_counters`]; test support).
     pub(crate) fn set_packet_counters(&mut self, value: u32) -> Result<()> {
@@ -923,6 +1023,7 @@ impl EngineGuard<'_> {
             })
     }
 
+    #[cfg(feature = "testing")]
     /// Aborts the NCCL communicators with `reason`, as the watchdog does after a fault (test
     /// support: with one GPU no NCCL peer can be late).
     pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
@@ -968,11 +1069,7 @@ impl Drop for Engine {
     /// kernel.
     fn drop(&mut self) {
         // A P2P kernel may wait up to twice the timeout (a wait, then a late reader's lease).
-        let limit = self
-            .settings
-            .timeout
-            .saturating_mul(2)
-            .saturating_add(Duration::from_secs(1));
+        let limit = self.settings.timeouts.drop_drain();
         drop(self.watchdog.take());
         let mut idle = self.wait_idle(limit);
         let shared = self

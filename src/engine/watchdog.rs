@@ -38,6 +38,15 @@ pub(crate) const POLL: Duration = Duration::from_millis(5);
 /// a wake-up (a system call, and the thread then contending for the queue's lock).
 const NAP: Duration = Duration::from_millis(200);
 
+/// The most calls queued on the ranks' streams behind the oldest watched call that has not
+/// finished. A stream takes about a thousand launches before a launch blocks in the driver;
+/// an NCCL launch blocked there holds the NCCL communicators, which the abort that alone could
+/// unblock it needs. Behind a broadcast whose peer never comes, a caller therefore waits
+/// before queueing more ([`Watchdog::room`]), and the abort goes ahead. A call queues a few
+/// launches per rank (the watchdog's events, the kernel or graph, orderings), so this leaves
+/// the driver's queue far from full.
+pub(crate) const MAX_BEHIND: u64 = 128;
+
 /// What a watched call queued, described only when it is reported.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Watched {
@@ -112,11 +121,21 @@ impl Shared {
     }
 }
 
-/// The handle an engine holds; dropping it stops the thread (without waiting for it).
+/// The handle an engine holds; dropping it stops the thread and joins it (within
+/// [`JOIN_WITHIN`]).
 pub(crate) struct Watchdog {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// Disconnected when the thread ends (its sender is dropped with the thread's closure).
+    /// (In a mutex only so that the handle is `Sync`; the drop alone reads it.)
+    ended: Mutex<std::sync::mpsc::Receiver<()>>,
 }
+
+/// How long a drop waits for the thread to end. It ends within one [`POLL`] of being told to
+/// stop (an abort it starts finishes on a thread of its own), unless a look at the NCCL
+/// communicators' error waits for a lock held by a call stuck in the driver: then the drop
+/// leaves it behind (it ends once it gets the lock) rather than wait.
+const JOIN_WITHIN: Duration = Duration::from_secs(1);
 
 impl Watchdog {
     /// Starts watching calls on `nccl` with `timeout`.
@@ -128,13 +147,18 @@ impl Watchdog {
             timeout,
         });
         let inner = shared.clone();
+        let (on_end, ended) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("gpucast-watchdog".into())
-            .spawn(move || watch(&inner))
+            .spawn(move || {
+                let _on_end = on_end;
+                watch(&inner)
+            })
             .map_err(|e| Error::InvalidArgument(format!("starting the watchdog thread: {e}")))?;
         Ok(Watchdog {
             shared,
             thread: Some(thread),
+            ended: Mutex::new(ended),
         })
     }
 
@@ -201,6 +225,44 @@ impl Watchdog {
         Ok(())
     }
 
+    /// Waits until call number `call` may be queued: while fewer than [`MAX_BEHIND`] calls
+    /// were queued since the oldest watched call still running, at once (one uncontended
+    /// lock). Otherwise it polls the calls' events (without holding the NCCL communicators)
+    /// until enough have finished, or the watchdog aborted them (they leave the queue: the
+    /// caller then finds the fault), or `limit` passed ([`Error::NcclTimeout`]; the watchdog
+    /// aborts a call that waits longer than the timeout for its peers, so with `limit` above
+    /// the timeout this means the watchdog itself is stuck).
+    pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut backoff = crate::wait::Backoff::new();
+        loop {
+            {
+                let mut q = self.shared.queue();
+                let queue = &mut *q;
+                let full = |p: &VecDeque<Pending>| {
+                    p.front()
+                        .is_some_and(|p| call.saturating_sub(p.call) >= MAX_BEHIND)
+                };
+                if !full(&queue.pending) {
+                    return Ok(());
+                }
+                pop_finished(&mut queue.pending, &mut queue.spare, passed);
+                if !full(&queue.pending) {
+                    return Ok(());
+                }
+            }
+            if start.elapsed() > limit {
+                return Err(Error::NcclTimeout {
+                    during: format!(
+                        "waiting to queue call {call} behind {MAX_BEHIND} calls queued after an                          NCCL broadcast that has not finished"
+                    ),
+                    waited_ms: millis(limit),
+                });
+            }
+            backoff.pause();
+        }
+    }
+
     /// The abort not reported yet, if any (reported once).
     pub(crate) fn take_fault(&self) -> Option<Error> {
         self.shared.queue().fault.take()
@@ -218,8 +280,26 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shared.queue().stop = true;
         self.shared.wake.notify_one();
-        // Not joined: an abort in progress may take a while, and the thread owns what it uses.
-        drop(self.thread.take());
+        // Its sender goes with the thread: disconnected once it has ended.
+        let ended = matches!(
+            self.ended
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .recv_timeout(JOIN_WITHIN),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+        );
+        match self.thread.take() {
+            Some(thread) if ended => {
+                if thread.join().is_err() {
+                    tracing::warn!("the NCCL watchdog thread panicked");
+                }
+            }
+            // Left behind: it owns what it uses, and ends once it gets the lock it waits for.
+            _ => tracing::warn!(
+                "the NCCL watchdog thread did not end within {} ms of the drop",
+                millis(JOIN_WITHIN)
+            ),
+        }
     }
 }
 
@@ -249,16 +329,7 @@ fn look<E>(
     timeout: Duration,
     passed: impl Fn(&E) -> bool,
 ) -> Option<String> {
-    // Each rank's events pass in stream order: when the last call ended everywhere, so did
-    // every call before it (one query per rank for a whole batch of finished calls).
-    let all_done = pending.back().is_some_and(|p| p.end.iter().all(&passed));
-    while pending
-        .front()
-        .is_some_and(|p| all_done || p.end.iter().all(&passed))
-    {
-        let done = pending.pop_front().expect("checked");
-        spare.push((done.start, done.end));
-    }
+    pop_finished(pending, spare, &passed);
     let mut late = None;
     for p in pending.iter_mut() {
         let t = match p.started {
@@ -276,6 +347,24 @@ fn look<E>(
         }
     }
     late
+}
+
+/// Moves the finished calls at the front of `pending` to `spare`.
+fn pop_finished<E>(
+    pending: &mut VecDeque<Pending<E>>,
+    spare: &mut Vec<Pair<E>>,
+    passed: impl Fn(&E) -> bool,
+) {
+    // Each rank's events pass in stream order: when the last call ended everywhere, so did
+    // every call before it (one query per rank for a whole batch of finished calls).
+    let all_done = pending.back().is_some_and(|p| p.end.iter().all(&passed));
+    while pending
+        .front()
+        .is_some_and(|p| all_done || p.end.iter().all(&passed))
+    {
+        let done = pending.pop_front().expect("checked");
+        spare.push((done.start, done.end));
+    }
 }
 
 /// Makes every call queued in `q` undefined by a fault of the communicators with id `comms`

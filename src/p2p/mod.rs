@@ -22,7 +22,7 @@ use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 use crate::config::MAX_GPUS;
 use crate::error::{Error, Result};
 use crate::rendezvous::Exchange;
-use abi::{layout, ListEntry, ListParams, Params, MAX_BLOCKS};
+use abi::{layout, ListEntry, ListParams, Params};
 use shared::SharedMemory;
 
 /// The P2P kernel's protocols: what a P2P route becomes once it is chosen.
@@ -703,6 +703,7 @@ impl P2p {
         Ok(())
     }
 
+    #[cfg(feature = "testing")]
     /// Resets every local rank's signal area ([`P2p::recover`]), then sets its packet-op
     /// counters and packet acknowledgements to `value`, as if every rank had finished packet
     /// op `value` on every block: the next packet broadcast is op `value + 1`. Every word of
@@ -720,8 +721,8 @@ impl P2p {
         self.recover()?;
         for r in &self.ranks {
             for (word, words) in [
-                (layout::PACKET_SEQ, MAX_BLOCKS as usize),
-                (layout::PACKET_ACK, MAX_BLOCKS as usize * MAX_GPUS),
+                (layout::PACKET_SEQ, abi::MAX_BLOCKS as usize),
+                (layout::PACKET_ACK, abi::MAX_BLOCKS as usize * MAX_GPUS),
                 (layout::INBOX_OFFSET / 4, layout::INBOX_BYTES / 4),
             ] {
                 // SAFETY: `signal` is a live allocation of TOTAL_BYTES on this context, and
