@@ -242,8 +242,10 @@ impl Core {
         // SAFETY: validation proved every buffer is on its rank's device and context and
         // `count` long; the borrows keep them alive until this returns, and the ordering
         // (`access::ordered`: foreign streams and the guards, dropped after the work is queued)
-        // keeps them alive for the queued work. In place, the root's buffer is both source and
-        // destination, which every path handles.
+        // keeps them alive for the queued work, whether the work returns, fails or panics
+        // halfway (`Foreign::around` orders the foreign streams after whatever was queued
+        // before the guards record, during the unwinding too). In place, the root's buffer is
+        // both source and destination, which every path handles.
         access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
                 root,
@@ -409,8 +411,9 @@ impl Core {
                 .collect();
             (items, reads, writes)
         };
-        // SAFETY: validated against the ranks; the borrows and the ordering (`access::ordered`)
-        // keep every buffer alive and ordered for the queued work.
+        // SAFETY: validated against the ranks; the borrows and the ordering (`access::ordered`,
+        // which also runs when the work fails or panics halfway) keep every buffer alive and
+        // ordered for the queued work.
         access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
             e.run(root, items, &steps)
         })?;

@@ -85,6 +85,9 @@ impl<'c> Session<'c> {
         }
         // SAFETY: validated against the clique; the capture's contract (borrowed for the
         // graph's life, or the unchecked form's caller) keeps the buffers alive for replays.
+        // A call that fails here may have recorded some steps: its buffers are kept by the
+        // safe forms all the same (`Capture::keep`, `OwnedCapture::queued`), and the engine
+        // fails the whole capture, so no graph with such steps is ever launched.
         unsafe { self.engine.run(root, &items, &steps) }?;
         Ok(report)
     }
