@@ -229,9 +229,10 @@ impl Watchdog {
     /// were queued since the oldest watched call still running, at once (one uncontended
     /// lock). Otherwise it polls the calls' events (without holding the NCCL communicators)
     /// until enough have finished, or the watchdog aborted them (they leave the queue: the
-    /// caller then finds the fault), or `limit` passed ([`Error::NcclTimeout`]; the watchdog
-    /// aborts a call that waits longer than the timeout for its peers, so with `limit` above
-    /// the timeout this means the watchdog itself is stuck).
+    /// caller then finds the fault), or `limit` passed ([`Error::StreamsBusy`], nothing of
+    /// the call queued: the watchdog aborts a call that waits longer than the timeout for its
+    /// peers, so with `limit` above the timeout this means the streams do not move for another
+    /// reason, such as the caller's own work queued on them).
     pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<()> {
         let start = Instant::now();
         let mut backoff = crate::wait::Backoff::new();
@@ -252,11 +253,10 @@ impl Watchdog {
                 }
             }
             if start.elapsed() > limit {
-                return Err(Error::NcclTimeout {
-                    during: format!(
-                        "waiting to queue call {call} behind {MAX_BEHIND} calls queued after an                          NCCL broadcast that has not finished"
-                    ),
-                    waited_ms: millis(limit),
+                // The streams did not move (the caller's own work, or the watchdog could not
+                // abort): nothing of this call was queued.
+                return Err(Error::StreamsBusy {
+                    waited_ms: millis(start.elapsed()),
                 });
             }
             backoff.pause();
