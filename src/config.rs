@@ -888,14 +888,18 @@ mod tests {
         // Two GPUs keep the measured switch to the copy engines.
         let two = Thresholds::for_gpus(2);
         assert_eq!(
-            choose(BroadcastPath::Auto, COPY_ENGINE_MIN_2_GPUS, everything, &two).unwrap(),
+            choose(
+                BroadcastPath::Auto,
+                COPY_ENGINE_MIN_2_GPUS,
+                everything,
+                &two
+            )
+            .unwrap(),
             Route::CopyEngine
         );
-        assert!(
-            choose(BroadcastPath::Auto, 4 << 20, everything, &two)
-                .unwrap()
-                .is_p2p()
-        );
+        assert!(choose(BroadcastPath::Auto, 4 << 20, everything, &two)
+            .unwrap()
+            .is_p2p());
     }
 
     #[test]
