@@ -110,18 +110,18 @@
 //! - **P2P on one host**: each rank allocates its signal area and a 32 MiB staging buffer as
 //!   shareable memory (`cuMemCreate`, POSIX file descriptors), hands the descriptors to the other
 //!   processes once over an abstract Unix socket (same user, a random nonce that only the job's
-//!   ranks received) and maps theirs, so a broadcast needs no exchange between processes. Packets go straight into the peers' inboxes;
-//!   a pull goes through the root's staging buffer (in 32 MiB chunks). Ranks on several hosts (the
-//!   host id is the machine's, or `GPUCAST_HOST_ID`) use NCCL. Across processes `Auto` takes P2P
-//!   up to 256 KiB in eager calls (the staging copy costs a call on the root) and up to 8 MiB
-//!   inside CUDA graphs, as measured (`comm.thresholds()` shows them).
+//!   ranks received) and maps theirs, so a broadcast needs no exchange between processes. Packets
+//!   go straight into the peers' inboxes; a pull goes through the root's staging buffer (in 32 MiB
+//!   chunks). Ranks on several hosts (the host id is the machine's, or `GPUCAST_HOST_ID`) use NCCL.
+//!   Across processes `Auto` takes P2P up to 256 KiB in eager calls (the staging copy costs a call
+//!   on the root) and up to 8 MiB inside CUDA graphs, as measured (`comm.thresholds()` shows them).
 //! - Every rank passes a buffer of the same length and type and uses the same settings (checked at
-//!   initialisation). Each name means what it means on a clique: `broadcast(root, Some(&input)
-//!   on the root / None elsewhere, &mut out)` is out of place, `broadcast_in_place(root, &mut
-//!   buf)` in place; `broadcast_many(root, inputs, outputs)` and `broadcast_many_in_place(root,
-//!   buffers)` broadcast many tensors in one call, one buffer per tensor on every rank; `capture`
-//!   works as on a clique. Every call has a `_with` form that takes `BroadcastOptions`. A clique (one
-//!   process holding several GPUs) stays the way to drive several GPUs from one process.
+//!   initialisation). Each name means what it means on a clique: `broadcast(root, Some(&input) on
+//!   the root / None elsewhere, &mut out)` is out of place, `broadcast_in_place(root, &mut buf)` in
+//!   place; `broadcast_many(root, inputs, outputs)` and `broadcast_many_in_place(root, buffers)`
+//!   broadcast many tensors in one call, one buffer per tensor on every rank; `capture` works as on
+//!   a clique. Every call has a `_with` form that takes `BroadcastOptions`. A clique (one process
+//!   holding several GPUs) stays the way to drive several GPUs from one process.
 //! - After a P2P timeout across processes the communicator's P2P path closes (every process would
 //!   have to reset its signal area at the same point); NCCL keeps working.
 //!
@@ -300,11 +300,12 @@
 //!   recorded, after it was queued.
 //! - A launch thread that does not take its launch within the timeout has the launch cancelled
 //!   (`Error::LaunchStalled`); nothing is launched after the call returned.
-//! - Known limits: creating a clique or a communicator waits for work the caller already queued
-//!   on the device's primary context, because loading the P2P kernel's module
-//!   (`cuModuleLoadData`) does (`results/h200x1-shared/creation-wait.md` in the repository
-//!   times each step); a copy-engine graph's flag waits have no clock of their own (a launch that reached only some ranks releases them at the next call; a peer's graph
-//!   held back forever by other work holds them too).
+//! - Known limits: creating a clique or a communicator waits for work the caller already queued on
+//!   the device's primary context, because loading the P2P kernel's module (`cuModuleLoadData`)
+//!   does (`results/h200x1-shared/creation-wait.md` in the repository times each step); a
+//!   copy-engine graph's flag waits have no clock of their own (a launch that reached only some
+//!   ranks releases them at the next call; a peer's graph held back forever by other work holds
+//!   them too).
 //! - Bad input and settings are errors before any GPU work; a missing `libcuda`, `libnccl` or
 //!   `libnvrtc` is `Error::LibraryMissing` with the fix (without NVRTC, `Auto` uses NCCL and a
 //!   forced P2P call returns that error).
