@@ -563,6 +563,7 @@ fn torch_rows(
     for (k, v) in procs::job::NO_MULTICAST {
         cmd.env(k, v);
     }
+    println!("# PyTorch: a separate run of benches/torch_broadcast.py, after the Rust paths (not interleaved with them)");
     let status = cmd.status().context("running benches/torch_broadcast.py")?;
     if status.success() {
         let f = std::io::BufReader::new(std::fs::File::open(csv)?);
