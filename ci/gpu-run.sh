@@ -2,12 +2,17 @@
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
 #                        [interference] [weights] [weights-procs] [one-gpu] [python]
-#                        [python-bench] [threads-channels]
+#                        [python-bench] [threads-channels] [budget]
 #                        (default: tests examples)
 # one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
 # 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
 # cost of cudarc's per-buffer events on a 2-rank P2P call, and the timer test, also with the
 # old polled timer (expected to fail).
+# budget: the call-cost budget on one GPU (results/README.md, "The cost of a call"): the NCCL path
+# of a 1-GPU clique against a raw ncclBroadcast, with cudarc's event tracking and the watchdog
+# each on and off, and the launch floor, interleaved, eager, after 10 ms idle and in graphs,
+# RUNS times (default 4); then P2P with two ranks sharing the GPU, tracked and untracked. Each
+# run writes budget.md, table.txt and broadcast.csv, stamped.
 # Logs are packed into $OUT/logs.tgz and the benchmarks' CSV, tables and plots into
 # $OUT/results.tgz (the device tool returns at most 8 files); a summary table is printed last.
 set -uo pipefail
@@ -96,6 +101,18 @@ if want one-gpu; then
   done
   run timer .gpu/bin/test-timer-test --include-ignored --nocapture
   run timer-polled-expected-to-fail env GPUCAST_TEST_TIMER=polled .gpu/bin/test-timer-test --include-ignored --nocapture
+fi
+if want budget; then
+  for i in $(seq "${RUNS:-4}"); do
+    run "budget-nccl-$i" .gpu/bin/bench-broadcast --bench --gpus 1 -b 1K -e 64K -f 4 \
+      --paths nccl,nccl-raw,nccl-nowatch,nccl-untracked,nccl-untracked-nowatch,launch-floor \
+      --modes eager,idle,graph --torch no --out "$out/budget-nccl-$i"
+  done
+  run budget-p2p .gpu/bin/bench-broadcast --bench --shared -b 1K -e 64K -f 4 \
+    --paths p2p,p2p-untracked,launch-floor --modes eager,idle,graph --torch no --out "$out/budget-p2p"
+  for d in "$out"/budget-*; do
+    for f in budget.md table.txt broadcast.csv; do cp "$d/$f" "$res/$(basename "$d")-$f" 2>/dev/null; done
+  done
 fi
 if want threads-channels; then
   # The threads test (two ranks of one GPU, four threads) run again and again with the device's

@@ -182,26 +182,29 @@ pub struct Thresholds {
 /// `Auto`'s defaults by number of GPUs: (GPUs, P2P limit, packet/pull switch, copy-engine
 /// start).
 ///
-/// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (results/h200x2,
-///   timed before the bench's event timer): the P2P kernel was faster than NCCL at every size
-///   of results/h200x2/table.txt, eager and in graphs, and within 2.5% of it in the large runs
-///   (213.9 against 208.7 us at 64 MiB eager in results/h200x2/large/table.txt, the one size
-///   it lost), so it has no limit of its own; the packet protocol beat pull at every size it
-///   can carry; the copy-engine route overtakes the P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
-/// - 3 to 8 GPUs, from a cost model (`model_crossover`, in the tests: every peer pulls from the
-///   root, so the root's links carry the data N-1 times, while NCCL's ring carries it once); no
-///   run on 3 or more GPUs is on record. The packet protocol's root writes twice the payload to
-///   each of N-1 peers, so its switch point drops with N. Above the P2P limit the copy-engine
-///   chain takes over: like NCCL's ring it carries the data once per link, with no kernel and a
-///   smaller fixed cost (an estimate: 4 and 8 GPUs were not available to measure it).
+/// - 2 GPUs, measured on 2 H200 (NV18) by `cargo bench --bench broadcast` (the files of
+///   results/h200x2 open with their commit, GPU, driver, NCCL and command; aa6182f and
+///   bea5932, timed with the host clock before the bench's event timer): the P2P kernel was
+///   faster than NCCL at every size of results/h200x2/table.txt, eager and in graphs, and within
+///   2.5% of it in the large runs (213.9 against 208.7 us at 64 MiB eager in
+///   results/h200x2/large/table.txt, the one size it lost), so it has no limit of its own; the
+///   packet protocol beat pull at every size it can carry; the copy-engine route overtakes the
+///   P2P kernel at [`COPY_ENGINE_MIN_2_GPUS`].
+/// - 3 to 8 GPUs: the P2P limit and the packet switch are a model, not a measurement
+///   (`model_crossover`, in the tests: every peer pulls from the root, so the root's links
+///   carry the data N-1 times, while NCCL's ring carries it once); no run on 3 or more GPUs
+///   is on record at this code. The packet protocol's root writes twice the payload to each of
+///   N-1 peers, so its switch point drops with N. Above the P2P limit `Auto` takes NCCL: the
+///   copy-engine chain never (`usize::MAX`) until a run on 3 or more GPUs shows where it wins
+///   (on 2 GPUs it lost to the P2P kernel at every size up to 32 MiB, large/table.txt).
 pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (2, usize::MAX, PACKET_MAX_BYTES, COPY_ENGINE_MIN_2_GPUS),
-    (3, 4 << 20, 64 << 10, (4 << 20) + 1),
-    (4, 2 << 20, 64 << 10, (2 << 20) + 1),
-    (5, 2 << 20, 32 << 10, (2 << 20) + 1),
-    (6, 1 << 20, 32 << 10, (1 << 20) + 1),
-    (7, 1 << 20, 32 << 10, (1 << 20) + 1),
-    (8, 1 << 20, 32 << 10, (1 << 20) + 1),
+    (3, 4 << 20, 64 << 10, usize::MAX),
+    (4, 2 << 20, 64 << 10, usize::MAX),
+    (5, 2 << 20, 32 << 10, usize::MAX),
+    (6, 1 << 20, 32 << 10, usize::MAX),
+    (7, 1 << 20, 32 << 10, usize::MAX),
+    (8, 1 << 20, 32 << 10, usize::MAX),
 ];
 
 /// Where `Auto` switches from the P2P kernel to the copy engines on 2 GPUs. From the two
@@ -222,25 +225,26 @@ pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
-/// GPUs. With 2 GPUs both carry the message over the one link once, and fan-out needs no
-/// hand-off per piece: never. Beyond, fan-out makes the root's links carry the message N-1
-/// times while the chain carries it once per link, so the chain takes over where `Auto` leaves
-/// the P2P kernel for a path of one copy per link (`copy_engine_min`, the cost model's
-/// crossover).
-pub fn chain_min_bytes(n: usize, copy_engine_min: usize) -> usize {
+/// GPUs, given `Auto`'s P2P limit there. With 2 GPUs both carry the message over the one link
+/// once, and fan-out needs no hand-off per piece: never. Beyond, fan-out makes the root's links
+/// carry the message N-1 times while the chain carries it once per link, so a call forced onto
+/// P2P chains above the limit where `Auto` leaves the P2P kernel (the cost model's crossover).
+pub fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
     if n <= 2 {
         usize::MAX
     } else {
-        copy_engine_min
+        p2p_max.saturating_add(1)
     }
 }
 
 #[cfg(test)]
-/// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds (measured on H200:
-/// NCCL 12-31 us against P2P 4.5-6.4 us eager for 2-4 GPUs).
+/// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds: a model parameter,
+/// near the 2-GPU gap at <= 64 KiB in results/h200x2/table.txt (NCCL 14.1-20.2 us, P2P
+/// 5.3-6.1 us eager; aa6182f, host timer). Not measured on 3 or more GPUs.
 pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
 #[cfg(test)]
-/// Bandwidth of one GPU's NVLink egress, bytes per second (H200, measured 364-396 GB/s).
+/// Bandwidth of one GPU's NVLink egress, bytes per second: a model parameter, within the 2-GPU
+/// figures at 1 GiB in results/h200x2/table.txt (NCCL 361, P2P 369, copy engines 395 GB/s).
 pub const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
 
 #[cfg(test)]
@@ -264,13 +268,15 @@ pub fn model_crossover(n: usize) -> Option<usize> {
 /// `Auto`'s P2P limit for eager calls when the ranks are separate processes of one host: the
 /// packet protocol's capacity. Peers cannot read the root's buffer there, so a pull message is
 /// first copied into the root's shared staging buffer: one more call on the root's stream, which
-/// costs more than NCCL's lead in eager mode. Measured on 2 H200 (results/h200x2/procs): staged
-/// pull 11.0 and 13.3 us at 512 KiB and 1 MiB against 9.7 and 11.9 us for `ncclBroadcast`.
+/// costs more than NCCL's lead in eager mode. Measured on 2 H200 (results/h200x2/procs/
+/// broadcast.csv, aa6182f, host timer): staged pull 11.3 and 13.4 us at 512 KiB and 1 MiB
+/// against 8.3 and 11.8 us for a raw `ncclBroadcast`.
 pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
 
 /// The same limit inside CUDA graphs, where the staging copy costs no launch: the staged pull
-/// beat `ncclBroadcast` from 1 to 8 MiB (10.4 against 10.9 us at 1 MiB, 33.1 against 35.5 us at
-/// 8 MiB), tied at 16 MiB and lost at 64 MiB (224 against 199 us) on 2 H200.
+/// beat a raw `ncclBroadcast` from 1 to 8 MiB (10.4 against 11.1 us at 1 MiB, 33.1 against
+/// 35.7 us at 8 MiB), tied at 16 MiB and lost at 64 MiB (224.8 against 199.6 us) on 2 H200
+/// (results/h200x2/procs/broadcast.csv, aa6182f, host timer).
 pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
 
 impl Thresholds {
@@ -294,7 +300,7 @@ impl Thresholds {
             p2p_max_bytes: row.1,
             packet_max_bytes: row.2,
             copy_engine_min_bytes: row.3,
-            p2p_chain_min_bytes: chain_min_bytes(n, row.3),
+            p2p_chain_min_bytes: chain_min_bytes(n, row.1),
         }
     }
 }
@@ -907,6 +913,49 @@ mod tests {
         }
     }
 
+    /// No run on 3 or more GPUs is on record at this code: there `Auto` keeps to the paths
+    /// measured against each other on 2 GPUs (P2P up to the model's limit, NCCL above), and in
+    /// particular never sends 1-4 MiB down the copy-engine chain, which on 2 GPUs lost to the
+    /// P2P kernel at every size up to 32 MiB (results/h200x2/large/table.txt).
+    #[test]
+    fn auto_takes_nccl_or_p2p_where_no_run_of_three_or_more_gpus_exists() {
+        let everything = Available {
+            p2p: Ok(()),
+            copy_engine: Ok(()),
+            nccl: true,
+            p2p_chain: true,
+        };
+        let mut sizes: Vec<usize> = (0..=30).map(|k| 1usize << k).collect();
+        sizes.extend([(1 << 20) + 1, (2 << 20) + 1, (4 << 20) + 1, 3 << 20]);
+        for n in 3..=MAX_GPUS {
+            let t = Thresholds::for_gpus(n);
+            for &bytes in &sizes {
+                let route = choose(BroadcastPath::Auto, bytes, everything, &t).unwrap();
+                let want = if bytes <= t.p2p_max_bytes {
+                    route.is_p2p() && route != Route::P2pChain
+                } else {
+                    route == Route::Nccl
+                };
+                assert!(want, "{n} GPUs, {bytes} bytes: Auto took {route:?}");
+            }
+        }
+        // Two GPUs keep the measured switch to the copy engines.
+        let two = Thresholds::for_gpus(2);
+        assert_eq!(
+            choose(
+                BroadcastPath::Auto,
+                COPY_ENGINE_MIN_2_GPUS,
+                everything,
+                &two
+            )
+            .unwrap(),
+            Route::CopyEngine
+        );
+        assert!(choose(BroadcastPath::Auto, 4 << 20, everything, &two)
+            .unwrap()
+            .is_p2p());
+    }
+
     #[test]
     fn processes_cap_the_p2p_limit_unless_the_caller_set_it() {
         let t = Thresholds::for_gpus(2);
@@ -1091,7 +1140,7 @@ mod tests {
         assert_eq!(two.p2p_chain_min_bytes, usize::MAX);
         for n in 3..=MAX_GPUS {
             let t = Thresholds::for_gpus(n);
-            assert_eq!(t.p2p_chain_min_bytes, t.copy_engine_min_bytes, "{n} GPUs");
+            assert_eq!(t.p2p_chain_min_bytes, t.p2p_max_bytes + 1, "{n} GPUs");
             assert!(t.p2p_chain_min_bytes > t.packet_max_bytes, "{n} GPUs");
         }
         let t = Thresholds::for_gpus(4);
@@ -1110,9 +1159,18 @@ mod tests {
             ..here
         };
         assert_eq!(c(1 << 30, apart), Route::P2pPull);
-        // Auto prefers the copy engines there: no SM, the same one copy per link.
+        // Auto takes NCCL there until a run on 4 GPUs places the copy engines; told where they
+        // start, it takes them (no SM, the same one copy per link).
         assert_eq!(
             choose(BroadcastPath::Auto, 1 << 30, here, &t).unwrap(),
+            Route::Nccl
+        );
+        let told = Thresholds {
+            copy_engine_min_bytes: 64 << 20,
+            ..t
+        };
+        assert_eq!(
+            choose(BroadcastPath::Auto, 1 << 30, here, &told).unwrap(),
             Route::CopyEngine
         );
         // The threshold follows builder, environment and call, like the others.

@@ -79,13 +79,17 @@ struct Args {
     /// (ncclBroadcast on communicators of the bench's own, one group call from one thread, no
     /// gpucast in between); nccl-threads (the same communicators, each rank's ncclBroadcast
     /// from a thread of its own, eager and idle only); nccl-nowatch (gpucast's NCCL path with
-    /// its watchdog off, eager and idle only: what the watchdog costs); p2p-1thread (the P2P
-    /// kernel launched from one thread, GPU after GPU); p2p-untracked (the P2P call with
-    /// cudarc's per-buffer events off, eager only: what those events cost); and the P2P kernel
+    /// its watchdog off, eager and idle only: what the watchdog costs); nccl-untracked (the
+    /// NCCL call with cudarc's event tracking off on the contexts, eager and idle only: what
+    /// those events cost); nccl-untracked-nowatch (both off: gpucast's own host work over
+    /// nccl-raw); p2p-1thread (the P2P kernel launched from one thread, GPU after GPU);
+    /// p2p-untracked (the P2P call with cudarc's event tracking off, eager and idle only); and
+    /// the P2P kernel
     /// with its protocol forced: p2p-packet (only up to the packet limit), p2p-pull (fan-out),
     /// p2p-chain (each rank forwards to the next; any number of GPUs). Default: nccl,
     /// nccl-raw, nccl-threads, p2p, p2p-1thread, auto, copy-engine, copy-engine-raw,
-    /// launch-floor (on one GPU: nccl, nccl-raw, nccl-nowatch, launch-floor). With one process
+    /// launch-floor (on one GPU: nccl, nccl-raw, nccl-nowatch, nccl-untracked,
+    /// nccl-untracked-nowatch, launch-floor). With one process
     /// per GPU: p2p, auto, nccl, raw-nccl (ncclBroadcast on a communicator of its own),
     /// launch-floor, p2p-packet, p2p-pull; default p2p, auto, nccl, raw-nccl, launch-floor. With
     /// --interference: nccl, p2p, auto, copy-engine (gpucast's path), copy-engine-raw (the bare
@@ -138,7 +142,8 @@ const DEFAULT_PATHS: &str =
     "nccl,nccl-raw,nccl-threads,p2p,p2p-1thread,auto,copy-engine,copy-engine-raw,launch-floor";
 
 /// The paths measured by default on a clique of one GPU (NCCL with one rank).
-const DEFAULT_PATHS_1GPU: &str = "nccl,nccl-raw,nccl-nowatch,launch-floor";
+const DEFAULT_PATHS_1GPU: &str =
+    "nccl,nccl-raw,nccl-nowatch,nccl-untracked,nccl-untracked-nowatch,launch-floor";
 
 /// Single calls per repeat in idle mode, each after [`IDLE_GAP`].
 const IDLE_CALLS: usize = 5;
@@ -229,6 +234,9 @@ fn main() -> Result<()> {
         let ordinals: Vec<usize> = (0..ngpus).collect();
         Clique::new(&ordinals)?
     };
+    let contexts: Vec<&Arc<CudaContext>> = (0..clique.len()).map(|r| clique.context(r)).collect();
+    let stamp = run_stamp(&contexts, "");
+    print!("{}", stamp.header());
     let (a, b, c) = gpucast::nccl_version()?;
     println!("# gpucast broadcast benchmark");
     println!("# GPUs: {ngpus}, root {}, dtype {dtype}", args.root);
@@ -292,7 +300,7 @@ fn main() -> Result<()> {
     let bar = ProgressBar::new(total as u64);
     bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").expect("template"));
     std::fs::create_dir_all(&args.out)?;
-    let watchdog = Watchdog::start(Some(args.out.join("partial.csv")));
+    let watchdog = Watchdog::start(Some(args.out.join("partial.csv")), Some(&stamp));
     let mut rows = Vec::new();
     // Eager first, then graph mode with NCCL last: a point that misbehaves late in the sweep
     // costs as little as possible (the watchdog ends the run with what was measured).
@@ -372,9 +380,14 @@ fn main() -> Result<()> {
 
     std::fs::create_dir_all(&args.out)?;
     if torch_wanted(&args, 2) {
-        if let Some(torch_rows) =
-            torch_rows(&args, dtype, ngpus, None, &args.out.join("torch.csv"))?
-        {
+        if let Some(torch_rows) = torch_rows(
+            &args,
+            dtype,
+            ngpus,
+            None,
+            &args.out.join("torch.csv"),
+            &stamp,
+        )? {
             rows.extend(torch_rows);
         }
     } else {
@@ -384,13 +397,21 @@ fn main() -> Result<()> {
         );
     }
 
-    let table = report::format_table(&rows, "nccl");
-    println!("{table}");
-    let mut summary = Vec::new();
-    // The fair ratio first: gpucast against the fastest way to drive NCCL measured in this run.
-    let nccl_ways = ["nccl", "nccl-raw", "nccl-threads"];
+    // The baseline: the fastest way a user drives NCCL measured in this run, per size (one
+    // group call from one thread, `nccl-raw`, or one thread per GPU, `nccl-threads`), named in
+    // the table's `fastest-nccl` route column; gpucast's own NCCL path (`nccl`) where neither
+    // was measured.
+    let nccl_ways = ["nccl-raw", "nccl-threads"];
     let mut with_best = rows.clone();
     with_best.extend(report::best_of(&rows, "fastest-nccl", &nccl_ways));
+    let baseline = if with_best.len() > rows.len() {
+        "fastest-nccl"
+    } else {
+        "nccl"
+    };
+    let table = report::format_table(&with_best, baseline);
+    println!("{table}");
+    let mut summary = Vec::new();
     for &mode in &modes {
         for p in ["p2p", "auto"] {
             let small = 0..=64 << 10;
@@ -447,12 +468,38 @@ fn main() -> Result<()> {
     for line in &summary {
         println!("{line}");
     }
-    let mut csv = std::fs::File::create(args.out.join("broadcast.csv"))?;
-    report::write_csv(&rows, &mut csv)?;
-    std::fs::write(
-        args.out.join("table.txt"),
-        format!("{table}\n{}\n", summary.join("\n")),
+    std::fs::write(args.out.join("broadcast.csv"), stamped_csv(&rows, &stamp)?)?;
+    write_stamped(
+        &args.out.join("table.txt"),
+        &stamp,
+        &format!("{table}\n{}\n", summary.join("\n")),
     )?;
+    // The headline against the fastest way to drive NCCL measured here, and the call-cost
+    // budget, as Markdown for results/ (each only where its paths were measured).
+    let mut md = String::new();
+    for p in ["p2p", "auto"] {
+        if rows.iter().any(|r| r.path == p) && baseline == "fastest-nccl" {
+            let sizes: Vec<u64> = sizes.iter().map(|&b| b as u64).collect();
+            md.push_str(&report::headline_table(
+                &rows, p, &nccl_ways, &sizes, &modes,
+            ));
+            md.push('\n');
+        }
+    }
+    if !md.is_empty() {
+        write_stamped(&args.out.join("headline.md"), &stamp, &md)?;
+    }
+    let budget_paths = [
+        "nccl-untracked",
+        "nccl-untracked-nowatch",
+        "nccl-nowatch",
+        "p2p-untracked",
+    ];
+    if rows.iter().any(|r| budget_paths.contains(&r.path.as_str())) {
+        let budget = report::budget_table(&rows, &modes, 0..=64 << 10);
+        println!("{budget}");
+        write_stamped(&args.out.join("budget.md"), &stamp, &budget)?;
+    }
     let title = format!("broadcast, {ngpus} GPUs, {dtype}, root {}", args.root);
     if let Err(e) = report::plot(&rows, &args.out.join("broadcast.png"), &title) {
         println!("# plot failed: {e}");
@@ -492,6 +539,7 @@ fn torch_rows(
     gpus: usize,
     which: Option<&str>,
     csv: &std::path::Path,
+    stamp: &report::Stamp,
 ) -> Result<Option<Vec<Row>>> {
     let modes_arg = args.modes.join(",");
     let mut cmd = Command::new(&args.python);
@@ -515,11 +563,18 @@ fn torch_rows(
     for (k, v) in procs::job::NO_MULTICAST {
         cmd.env(k, v);
     }
+    println!("# PyTorch: a separate run of benches/torch_broadcast.py, after the Rust paths (not interleaved with them)");
     let status = cmd.status().context("running benches/torch_broadcast.py")?;
     if status.success() {
         let f = std::io::BufReader::new(std::fs::File::open(csv)?);
         let torch_rows = report::read_csv(f).map_err(anyhow::Error::msg)?;
         println!("# merged {} PyTorch rows", torch_rows.len());
+        // The script's own file, stamped as the run's: a separate run after the Rust paths.
+        let note = "PyTorch rows: bench/benches/torch_broadcast.py, run after the Rust paths, \
+                    not interleaved with them";
+        let mut stamp = stamp.clone();
+        stamp.command.push_str(&format!("  [{note}]"));
+        std::fs::write(csv, stamped_csv(&torch_rows, &stamp)?)?;
         Ok(Some(torch_rows))
     } else {
         println!("# PyTorch script failed ({status}); its numbers are skipped");
@@ -537,6 +592,86 @@ fn script_path(relative: &str) -> PathBuf {
     } else {
         PathBuf::from(relative)
     }
+}
+
+/// The stamp every table and CSV of this run opens with ([`report::Stamp`]): the commit
+/// (`GPUCAST_COMMIT`, which ci/gpu-run.sh sets from the staged .gpu/COMMIT, else the commit the
+/// bench was built from), the GPUs of `contexts` (one per rank), the driver, NCCL, and this
+/// process's command line with `note` after it.
+fn run_stamp(contexts: &[&Arc<CudaContext>], note: &str) -> report::Stamp {
+    let staged = std::env::var("GPUCAST_COMMIT").ok();
+    let commit = report::commit_of(staged.as_deref(), option_env!("GPUCAST_BUILD_COMMIT"));
+    let mut gpus: Vec<(usize, String)> = contexts
+        .iter()
+        .map(|c| {
+            let name = c.name().unwrap_or_else(|e| format!("unnamed ({e})"));
+            (c.ordinal(), name)
+        })
+        .collect();
+    let ranks = gpus.len();
+    gpus.sort();
+    gpus.dedup();
+    let mut by_name: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (ordinal, name) in &gpus {
+        by_name.entry(name).or_default().push(*ordinal);
+    }
+    let mut gpu = by_name
+        .iter()
+        .map(|(name, ordinals)| {
+            let list: Vec<String> = ordinals.iter().map(usize::to_string).collect();
+            format!("{}x {name} (GPU {})", ordinals.len(), list.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    if ranks > gpus.len() {
+        gpu.push_str(&format!("; {ranks} ranks share them"));
+    }
+    let module = std::fs::read_to_string("/proc/driver/nvidia/version")
+        .ok()
+        .and_then(|t| report::driver_from_proc(&t))
+        .unwrap_or_else(|| "unknown (no /proc/driver/nvidia/version)".into());
+    let mut cuda = 0;
+    // SAFETY: a plain out-parameter; the driver is loaded (the contexts above exist).
+    let cuda = match unsafe { gpucast::cudarc::driver::sys::cuDriverGetVersion(&mut cuda) } {
+        gpucast::cudarc::driver::sys::CUresult::CUDA_SUCCESS => {
+            format!("CUDA {}.{}", cuda / 1000, (cuda % 1000) / 10)
+        }
+        e => format!("CUDA version unknown ({e:?})"),
+    };
+    let nccl = match gpucast::nccl_version() {
+        Ok((a, b, c)) => format!(
+            "{a}.{b}.{c}, NCCL_PROTO={}, NCCL_ALGO={}, NCCL_NVLS_ENABLE={}",
+            env_or("NCCL_PROTO"),
+            env_or("NCCL_ALGO"),
+            env_or("NCCL_NVLS_ENABLE")
+        ),
+        Err(e) => format!("not loaded ({e})"),
+    };
+    let args: Vec<String> = std::env::args().collect();
+    let mut command = report::shell_line(&args);
+    if !note.is_empty() {
+        command.push_str(&format!("  [{note}]"));
+    }
+    report::Stamp {
+        commit,
+        gpu,
+        driver: format!("{module} ({cuda})"),
+        nccl,
+        command,
+    }
+}
+
+/// Writes `body` to `path` after `stamp`'s header.
+fn write_stamped(path: &std::path::Path, stamp: &report::Stamp, body: &str) -> Result<()> {
+    std::fs::write(path, format!("{}{body}", stamp.header()))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// `rows` as CSV after `stamp`'s header.
+fn stamped_csv(rows: &[Row], stamp: &report::Stamp) -> Result<String> {
+    let mut csv = stamp.header().into_bytes();
+    report::write_csv(rows, &mut csv)?;
+    Ok(String::from_utf8(csv)?)
 }
 
 fn env_or(name: &str) -> String {
@@ -565,7 +700,7 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    fn start(csv: Option<PathBuf>) -> Watchdog {
+    fn start(csv: Option<PathBuf>, stamp: Option<&report::Stamp>) -> Watchdog {
         let state = Arc::new(std::sync::Mutex::new((
             String::from("start"),
             Instant::now(),
@@ -573,7 +708,8 @@ impl Watchdog {
         )));
         let s = state.clone();
         if let Some(csv) = &csv {
-            std::fs::write(csv, format!("{}\n", report::CSV_HEADER)).ok();
+            let header = stamp.map(report::Stamp::header).unwrap_or_default();
+            std::fs::write(csv, format!("{header}{}\n", report::CSV_HEADER)).ok();
         }
         std::thread::spawn(move || loop {
             std::thread::sleep(std::time::Duration::from_secs(5));
@@ -682,7 +818,9 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
             BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES)
         }
         "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
-        "nccl-nowatch" => BroadcastOptions::path(BroadcastPath::Nccl),
+        "nccl-nowatch" | "nccl-untracked" | "nccl-untracked-nowatch" => {
+            BroadcastOptions::path(BroadcastPath::Nccl)
+        }
         "p2p-pull" => BroadcastOptions::path(BroadcastPath::P2p)
             .packet_threshold(0)
             .p2p_chain_threshold(usize::MAX),
@@ -745,17 +883,18 @@ fn run_op(
             if sequential {
                 clique.set_parallel_launch(false)?;
             }
-            // p2p-untracked: the same call without cudarc's per-buffer events, to measure what
-            // they cost. Sound here only: every bench buffer lives on its rank's clique stream
-            // and nothing else touches it.
-            let untracked = p == "p2p-untracked";
+            // p2p-untracked, nccl-untracked(-nowatch): the same call without cudarc's
+            // per-buffer events (`disable_event_tracking` on the contexts, as a user who orders
+            // buffers themselves would), to measure what they cost. Sound here only: every
+            // bench buffer lives on its rank's clique stream and nothing else touches it.
+            let untracked = p.ends_with("untracked") || p.contains("untracked-");
             if untracked {
                 for r in 0..clique.len() {
                     // SAFETY: see above; turned back on right after the call.
                     unsafe { clique.context(r).disable_event_tracking() };
                 }
             }
-            let nowatch = p == "nccl-nowatch";
+            let nowatch = p.ends_with("nowatch");
             if nowatch {
                 clique.set_watchdog(false);
             }
@@ -939,7 +1078,12 @@ fn prepare<'c>(
     if mode == Mode::Graph
         && matches!(
             path,
-            "p2p-untracked" | "nccl-nowatch" | "p2p-1thread" | "nccl-threads"
+            "p2p-untracked"
+                | "nccl-nowatch"
+                | "nccl-untracked"
+                | "nccl-untracked-nowatch"
+                | "p2p-1thread"
+                | "nccl-threads"
         )
     {
         return Ok(None);

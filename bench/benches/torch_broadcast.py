@@ -20,15 +20,19 @@ schema so that the bench (or benches/report) can put them side by side:
 
 Method, per size: check the outputs once against the root's data; warm up; pick the
 iterations per repeat so that a repeat holds about --target-ms of work (measured, within
-[--min-iters, --max-iters]); then per repeat synchronize every GPU, read the host clock,
-issue the iterations back to back (or replay the graph), synchronize every GPU, read the
-clock; time per op = elapsed / iters. The median over repeats is reported with min and
-max. The iterations rotate over several buffer sets (as many as fit a pool of
-max(512 MiB, 2 x the largest size), between 2 and 64) so that small sizes do not sit in L2.
-With one process per GPU every rank synchronizes and meets in a barrier before it reads
-its start time, synchronizes after the last op before it reads its end time, and the time
-of a repeat is (latest end - earliest start) over the ranks (time.perf_counter is one
-system-wide clock on Linux).
+[--min-iters, --max-iters]); then per repeat synchronize every GPU, record a CUDA event on
+every GPU's current stream, issue the iterations back to back (or replay the graph), record
+a second event on every GPU's current stream, synchronize; the repeat lasts as long as the
+longest span between a GPU's two events (the Rust bench's timer, benches/timer/mod.rs), and
+time per op = that span / iters. The median over repeats is reported with min and max. The
+iterations rotate over several buffer sets (as many as fit a pool of max(512 MiB, 2 x the
+largest size), between 2 and 64) so that small sizes do not sit in L2. With one process per
+GPU every rank synchronizes and meets in a barrier before it records its first event, and
+the time of a repeat is the longest span over the ranks.
+
+This script is a separate run: the Rust bench starts it after its own paths are measured and
+their GPU state released, so its rows are not interleaved with the Rust paths' repeats;
+compare them with those of the same run only, and expect drift between the two.
 
 NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1 unless already set; torch-symm's one-shot all-reduce uses no multicast.
@@ -227,6 +231,26 @@ def pick_iters(args, timed):
     return int(min(args.max_iters, max(args.min_iters, args.target_ms * 1e3 / est_us)))
 
 
+def event_span(torch, devices, run, n):
+    """Seconds from a CUDA event on each of `devices`' current streams before run(n) to one
+    after it, the longest over the devices (the GPU stamps both, so the host's wait for the
+    end adds nothing)."""
+    def marks():
+        out = []
+        for d in devices:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(torch.cuda.current_stream(d))
+            out.append(e)
+        return out
+
+    starts = marks()
+    run(n)
+    ends = marks()
+    for e in ends:
+        e.synchronize()
+    return max(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
 def make_row(args, gpus, mode, path, nbytes, count, samples_us):
     med = statistics.median(samples_us)
     algbw = nbytes / med / 1e3 if med > 0 else 0.0
@@ -326,10 +350,7 @@ def run_comm(torch, args, gpus, pool):
 
             def timed(n):
                 sync()
-                t0 = time.perf_counter()
-                run(n)
-                sync()
-                return time.perf_counter() - t0
+                return event_span(torch, devices, run, n)
 
             run(3)
             sync()
@@ -387,15 +408,11 @@ def _dist_worker(rank, cfg):
         torch.cuda.synchronize()
         barrier()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run(n)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        mine = torch.tensor([t0, t1], dtype=torch.float64, device=dev)
+        span = event_span(torch, [rank], run, n)
+        mine = torch.tensor([span], dtype=torch.float64, device=dev)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
-        every = torch.stack(every).cpu()
-        return float(every[:, 1].max() - every[:, 0].min())
+        return float(torch.stack(every).max().item())
 
     def agree(ok):
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)

@@ -5,8 +5,10 @@
 mod report;
 
 use report::{
-    best_of, crossover, difference_line, format_size, format_table, last_win, parse_size, plot,
-    ratio_summary, read_csv, size_sweep, stats, write_csv, Mode, Row, CSV_HEADER,
+    best_of, budget_table, commit_of, compare, crossover, difference_line, driver_from_proc,
+    format_size, format_table, headline_table, last_win, parse_size, plot, ratio_line,
+    ratio_summary, read_csv, shell_line, size_sweep, stats, write_csv, Mode, Row, Stamp, Verdict,
+    CSV_HEADER,
 };
 
 fn row(path: &str, mode: Mode, bytes: u64, time_us: f64) -> Row {
@@ -959,4 +961,216 @@ fn the_fastest_of_several_paths_per_size() {
         ]
     );
     assert!(best.iter().all(|r| r.path == "nccl-best"));
+}
+
+fn spread(path: &str, mode: Mode, bytes: u64, [min, median, max]: [f64; 3]) -> Row {
+    Row {
+        min_us: min,
+        max_us: max,
+        ..row(path, mode, bytes, median)
+    }
+}
+
+#[test]
+fn a_difference_counts_only_outside_the_spread_of_the_repeats() {
+    let fast = spread("p2p", Mode::Eager, 1024, [5.0, 5.3, 6.0]);
+    let slow = spread("nccl", Mode::Eager, 1024, [13.5, 14.0, 15.0]);
+    assert_eq!(compare(&fast, &slow), Verdict::Faster);
+    assert_eq!(compare(&slow, &fast), Verdict::Slower);
+    // 369 against 361 GB/s at 1 GiB: the medians differ, the repeats overlap.
+    let a = spread("p2p", Mode::Eager, 1 << 30, [2880.0, 2909.0, 2990.0]);
+    let b = spread("nccl", Mode::Eager, 1 << 30, [2900.0, 2977.0, 3010.0]);
+    assert_eq!(compare(&a, &b), Verdict::WithinSpread);
+    assert_eq!(compare(&b, &a), Verdict::WithinSpread);
+    // Touching ends overlap.
+    let c = spread("p2p", Mode::Eager, 1024, [4.0, 4.5, 5.0]);
+    let d = spread("nccl", Mode::Eager, 1024, [5.0, 5.5, 6.0]);
+    assert_eq!(compare(&c, &d), Verdict::WithinSpread);
+}
+
+/// The headline names the baseline it beats (the fastest way to drive NCCL at each size, and
+/// which one that was), and bolds a gpucast figure only where its repeats and the baseline's do
+/// not overlap.
+#[test]
+fn the_headline_names_its_baseline_and_bolds_only_clear_wins() {
+    let ways = ["nccl", "nccl-raw", "nccl-threads"];
+    let mut rows = vec![
+        spread("nccl", Mode::Eager, 1024, [14.6, 20.2, 21.2]),
+        spread("nccl-raw", Mode::Eager, 1024, [13.0, 13.5, 14.0]),
+        spread("nccl-threads", Mode::Eager, 1024, [9.0, 9.5, 10.0]),
+        spread("p2p", Mode::Eager, 1024, [5.6, 6.1, 6.8]),
+        spread("nccl", Mode::Eager, 1 << 30, [2900.0, 2977.0, 3010.0]),
+        spread("nccl-raw", Mode::Eager, 1 << 30, [2950.0, 2990.0, 3020.0]),
+        spread("p2p", Mode::Eager, 1 << 30, [2880.0, 2909.0, 2990.0]),
+    ];
+    rows.push(spread("p2p", Mode::Graph, 1024, [2.6, 2.7, 2.9]));
+    let md = headline_table(
+        &rows,
+        "p2p",
+        &ways,
+        &[1024, 1 << 30],
+        &[Mode::Eager, Mode::Graph],
+    );
+    let lines: Vec<&str> = md.lines().collect();
+    assert!(
+        lines[0].contains("fastest NCCL (nccl, nccl-raw, nccl-threads)"),
+        "{md}"
+    );
+    // 1 KiB: against nccl-threads (9.5 us), not gpucast's own one-thread NCCL path (20.2 us).
+    let small = lines
+        .iter()
+        .find(|l| l.contains("| 1K, eager |"))
+        .expect(&md);
+    assert!(small.contains("9.50 us (nccl-threads)"), "{small}");
+    assert!(small.contains("**6.10 us**"), "{small}");
+    assert!(small.contains("1.56x"), "{small}");
+    assert!(!small.contains("3.31x"), "{small}");
+    // 1 GiB: the medians differ, the spreads overlap: no bold, and said so.
+    let large = lines
+        .iter()
+        .find(|l| l.contains("| 1G, eager |"))
+        .expect(&md);
+    assert!(!large.contains("**"), "{large}");
+    assert!(large.contains("within the spread"), "{large}");
+    assert!(large.contains("GB/s (nccl)"), "{large}");
+    // A point with no baseline at that size is left out, not compared with another size.
+    assert!(!md.contains("1K, graph"), "{md}");
+}
+
+#[test]
+fn the_fair_ratio_line_counts_the_sizes_outside_the_spread() {
+    let rows = vec![
+        spread("p2p", Mode::Eager, 1024, [5.0, 5.3, 6.0]),
+        spread("best", Mode::Eager, 1024, [13.0, 14.0, 15.0]),
+        spread("p2p", Mode::Eager, 2048, [5.0, 5.4, 6.0]),
+        spread("best", Mode::Eager, 2048, [5.5, 5.6, 7.0]),
+    ];
+    let line = ratio_line(&rows, Mode::Eager, "p2p", "best", 0..=4096, "<= 4K").unwrap();
+    assert!(line.contains("1 of 2 sizes outside the spread"), "{line}");
+}
+
+#[test]
+fn every_file_opens_with_its_stamp() {
+    let stamp = Stamp {
+        commit: "e287451".into(),
+        gpu: "1x NVIDIA H100 80GB HBM3".into(),
+        driver: "580.159.04 (CUDA 13.0)".into(),
+        nccl: "2.28.3".into(),
+        command: "bench-broadcast --bench --gpus 1\n--out 'a b'".into(),
+    };
+    let header = stamp.header();
+    let lines: Vec<&str> = header.lines().collect();
+    assert_eq!(lines.len(), 5, "{header}");
+    for (line, key) in lines
+        .iter()
+        .zip(["commit", "gpu", "driver", "nccl", "command"])
+    {
+        assert!(line.starts_with(&format!("# {key}: ")), "{line}");
+    }
+    // A line break in a value cannot end the comment early.
+    assert!(lines[4].contains("--gpus 1 --out"), "{header}");
+    assert_eq!(
+        Stamp::parse(&header).map(|s| s.commit),
+        Some("e287451".into())
+    );
+    // A stamped CSV still reads back.
+    let rows = sample_rows();
+    let mut csv = header.clone().into_bytes();
+    write_csv(&rows, &mut csv).unwrap();
+    assert_eq!(read_csv(&csv[..]).unwrap(), rows);
+    assert!(Stamp::parse(std::str::from_utf8(&csv).unwrap()).is_some());
+    // A file without one has none.
+    assert_eq!(Stamp::parse(CSV_HEADER), None);
+}
+
+#[test]
+fn the_commit_comes_from_the_staging_then_the_build() {
+    assert_eq!(
+        commit_of(Some("abc1234-dirty"), Some("def5678")),
+        "abc1234-dirty"
+    );
+    assert_eq!(
+        commit_of(Some("  "), Some("def5678")),
+        "def5678 (built from)"
+    );
+    assert_eq!(commit_of(None, Some("def5678")), "def5678 (built from)");
+    assert_eq!(commit_of(None, None), "unknown");
+}
+
+#[test]
+fn the_driver_version_is_read_from_the_kernel_module() {
+    let proc = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Oct 14 2025\n\
+                GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n";
+    assert_eq!(driver_from_proc(proc).as_deref(), Some("580.159.04"));
+    let open =
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build\n";
+    assert_eq!(driver_from_proc(open).as_deref(), Some("570.86.15"));
+    assert_eq!(driver_from_proc("nothing here"), None);
+}
+
+#[test]
+fn command_lines_are_quoted_for_a_shell() {
+    let args: Vec<String> = ["bench", "--out", "a b", "--paths", "p2p,nccl", "it's"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(
+        shell_line(&args),
+        "bench --out 'a b' --paths p2p,nccl 'it'\\''s'"
+    );
+}
+
+/// The call-cost budget: each line the difference of two interleaved paths, per mode, as the
+/// median over the sizes of the range, with its spread; a line whose paths were not both
+/// measured in a mode says so.
+#[test]
+fn the_budget_splits_a_call_into_its_parts() {
+    let mut rows = Vec::new();
+    for (bytes, extra) in [(1024u64, 0.0), (4096, 0.2), (16384, 0.4)] {
+        for (path, t) in [
+            ("launch-floor", 2.0),
+            ("nccl-raw", 5.0),
+            ("nccl-untracked-nowatch", 5.5),
+            ("nccl-untracked", 6.4),
+            ("nccl-nowatch", 7.2),
+            ("nccl", 8.0),
+        ] {
+            rows.push(row(path, Mode::Eager, bytes, t + extra));
+        }
+        rows.push(row("nccl", Mode::Idle, bytes, 20.0 + extra));
+        rows.push(row("nccl-raw", Mode::Idle, bytes, 12.0));
+    }
+    // Outside the range: left out.
+    rows.push(row("nccl", Mode::Eager, 1 << 20, 100.0));
+    rows.push(row("nccl-raw", Mode::Eager, 1 << 20, 10.0));
+    let md = budget_table(&rows, &[Mode::Eager, Mode::Idle], 0..=64 << 10);
+    let line = |label: &str| {
+        md.lines()
+            .find(|l| l.starts_with(&format!("| {label}")))
+            .unwrap_or_else(|| panic!("no line {label:?} in\n{md}"))
+            .to_string()
+    };
+    assert!(
+        md.lines().next().unwrap().contains("| eager | idle |"),
+        "{md}"
+    );
+    assert!(
+        line("launch floor").contains("| 2.20 us (2.00 to 2.40, 3 sizes) |"),
+        "{md}"
+    );
+    assert!(
+        line("gpucast's own host work").contains("| +0.50 us |"),
+        "{md}"
+    );
+    assert!(line("cudarc's events").contains("| +1.60 us |"), "{md}");
+    assert!(line("the watchdog").contains("| +0.80 us |"), "{md}");
+    // Idle: only nccl and nccl-raw were measured; 8.00 to 8.40 us over the raw call.
+    let total = line("gpucast's NCCL path over a raw ncclBroadcast");
+    assert!(total.contains("| +3.00 us |"), "{total}");
+    assert!(
+        total.contains("| +8.20 us (8.00 to 8.40, 3 sizes) |"),
+        "{total}"
+    );
+    assert!(line("the watchdog").ends_with("| - |"), "{md}");
+    assert!(!md.contains("90.00"), "{md}");
 }

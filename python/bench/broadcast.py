@@ -40,38 +40,44 @@ def parse_bytes(s):
     return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
 
 
-def batch_seconds(fn, n, sync):
-    """Seconds for `n` back-to-back calls of `fn`, by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def batch_seconds(fn, n, sync, devices=None):
+    """Seconds for `n` back-to-back calls of `fn`, by CUDA events on the current stream of
+    every GPU of `devices` (default: the current one): the longest span counts."""
+    devices = [torch.cuda.current_device()] if devices is None else devices
+    new = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    starts, ends = [new() for _ in devices], [new() for _ in devices]
     sync()
-    start.record()
+    for e, d in zip(starts, devices):
+        e.record(torch.cuda.current_stream(d))
     for _ in range(n):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    for e, d in zip(ends, devices):
+        e.record(torch.cuda.current_stream(d))
+    for e in ends:
+        e.synchronize()
+    return max(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
 
 
-def calibrate(fn, sync, repeat_s, agree):
+def calibrate(fn, sync, repeat_s, agree, devices=None):
     """Calls per repeat so that one repeat takes at least `repeat_s` (agreed by every rank)."""
     n = 1
     while True:
-        t = batch_seconds(fn, n, sync)
+        t = batch_seconds(fn, n, sync, devices)
         if agree(t >= repeat_s / 4 or n >= 1 << 20):
             return max(1, int(n * repeat_s / max(t, 1e-9)) + 1)
         n *= 4
 
 
-def measure(columns, repeats, repeat_s, sync, agree):
+def measure(columns, repeats, repeat_s, sync, agree, devices=None):
     """Per column: (median, min, max) seconds per call, columns interleaved per repeat."""
-    counts = {name: calibrate(fn, sync, repeat_s, agree) for name, fn in columns}
+    counts = {name: calibrate(fn, sync, repeat_s, agree, devices) for name, fn in columns}
     for name, fn in columns:
         counts[name] = int(agree(counts[name]))
     times = {name: [] for name, _ in columns}
     for _ in range(repeats):
         for name, fn in columns:
             n = counts[name]
-            times[name].append(batch_seconds(fn, n, sync) / n)
+            times[name].append(batch_seconds(fn, n, sync, devices) / n)
     return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
@@ -80,9 +86,22 @@ def header(args):
     commit = os.environ.get("GPUCAST_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     name = torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            driver = f.readline().split("Kernel Module")[1].split()[0]
+    except (OSError, IndexError):
+        driver = "?"
+    try:
+        import torch.cuda.nccl as tnccl
+
+        v = tnccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # noqa: BLE001 - a header field, not worth failing the run over
+        nccl = "?"
     return (f"# commit {commit}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-            f"{torch.cuda.device_count()} x {name}; torch {torch.__version__}; "
-            f"gpucast (Python) {gpucast.__version__}\n# command: {' '.join(sys.argv)}\n")
+            f"{torch.cuda.device_count()} x {name}; driver {driver}; torch {torch.__version__} "
+            f"(its NCCL {nccl}); gpucast (Python) {gpucast.__version__}\n"
+            f"# command: {' '.join(sys.argv)}\n")
 
 
 def write(args, rows, names, setting):
@@ -131,8 +150,13 @@ def run_clique(args):
         else:
             columns.append(("torch.cuda.comm.broadcast",
                             lambda: torch.cuda.comm.broadcast(x, out=outs)))
-        res = measure(columns, args.repeats, args.repeat_ms / 1e3, torch.cuda.synchronize,
-                      lambda v: v)
+        gpus = sorted(set(devices))
+
+        def sync_all():
+            for d in gpus:
+                torch.cuda.synchronize(d)
+
+        res = measure(columns, args.repeats, args.repeat_ms / 1e3, sync_all, lambda v: v, gpus)
         rows.append((size, res))
         print(size, {k: f"{v[0] * 1e6:.2f}" for k, v in res.items()}, flush=True)
     names = [c for c, _ in columns]

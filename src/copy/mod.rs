@@ -5,10 +5,10 @@
 //! while it receives chunk k + 1. Out of place, the root copies its own output on a second
 //! stream, forked from its stream and joined back, so that copy runs beside the chain's.
 //!
-//! Pushing rather than pulling keeps every buffer's reads on its own stream. On 2 H200 with
-//! stream-ordered (pool) memory, a peer pulling from the root while the root copies locally
-//! lost 3.7% at 1 GiB (2815 against 2713 us); the root pushing while it copies locally lost
-//! 0.3% (2725 us).
+//! Pushing rather than pulling keeps every buffer's reads on its own stream. A probe of bare
+//! driver calls on 2 H200 (2026-11-30, before 0a231a8; no committed file, so no figure here)
+//! found a peer's pull from pool memory slowed by the root's own local copy, and the root's
+//! push nearly not.
 //!
 //! Ordering between ranks:
 //! - eager calls use one event per rank ([`schedule::eager_ops`]): a rank copies into its

@@ -357,6 +357,8 @@ pub(crate) fn run(args: &Args) -> Result<()> {
     }
     let ordinals: Vec<usize> = (0..ngpus).collect();
     let clique = Clique::new(&ordinals)?;
+    let contexts: Vec<_> = (0..clique.len()).map(|r| clique.context(r)).collect();
+    let stamp = crate::run_stamp(&contexts, "");
     let (a, b, c) = gpucast::nccl_version()?;
     println!("# gpucast interference benchmark");
     println!(
@@ -391,7 +393,7 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         None => DEFAULT_PATHS.iter().map(|p| p.to_string()).collect(),
     };
     std::fs::create_dir_all(&args.out)?;
-    let watchdog = Watchdog::start(None);
+    let watchdog = Watchdog::start(None, None);
     let mut rows = Vec::new();
     for name in &names {
         watchdog.at(&format!("{name}: checking"));
@@ -456,11 +458,13 @@ pub(crate) fn run(args: &Args) -> Result<()> {
     for line in &summary {
         println!("{line}");
     }
-    let mut csv = std::fs::File::create(args.out.join("interference.csv"))?;
+    let mut csv = stamp.header().into_bytes();
     ireport::write_interference_csv(&rows, &mut csv)?;
-    std::fs::write(
-        args.out.join("interference.txt"),
-        format!("{table}\n{}\n", summary.join("\n")),
+    std::fs::write(args.out.join("interference.csv"), csv)?;
+    crate::write_stamped(
+        &args.out.join("interference.txt"),
+        &stamp,
+        &format!("{table}\n{}\n", summary.join("\n")),
     )?;
     let title = format!(
         "interference: {ngpus} GPUs, {count} x {} broadcasts beside a {batch_ms:.0} ms compute \

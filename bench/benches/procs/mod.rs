@@ -23,9 +23,9 @@
 //!   shared through the job's store), on the Communicator's stream, the same slices;
 //! - `launch-floor`: one empty kernel per process per op, on the same stream.
 //!
-//! Eager mode issues the ops one by one; graph mode captures `iters` ops into one CUDA graph per
-//! rank (gpucast's capture for its paths and the floor, `cuStreamBeginCapture` on the stream for
-//! `raw-nccl`) and replays it. Before a size is timed every path's output is checked once on
+//! Eager mode issues the ops one by one; graph mode captures up to 500 ops into one CUDA graph
+//! per rank (gpucast's capture for its paths and the floor, `cuStreamBeginCapture` on the stream
+//! for `raw-nccl`) and replays it; a graph row's route is the one its capture took. Before a size is timed every path's output is checked once on
 //! every rank: the other ranks' slice is poisoned, one op runs, and every rank compares its
 //! slice with the root's data; a mismatch stops the run on every rank, naming the rank, path,
 //! size and byte.
@@ -34,10 +34,11 @@
 //!
 //! Per repeat: every rank synchronizes its stream, meets the others in a barrier of the job's
 //! TCP store (outside the timed region; no GPU work), queues a timing event on its stream,
-//! issues `iters` ops back to back (eager) or one replay of the graph of `iters` ops, and
+//! issues `iters` ops back to back (eager) or replays its graph of at most 500 ops as often as
+//! the repeat needs (about `--target-ms` of work, 200 ms by default, in both modes), and
 //! queues a second event (`benches/timer/mod.rs`, the single-process bench's timer). Rank 0
 //! gathers every rank's span between its two events through the store after the repeats; the
-//! time of a repeat is the longest span over the ranks, divided by `iters`. The row's time is
+//! time of a repeat is the longest span over the ranks, divided by the ops it ran. The row's time is
 //! the median over the repeats, with their min and max. The repeats of the paths of one size
 //! run round-robin, so that a drift of the machine touches every path alike. Rows have `gpus`
 //! = the number of ranks.
@@ -173,10 +174,14 @@ impl Graph<'_> {
 
 /// A path made ready to time at one size, and its samples.
 struct Timer<'c> {
+    /// The route taken: for a graph, the one its capture took (graph thresholds).
     route: String,
     iters: usize,
     sets: usize,
     graph: Option<Graph<'c>>,
+    /// Graph mode: launches of the graph per repeat (each replays `iters` ops), so that a
+    /// repeat lasts about `--target-ms` as an eager one does.
+    launches: usize,
     /// (start, end) stamps of each repeat on this rank.
     samples: Vec<(u64, u64)>,
 }
@@ -227,14 +232,15 @@ impl<'c> Bench<'c> {
         }
     }
 
-    /// Captures `iters` ops of `path` into one graph.
+    /// Captures `iters` ops of `path` into one graph; with it, the route the capture took
+    /// (`-` for the raw paths).
     fn capture(
         &mut self,
         path: &str,
         bytes: usize,
         iters: usize,
         sets: usize,
-    ) -> Result<Graph<'c>> {
+    ) -> Result<(Graph<'c>, String)> {
         self.comm.synchronize()?;
         if path == "raw-nccl" {
             let raw = self.raw.as_ref().context("raw-nccl was not set up")?;
@@ -253,15 +259,20 @@ impl<'c> Bench<'c> {
             let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
             queued?;
             let graph = ended?.context("the capture recorded nothing")?;
-            return Ok(Graph::Raw(graph));
+            return Ok((Graph::Raw(graph), "-".to_string()));
         }
         let (root, comm) = (self.root, self.comm);
         let pool = &mut self.pool;
         let floor = &self.floor;
+        let mut route = "-".to_string();
         // SAFETY: the pool outlives the graph (every graph is dropped before the pool), and the
         // only other work on it runs on this rank's stream, in order with the replays.
         let graph = unsafe {
             comm.capture_unchecked(|c| {
+                if path != "launch-floor" {
+                    let opts = options_for(path).map_err(in_capture)?;
+                    route = c.route(bytes, &opts)?.name().to_string();
+                }
                 for i in 0..iters {
                     if path == "launch-floor" {
                         floor
@@ -277,7 +288,7 @@ impl<'c> Bench<'c> {
                 Ok(())
             })
         }?;
-        Ok(Graph::Gpucast(graph))
+        Ok((Graph::Gpucast(graph), route))
     }
 
     /// About two seconds of mixed work before anything is timed (idle GPUs run at low clocks).
@@ -353,9 +364,9 @@ impl<'c> Bench<'c> {
     ) -> Result<Option<Timer<'c>>> {
         let sets = sets_for(bytes, self.pool.len());
         // Iterations so that a repeat holds about target_ms of work (estimate: 10 us + 300 GB/s),
-        // the same on every rank.
+        // the same on every rank (as in one process: a repeat of about 200 ms by default).
         let est_us = 10.0 + bytes as f64 / 300e3;
-        let iters = ((target_ms * 1e3 / est_us) as usize).clamp(4, 2000);
+        let iters = ((target_ms * 1e3 / est_us) as usize).clamp(4, 200_000);
         let route = match path {
             "raw-nccl" | "launch-floor" => "-".to_string(),
             p => self.comm.route(bytes, &options_for(p)?)?.name().to_string(),
@@ -375,10 +386,12 @@ impl<'c> Bench<'c> {
                     iters,
                     sets,
                     graph: None,
+                    launches: 1,
                     samples: Vec::new(),
                 }))
             }
             Mode::Graph => {
+                let launches = iters.div_ceil(500);
                 let iters = iters.min(500);
                 let captured = self.capture(path, bytes, iters, sets);
                 // Every rank replays, or none: a replay waits for its peers.
@@ -395,7 +408,7 @@ impl<'c> Bench<'c> {
                     self.comm.synchronize().ok();
                     return Ok(None);
                 }
-                let mut graph = captured?;
+                let (mut graph, route) = captured?;
                 graph.upload()?;
                 graph.launch()?;
                 self.comm.synchronize()?;
@@ -404,19 +417,25 @@ impl<'c> Bench<'c> {
                     iters,
                     sets,
                     graph: Some(graph),
+                    launches,
                     samples: Vec::new(),
                 }))
             }
         }
     }
 
-    /// One repeat of a prepared point: barrier, then `iters` ops (or one replay), stamped.
+    /// One repeat of a prepared point: barrier, then `iters` ops (or `launches` replays),
+    /// stamped.
     fn sample(&mut self, path: &str, bytes: usize, timer: &mut Timer<'c>) -> Result<()> {
         self.comm.synchronize()?;
         self.job.barrier()?;
         let starts = crate::timer::marks(&[&self.stream])?;
         match &mut timer.graph {
-            Some(graph) => graph.launch()?,
+            Some(graph) => {
+                for _ in 0..timer.launches {
+                    graph.launch()?;
+                }
+            }
             None => {
                 for i in 0..timer.iters {
                     self.op(path, bytes, i % timer.sets)?;
@@ -451,7 +470,9 @@ pub fn run(args: &Args) -> Result<()> {
         args.root
     );
     comm.context().bind_to_thread()?;
-    let rows = measure(args, &plan, &job, &comm)?;
+    let note = format!("rank 0 of {world}, one process per GPU; the GPU line is rank 0's");
+    let stamp = crate::run_stamp(&[comm.context()], &note);
+    let rows = measure(args, &plan, &job, &comm, &stamp)?;
     // Every rank releases its GPU state first (gpucast's and NCCL's communicators included),
     // then the ranks meet one last time: rank 0's store must outlive the others' use of it.
     drop(comm);
@@ -462,14 +483,23 @@ pub fn run(args: &Args) -> Result<()> {
     let Some(rows) = rows else {
         bail!("rank 0 measured nothing");
     };
-    finish(args, &plan, world, job.single_host, rows)
+    finish(args, &plan, world, job.single_host, rows, &stamp)
 }
 
 /// The sweep on this rank; rank 0 gets the rows.
-fn measure(args: &Args, plan: &Plan, job: &Job, comm: &Communicator) -> Result<Option<Vec<Row>>> {
+fn measure(
+    args: &Args,
+    plan: &Plan,
+    job: &Job,
+    comm: &Communicator,
+    stamp: &report::Stamp,
+) -> Result<Option<Vec<Row>>> {
     let (rank, world, root) = (job.rank, job.world, args.root);
     std::fs::create_dir_all(&args.out)?;
-    let watchdog = Watchdog::start((rank == 0).then(|| args.out.join("partial-procs.csv")));
+    let watchdog = Watchdog::start(
+        (rank == 0).then(|| args.out.join("partial-procs.csv")),
+        Some(stamp),
+    );
     watchdog.at("setup");
 
     // P2P: every rank must agree before a forced P2P path is used.
@@ -599,7 +629,8 @@ fn measure(args: &Args, plan: &Plan, job: &Job, comm: &Communicator) -> Result<O
                 let Some(spans) = spans else {
                     continue;
                 };
-                let per_op: Vec<f64> = spans.iter().map(|s| s * 1e6 / timer.iters as f64).collect();
+                let ops = (timer.iters * timer.launches) as f64;
+                let per_op: Vec<f64> = spans.iter().map(|s| s * 1e6 / ops).collect();
                 let st = report::stats(&per_op).context("no samples")?;
                 let row = Row {
                     gpus: world,
@@ -647,10 +678,11 @@ fn finish(
     world: usize,
     single_host: bool,
     mut rows: Vec<Row>,
+    stamp: &report::Stamp,
 ) -> Result<()> {
     let write = |rows: &[Row]| -> Result<()> {
-        let mut csv = std::fs::File::create(args.out.join("broadcast-procs.csv"))?;
-        report::write_csv(rows, &mut csv)?;
+        let csv = crate::stamped_csv(rows, stamp)?;
+        std::fs::write(args.out.join("broadcast-procs.csv"), csv)?;
         Ok(())
     };
     // gpucast's rows are on disk before PyTorch runs.
@@ -659,7 +691,9 @@ fn finish(
         println!("# PyTorch skipped: the ranks are on several hosts (its script runs on one)");
     } else if crate::torch_wanted(args, world) {
         let csv = args.out.join("torch-procs.csv");
-        if let Some(torch) = crate::torch_rows(args, plan.dtype, world, Some("dist,symm"), &csv)? {
+        if let Some(torch) =
+            crate::torch_rows(args, plan.dtype, world, Some("dist,symm"), &csv, stamp)?
+        {
             rows.extend(torch);
         }
     } else {
@@ -704,10 +738,30 @@ fn finish(
         println!("{line}");
     }
     write(&rows)?;
-    std::fs::write(
-        args.out.join("table-procs.txt"),
-        format!("{table}\n{}\n", summary.join("\n")),
+    crate::write_stamped(
+        &args.out.join("table-procs.txt"),
+        stamp,
+        &format!("{table}\n{}\n", summary.join("\n")),
     )?;
+    // The headline against raw ncclBroadcast, one process per GPU: the fastest way a user
+    // drives NCCL there.
+    let sizes: Vec<u64> = plan.sizes.iter().map(|&b| b as u64).collect();
+    let mut md = String::new();
+    for p in ["p2p", "auto"] {
+        if rows.iter().any(|r| r.path == p) && rows.iter().any(|r| r.path == "raw-nccl") {
+            md.push_str(&report::headline_table(
+                &rows,
+                p,
+                &["raw-nccl"],
+                &sizes,
+                &plan.modes,
+            ));
+            md.push('\n');
+        }
+    }
+    if !md.is_empty() {
+        crate::write_stamped(&args.out.join("headline-procs.md"), stamp, &md)?;
+    }
     let title = format!(
         "broadcast, {world} processes (one GPU each), {}, root {}",
         plan.dtype, args.root

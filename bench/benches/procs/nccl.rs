@@ -218,11 +218,39 @@ struct Worker {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+impl Worker {
+    /// Wakes the worker if it parked.
+    fn wake(&self) {
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
+    }
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         self.slot.stop.store(true, Ordering::Release);
+        self.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// How long an idle worker spins before it parks: the same as gpucast's P2P launch threads
+/// (`src/p2p/launcher.rs`), so that back-to-back calls find both awake and an idle run pays
+/// both one wake-up, and neither burns a core through the rest of the run.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// Waits until `f` holds: spins while the last work is less than [`SPIN`] old, then parks
+/// (woken by [`Worker::wake`], or every 50 ms in case a wake-up came before the park).
+fn wait_parked(f: impl Fn() -> bool) {
+    let idle_since = std::time::Instant::now();
+    while !f() {
+        if idle_since.elapsed() < SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
         }
     }
 }
@@ -305,6 +333,7 @@ impl RawNcclAll {
             slot.root.store(root, Ordering::Relaxed);
             slot.stream.store(streams[r] as usize, Ordering::Relaxed);
             slot.seq.fetch_add(1, Ordering::Release);
+            w.wake();
         }
         let send = if root == 0 { src } else { dsts[0] };
         // SAFETY: per this function's contract.
@@ -395,7 +424,7 @@ impl Drop for RawNcclAll {
 fn worker(slot: &Slot, broadcast: BroadcastFn, comm: usize) {
     let mut seen = 0u64;
     loop {
-        spin_until(|| {
+        wait_parked(|| {
             slot.seq.load(Ordering::Acquire) != seen || slot.stop.load(Ordering::Acquire)
         });
         if slot.stop.load(Ordering::Acquire) {

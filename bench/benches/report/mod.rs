@@ -836,18 +836,314 @@ pub fn ratio_line(
     range: RangeInclusive<u64>,
     label: &str,
 ) -> Option<String> {
-    let ratios: Vec<f64> = times_in(rows, mode, a, b, range)
+    let ratios: Vec<f64> = times_in(rows, mode, a, b, range.clone())
         .map(|(ta, tb)| tb / ta)
         .filter(|r| r.is_finite() && *r > 0.0)
         .collect();
     if ratios.is_empty() {
         return None;
     }
+    let pairs = point_pairs(rows, mode, a, b, range);
+    let clear = pairs
+        .iter()
+        .filter(|(ra, rb)| compare(ra, rb) != Verdict::WithinSpread)
+        .count();
     Some(format!(
-        "{label}: {a} vs {b}: {} ({} sizes)",
+        "{label}: {a} vs {b}: {} ({} sizes; {clear} of {} sizes outside the spread of the repeats)",
         describe_ratios(&ratios),
-        ratios.len()
+        ratios.len(),
+        pairs.len()
     ))
+}
+
+/// The rows of `a` and `b` in `mode` at each size in `range` both have (the first row of a
+/// point wins), by size.
+fn point_pairs(
+    rows: &[Row],
+    mode: Mode,
+    a: &str,
+    b: &str,
+    range: RangeInclusive<u64>,
+) -> Vec<(Row, Row)> {
+    let first = |path: &str| {
+        let mut map: BTreeMap<u64, &Row> = BTreeMap::new();
+        for r in rows {
+            let valid = r.time_us.is_finite() && r.time_us > 0.0;
+            if valid && r.mode == mode && r.path == path && range.contains(&r.bytes) {
+                map.entry(r.bytes).or_insert(r);
+            }
+        }
+        map
+    };
+    let (pa, pb) = (first(a), first(b));
+    pa.iter()
+        .filter_map(|(bytes, ra)| pb.get(bytes).map(|rb| ((*ra).clone(), (*rb).clone())))
+        .collect()
+}
+
+/// How one measured point compares with another, given the spread of their repeats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every repeat of the first was faster than every repeat of the second.
+    Faster,
+    /// Every repeat of the first was slower than every repeat of the second.
+    Slower,
+    /// The repeats overlap (touching ends included): the medians' difference is noise.
+    WithinSpread,
+}
+
+/// `a` against `b` by the spread (min to max) of their repeats: a difference counts only where
+/// the two ranges do not overlap.
+pub fn compare(a: &Row, b: &Row) -> Verdict {
+    if a.max_us < b.min_us {
+        Verdict::Faster
+    } else if b.max_us < a.min_us {
+        Verdict::Slower
+    } else {
+        Verdict::WithinSpread
+    }
+}
+
+/// The headline table in Markdown: gpucast's `path` against the fastest of the NCCL ways `of`
+/// (per size and mode, the one with the lowest median; the cell names it), for each mode and
+/// each of `sizes` where both were measured. Times below 64 MiB, bus bandwidth from there. A
+/// figure is bold only where the repeats of the two do not overlap ([`compare`]); otherwise
+/// the ratio says it lies within the spread.
+pub fn headline_table(
+    rows: &[Row],
+    path: &str,
+    of: &[&str],
+    sizes: &[u64],
+    modes: &[Mode],
+) -> String {
+    const BASE: &str = "fastest-nccl";
+    let mut with_best: Vec<Row> = rows.iter().filter(|r| r.path == path).cloned().collect();
+    with_best.extend(best_of(rows, BASE, of));
+    let mut out = format!(
+        "| size, mode | fastest NCCL ({}) | gpucast `{path}` | speed-up |\n|---|---|---|---|\n",
+        of.join(", ")
+    );
+    let figure = |r: &Row| {
+        if r.bytes >= 64 << 20 {
+            format!("{:.0} GB/s", r.busbw_gbps())
+        } else {
+            format!("{:.2} us", r.time_us)
+        }
+    };
+    for &mode in modes {
+        for &bytes in sizes {
+            let Some((mine, base)) = point_pairs(&with_best, mode, path, BASE, bytes..=bytes)
+                .into_iter()
+                .next()
+            else {
+                continue;
+            };
+            let verdict = compare(&mine, &base);
+            let bold = |text: String, on: bool| if on { format!("**{text}**") } else { text };
+            let ratio = base.time_us / mine.time_us;
+            let words = match verdict {
+                Verdict::WithinSpread => format!("{ratio:.2}x, within the spread of the repeats"),
+                _ => format!("{ratio:.2}x"),
+            };
+            out.push_str(&format!(
+                "| {}, {mode} | {} | {} | {words} |\n",
+                format_size(bytes),
+                bold(
+                    format!("{} ({})", figure(&base), base.route),
+                    verdict == Verdict::Slower
+                ),
+                bold(figure(&mine), verdict == Verdict::Faster),
+            ));
+        }
+    }
+    out
+}
+
+/// The lines of the call-cost budget: (label, path, the path it is measured against). The
+/// first two are absolute times; the others differences of two paths measured in one
+/// interleaved run (`nccl-untracked`: cudarc's event tracking off on the contexts;
+/// `nccl-nowatch`: the watchdog off; `p2p-untracked`: the P2P call with tracking off).
+pub const BUDGET: [(&str, &str, &str); 8] = [
+    (
+        "launch floor (one empty kernel per rank)",
+        "launch-floor",
+        "",
+    ),
+    ("raw ncclBroadcast", "nccl-raw", ""),
+    (
+        "gpucast's NCCL path over a raw ncclBroadcast",
+        "nccl",
+        "nccl-raw",
+    ),
+    (
+        "gpucast's own host work (tracking and watchdog off)",
+        "nccl-untracked-nowatch",
+        "nccl-raw",
+    ),
+    (
+        "cudarc's events (tracking on - off)",
+        "nccl",
+        "nccl-untracked",
+    ),
+    ("the watchdog (on - off)", "nccl", "nccl-nowatch"),
+    (
+        "P2P: cudarc's events (tracking on - off)",
+        "p2p",
+        "p2p-untracked",
+    ),
+    (
+        "P2P untracked over the launch floor",
+        "p2p-untracked",
+        "launch-floor",
+    ),
+];
+
+/// The call-cost budget as a Markdown table: one line per [`BUDGET`] entry, one column per
+/// mode; each cell the median over the sizes in `range` (of the time, or of the difference of
+/// the two paths' medians at each size), with the range over the sizes; `-` where the paths
+/// were not both measured.
+pub fn budget_table(rows: &[Row], modes: &[Mode], range: RangeInclusive<u64>) -> String {
+    let mut out = String::from("| per call |");
+    for m in modes {
+        out.push_str(&format!(" {m} |"));
+    }
+    out.push_str("\n|---|");
+    out.push_str(&"---|".repeat(modes.len()));
+    out.push('\n');
+    for (label, a, b) in BUDGET {
+        let mut line = format!("| {label} |");
+        for &mode in modes {
+            let values: Vec<f64> = if b.is_empty() {
+                times(rows, None, mode, a)
+                    .into_iter()
+                    .filter(|(bytes, _)| range.contains(bytes))
+                    .map(|(_, t)| t)
+                    .collect()
+            } else {
+                times_in(rows, mode, a, b, range.clone())
+                    .map(|(ta, tb)| ta - tb)
+                    .collect()
+            };
+            let cell = match stats(&values) {
+                None => "-".to_string(),
+                Some(s) => {
+                    let median = if b.is_empty() {
+                        format!("{:.2} us", s.median)
+                    } else {
+                        format!("{:+.2} us", s.median)
+                    };
+                    let (lo, hi) = (format!("{:.2}", s.min), format!("{:.2}", s.max));
+                    if lo == hi {
+                        median
+                    } else {
+                        format!("{median} ({lo} to {hi}, {} sizes)", s.n)
+                    }
+                }
+            };
+            line.push_str(&format!(" {cell} |"));
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Where a table or CSV came from: written at its top as `# key: value` lines (which
+/// [`read_csv`] skips), one per field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stamp {
+    /// The commit the binary was built from (`GPUCAST_COMMIT`, else the build's).
+    pub commit: String,
+    /// The GPUs, by name and count.
+    pub gpu: String,
+    /// The driver's version (and the CUDA version it supports).
+    pub driver: String,
+    /// The NCCL version loaded.
+    pub nccl: String,
+    /// The command line, quoted for a shell.
+    pub command: String,
+}
+
+impl Stamp {
+    const KEYS: [&'static str; 5] = ["commit", "gpu", "driver", "nccl", "command"];
+
+    fn values(&self) -> [&str; 5] {
+        [
+            &self.commit,
+            &self.gpu,
+            &self.driver,
+            &self.nccl,
+            &self.command,
+        ]
+    }
+
+    /// The header lines, each ending in a line break; a line break inside a value becomes a
+    /// space, so that every value stays on its comment line.
+    pub fn header(&self) -> String {
+        Stamp::KEYS
+            .iter()
+            .zip(self.values())
+            .map(|(k, v)| format!("# {k}: {}\n", v.replace(['\n', '\r'], " ")))
+            .collect()
+    }
+
+    /// The stamp at the top of `text` (its leading `#` lines); `None` when a field is missing.
+    pub fn parse(text: &str) -> Option<Stamp> {
+        let mut fields: BTreeMap<&str, String> = BTreeMap::new();
+        for line in text.lines().take_while(|l| l.starts_with('#')) {
+            if let Some((k, v)) = line.trim_start_matches('#').trim_start().split_once(": ") {
+                fields.entry(k).or_insert_with(|| v.to_string());
+            }
+        }
+        let mut take = |k: &str| fields.remove(k);
+        Some(Stamp {
+            commit: take("commit")?,
+            gpu: take("gpu")?,
+            driver: take("driver")?,
+            nccl: take("nccl")?,
+            command: take("command")?,
+        })
+    }
+}
+
+/// The commit a run reports: `staged` (`GPUCAST_COMMIT`, which ci/gpu-stage.sh writes into
+/// .gpu/COMMIT and ci/gpu-run.sh exports: the GPU machine's copy of .git may be stale) when
+/// set, else the commit the bench was built from, marked as such, else `unknown`.
+pub fn commit_of(staged: Option<&str>, built: Option<&str>) -> String {
+    match (staged.map(str::trim).filter(|s| !s.is_empty()), built) {
+        (Some(s), _) => s.to_string(),
+        (None, Some(b)) if !b.trim().is_empty() => format!("{} (built from)", b.trim()),
+        _ => "unknown".to_string(),
+    }
+}
+
+/// The driver's version from the text of `/proc/driver/nvidia/version`: the first word after
+/// `Kernel Module` that looks like a version (digits and dots).
+pub fn driver_from_proc(text: &str) -> Option<String> {
+    let line = text.lines().find(|l| l.contains("Kernel Module"))?;
+    let after = &line[line.find("Kernel Module")? + "Kernel Module".len()..];
+    after
+        .split_whitespace()
+        .find(|w| w.contains('.') && w.chars().all(|c| c.is_ascii_digit() || c == '.'))
+        .map(str::to_string)
+}
+
+/// `args` as one line a shell reads back into the same words: words with anything but
+/// letters, digits and `-_.,/:=+@%` are single-quoted.
+pub fn shell_line(args: &[String]) -> String {
+    args.iter()
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.,/:=+@%".contains(c));
+            if plain {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Rows of a virtual path `name`: per GPU count, mode and size, the fastest row of the paths
