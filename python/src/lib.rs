@@ -244,21 +244,122 @@ impl PyCommunicator {
             p2p_chain_threshold,
         )?;
         let init_timeout = seconds_arg("init_timeout", init_timeout)?;
-        let mut b: CommunicatorBuilder =
-            apply_settings!(Communicator::builder(), settings).shared_devices(shared_devices);
-        if let Some(d) = device {
-            b = b.device(d);
+        let b = apply_settings!(Communicator::builder(), settings);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
+    }
+
+    /// Joins an explicit group: processes of separate launches that agree on an address, as
+    /// `StatelessProcessGroup.create`. Rank 0 hosts gpucast's store on `master_addr:master_port`
+    /// (on every interface when the address is not one of its host's); every rank proves
+    /// `token` (default: `GPUCAST_JOB_TOKEN`, else none, which the store warns about when it
+    /// listens beyond loopback).
+    #[new]
+    #[pyo3(signature = (*, rank, world_size, master_addr="127.0.0.1", master_port, token=None,
+        device=None, local_rank=None, local_world_size=None, shared_devices=false,
+        init_timeout=None, path=None, timeout=None, p2p_threshold=None, packet_threshold=None,
+        copy_engine_threshold=None, p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: u16,
+        token: Option<String>,
+        device: Option<usize>,
+        local_rank: Option<usize>,
+        local_world_size: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<f64>,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCommunicator> {
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let init_timeout = seconds_arg("init_timeout", init_timeout)?;
+        let job = explicit_job(
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            token,
+            local_rank,
+            local_world_size,
+        )?;
+        let b = apply_settings!(Communicator::builder(), settings).job(job);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
+    }
+
+    /// Joins a group whose processes meet through the caller's all-gather (a framework's store
+    /// or process group, MPI): `all_gather(bytes) -> list[bytes]` returns every rank's bytes
+    /// in rank order. It is called with the GIL, from the thread that builds the communicator.
+    #[staticmethod]
+    #[pyo3(signature = (all_gather, *, rank, world_size, device=None, shared_devices=false,
+        init_timeout=None, path=None, timeout=None, p2p_threshold=None, packet_threshold=None,
+        copy_engine_threshold=None, p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_exchange(
+        py: Python<'_>,
+        all_gather: Py<PyAny>,
+        rank: usize,
+        world_size: usize,
+        device: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<f64>,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCommunicator> {
+        if !all_gather.bind(py).is_callable() {
+            return Err(errors::argument(
+                "all_gather must be a callable: bytes -> list of every rank's bytes".into(),
+            ));
         }
-        if let Some(t) = init_timeout {
-            b = b.init_timeout(t);
-        }
-        let _current = KeepCurrent::before_init();
-        let inner = py.detach(|| b.build()).map_err(to_py)?;
-        let pending = Pending::new(vec![inner.stream().clone()]);
-        Ok(PyCommunicator {
-            inner: ManuallyDrop::new(inner),
-            pending: ManuallyDrop::new(pending),
-        })
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let init_timeout = seconds_arg("init_timeout", init_timeout)?;
+        // The job's rank and size (checked); its address is never used: the exchange is the
+        // caller's.
+        let job = gpucast::rendezvous::JobEnv::single_node(
+            rank,
+            world_size,
+            gpucast::rendezvous::DEFAULT_MASTER_PORT,
+        )
+        .map_err(rendezvous_error)?;
+        let gather = move |mine: &[u8]| -> Result<Vec<Vec<u8>>, String> {
+            Python::attach(|py| {
+                let all = all_gather
+                    .call1(py, (pyo3::types::PyBytes::new(py, mine),))
+                    .map_err(|e| format!("all_gather raised {e}"))?;
+                all.extract::<Vec<Vec<u8>>>(py)
+                    .map_err(|e| format!("all_gather must return a list of bytes ({e})"))
+            })
+        };
+        let exchange = gpucast::rendezvous::FnExchange::new(rank, world_size, gather)
+            .map_err(rendezvous_error)?;
+        let b = apply_settings!(Communicator::builder(), settings)
+            .job(job)
+            .exchange(exchange);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
     }
 
     /// This process's rank in the job.
@@ -362,7 +463,74 @@ impl PyCommunicator {
     }
 }
 
+/// A rendezvous error as Python's: a bad rank, size, address or token is the caller's
+/// argument (`ArgumentError`).
+fn rendezvous_error(e: gpucast::rendezvous::RendezvousError) -> PyErr {
+    match e {
+        gpucast::rendezvous::RendezvousError::InvalidArgument { reason } => errors::argument(reason),
+        e => to_py(e.into()),
+    }
+}
+
+/// The job of an explicit group (see `Communicator.__init__`).
+fn explicit_job(
+    rank: usize,
+    world_size: usize,
+    master_addr: &str,
+    master_port: u16,
+    token: Option<String>,
+    local_rank: Option<usize>,
+    local_world_size: Option<usize>,
+) -> PyResult<gpucast::rendezvous::JobEnv> {
+    use gpucast::rendezvous::{env_var, JobEnv, TokenSource, JOB_TOKEN_ENV};
+    let bad = rendezvous_error;
+    if master_port == 0 {
+        return Err(errors::argument(
+            "master_port must be a TCP port in 1..=65535 that every rank agrees on, not 0".into(),
+        ));
+    }
+    let mut job = JobEnv::single_node(rank, world_size, master_port).map_err(bad)?;
+    job.master_addr = master_addr.trim().to_owned();
+    job.local_rank = local_rank.unwrap_or(rank);
+    job.local_world_size = local_world_size.unwrap_or(world_size);
+    // The token: the caller's, else the launcher's in the environment, else none (the store
+    // warns when it listens beyond loopback with a guessable token, as for every job).
+    match token.or_else(|| env_var(JOB_TOKEN_ENV)) {
+        Some(t) => {
+            job.job_token = t;
+            job.token_source = TokenSource::Explicit;
+        }
+        None => job.token_source = TokenSource::Unset,
+    }
+    job.validate().map_err(bad)?;
+    Ok(job)
+}
+
 impl PyCommunicator {
+    /// Builds the communicator of `b` with the settings every constructor takes.
+    fn join(
+        py: Python<'_>,
+        b: CommunicatorBuilder,
+        device: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<Duration>,
+    ) -> PyResult<PyCommunicator> {
+        let mut b = b.shared_devices(shared_devices);
+        if let Some(d) = device {
+            b = b.device(d);
+        }
+        if let Some(t) = init_timeout {
+            b = b.init_timeout(t);
+        }
+        let _current = KeepCurrent::before_init();
+        let inner = py.detach(|| b.build()).map_err(to_py)?;
+        let pending = Pending::new(vec![inner.stream().clone()]);
+        Ok(PyCommunicator {
+            inner: ManuallyDrop::new(inner),
+            pending: ManuallyDrop::new(pending),
+        })
+    }
+
     /// `broadcast_many` itself.
     fn many_kept(
         &self,
@@ -759,6 +927,13 @@ impl PyClique {
     }
 }
 
+/// A fresh job token (64 hex characters from the operating system's random source), for a
+/// launcher to hand every rank of an explicit group.
+#[pyfunction]
+fn random_token() -> PyResult<String> {
+    gpucast::rendezvous::random_token().map_err(|e| to_py(e.into()))
+}
+
 /// NCCL's version as `(major, minor, patch)`.
 #[pyfunction]
 fn nccl_version() -> PyResult<(i32, i32, i32)> {
@@ -770,6 +945,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCommunicator>()?;
     m.add_class::<PyClique>()?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(random_token, m)?)?;
     m.add_function(wrap_pyfunction!(tensors::describe_tensor, m)?)?;
     m.add("MAX_GPUS", gpucast::MAX_GPUS)?;
     Ok(())
