@@ -150,10 +150,15 @@ class ProcessGroupGpucast(dist.ProcessGroup):
                 t.copy_(s)
 
     def broadcast_coalesced(self, tensors, src=0, check=False):
-        """Broadcasts ``tensors`` from rank ``src`` in one fused call (see the module)."""
-        tensors = list(tensors)
+        """Broadcasts ``tensors`` (a list, or a dict such as a state_dict) from group rank
+        ``src`` in one fused call (see the module)."""
+        if hasattr(tensors, "items"):
+            named = list(tensors.items())
+        else:
+            named = [(f"tensor {i}", t) for i, t in enumerate(tensors)]
+        tensors = [t for _, t in named]
         if check:
-            check_layout(self._comm, [(str(i), t) for i, t in enumerate(tensors)], src)
+            check_layout(self._comm, named, src)
         if all(t.is_cuda for t in tensors):
             self._many(tensors, src)
         else:
@@ -262,7 +267,8 @@ def _create(store, rank, size, timeout):
 
 
 def broadcast_coalesced(tensors, src=0, group=None, *, check=False):
-    """Broadcasts every tensor of ``tensors`` from rank ``src`` (a global rank, as
+    """Broadcasts every tensor of ``tensors`` (a list, or a dict such as a state_dict, whose
+    names then appear in a mismatch's error) from rank ``src`` (a global rank, as
     ``dist.broadcast``'s) in one fused call of the gpucast group ``group`` (default: the
     default group), in place, with no packing buffer. Every rank passes tensors of the same
     shapes and dtypes; ``check=True`` checks that first (a :class:`gpucast.MismatchError`

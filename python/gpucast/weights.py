@@ -62,7 +62,8 @@ def check_layout(comm, named, src=0):
     """
     torch = _torch()
     named = list(named)
-    device = torch.device("cuda", comm.device)
+    device = (torch.device("cuda", comm.device) if isinstance(comm.device, int)
+              else torch.device(comm.device))
     mine = _layout(named)
     text = "\n".join(mine).encode()
     # The source's layout: its length, then its text.

@@ -264,7 +264,7 @@ impl PyCommunicator {
         rank: usize,
         world_size: usize,
         master_addr: &str,
-        master_port: u16,
+        master_port: i64,
         token: Option<String>,
         device: Option<usize>,
         local_rank: Option<usize>,
@@ -477,18 +477,22 @@ fn explicit_job(
     rank: usize,
     world_size: usize,
     master_addr: &str,
-    master_port: u16,
+    master_port: i64,
     token: Option<String>,
     local_rank: Option<usize>,
     local_world_size: Option<usize>,
 ) -> PyResult<gpucast::rendezvous::JobEnv> {
     use gpucast::rendezvous::{env_var, JobEnv, TokenSource, JOB_TOKEN_ENV};
     let bad = rendezvous_error;
-    if master_port == 0 {
-        return Err(errors::argument(
-            "master_port must be a TCP port in 1..=65535 that every rank agrees on, not 0".into(),
-        ));
-    }
+    let master_port = match u16::try_from(master_port) {
+        Ok(p) if p > 0 => p,
+        _ => {
+            return Err(errors::argument(format!(
+                "master_port must be a TCP port in 1..=65535 that every rank agrees on, not \
+                 {master_port}"
+            )))
+        }
+    };
     let mut job = JobEnv::single_node(rank, world_size, master_port).map_err(bad)?;
     job.master_addr = master_addr.trim().to_owned();
     job.local_rank = local_rank.unwrap_or(rank);
