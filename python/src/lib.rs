@@ -13,14 +13,65 @@ use std::time::Duration;
 use gpucast::cudarc::driver::{sys, CudaContext, CudaStream};
 use gpucast::{
     BroadcastOptions, BroadcastPath, Clique, CliqueBuilder, Communicator, CommunicatorBuilder,
-    DeviceTensor, DeviceTensorMut, Error,
+    DeviceTensor, DeviceTensorMut, Error, ExternalSlice,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use errors::to_py;
 use pending::Pending;
-use tensors::{describe, external, Desc, Where};
+use tensors::{describe_with, external, Desc, StreamMemo, Where};
+
+/// Runs `$body` with `$T` the Rust element type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            gpucast::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            gpucast::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            gpucast::DType::F16 => {
+                type $T = gpucast::half::f16;
+                $body
+            }
+            gpucast::DType::BF16 => {
+                type $T = gpucast::half::bf16;
+                $body
+            }
+            gpucast::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            gpucast::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            gpucast::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            gpucast::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            gpucast::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            gpucast::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "element type {other} has no buffer type here"
+            ))),
+        }
+    };
+}
 
 /// The settings both builders take, from Python keyword arguments.
 #[derive(Default)]
@@ -413,8 +464,13 @@ impl PyCommunicator {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let one = PyList::new(py, [tensor])?;
-        self.broadcast_many(py, one.as_any(), src, path, stream)
+        // As in `broadcast_many`: a call refused here still takes its number in the call log.
+        let posted = self.inner.calls_posted();
+        let result = self.one_kept(py, tensor, src, path, stream);
+        if result.is_err() && self.inner.calls_posted() == posted {
+            self.inner.post_failed_call();
+        }
+        result
     }
 
     /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
@@ -535,6 +591,35 @@ impl PyCommunicator {
         })
     }
 
+    /// `broadcast` itself: one typed buffer through `Communicator::broadcast_in_place_with`,
+    /// the call a Rust program makes.
+    fn one_kept(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src: usize,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let _current = KeepCurrent::new();
+        check_stream(self.inner.context(), stream)?;
+        let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
+        let desc = describe_with(tensor, at, &mut StreamMemo::default())?;
+        let ctx = self.inner.context().clone();
+        let comm = &self.inner;
+        kept(py, &self.pending, desc, |d| {
+            typed!(d.dtype, T => {
+                // SAFETY: the description is of a live tensor of this rank's device (checked
+                // by `describe_with`), kept alive by `kept` until the call's work has run; the
+                // stream is the tensor's (torch's current stream, or the caller's).
+                let mut buf =
+                    unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(&ctx, d.stream)) }?;
+                comm.broadcast_in_place_with(src, &mut buf, &options)
+            })
+        })
+    }
+
     /// `broadcast_many` itself.
     fn many_kept(
         &self,
@@ -548,9 +633,10 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
+        let mut memo = StreamMemo::default();
         let descs = tensors
             .try_iter()?
-            .map(|t| describe(&t?, at))
+            .map(|t| describe_with(&t?, at, &mut memo))
             .collect::<PyResult<Vec<Desc>>>()?;
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
@@ -799,14 +885,41 @@ impl PyClique {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        self.root(src)?;
+        let options = options(path)?;
+        let root = self.root(src)?;
         self.check_count("outputs", outputs.len())?;
-        let lists = PyList::empty(py);
-        for o in outputs.iter() {
-            lists.append(PyList::new(py, [o])?)?;
-        }
-        let inputs = PyList::new(py, [tensor])?;
-        self.broadcast_many(py, src, &inputs, &lists, path, stream)
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let (input, outs) = self.describe_one(tensor, outputs, root, stream)?;
+        kept(py, &self.pending, (input, outs), |(input, outs)| {
+            // SAFETY: the descriptions are of live tensors of each rank's device (checked by
+            // `describe_with`), kept alive by `kept` until the call's work has run.
+            unsafe { self.single(root, input, outs, &options) }
+        })
+    }
+
+    /// Runs `iters` broadcasts of `tensor` into `outputs` back to back from Rust, as a Rust
+    /// program calls `Clique::broadcast_with` (the buffers wrapped once): the bench's
+    /// reference for the cost of the Python door.
+    #[pyo3(signature = (src, tensor, outputs, iters, *, path=None))]
+    fn _rust_loop(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        tensor: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        iters: usize,
+        path: Option<&str>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("outputs", outputs.len())?;
+        let _current = KeepCurrent::new();
+        let (input, outs) = self.describe_one(tensor, outputs, root, None)?;
+        kept(py, &self.pending, (input, outs), |(input, outs)| {
+            // SAFETY: as in `broadcast`.
+            unsafe { self.single_loop(root, input, outs, &options, iters) }
+        })
     }
 
     /// Broadcasts, in place, `tensors[src]` into `tensors[rank]` of every other rank.
@@ -819,11 +932,27 @@ impl PyClique {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let lists = PyList::empty(py);
-        for t in tensors.iter() {
-            lists.append(PyList::new(py, [t])?)?;
-        }
-        self.broadcast_many_in_place(py, src, &lists, path, stream)
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("tensors", tensors.len())?;
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let mut memo = StreamMemo::default();
+        let descs = tensors
+            .iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                describe_with(&t, self.at(rank, stream).reading(rank == root), &mut memo)
+            })
+            .collect::<PyResult<Vec<Desc>>>()?;
+        let lists: Vec<Vec<Desc>> = descs.into_iter().map(|d| vec![d]).collect();
+        kept(py, &self.pending, lists, |lists| {
+            // SAFETY: as in `broadcast`.
+            let mut bufs = unsafe { self.buffers(lists) }?;
+            self.inner
+                .broadcast_many_in_place_with(root, &mut lend(&mut bufs), &options)
+                .map(|_| ())
+        })
     }
 
     /// Many tensors out of place in one fused call: `inputs[t]` is tensor `t` on rank `src`'s
@@ -843,11 +972,12 @@ impl PyClique {
         self.check_count("output lists", outputs.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
+        let mut memo = StreamMemo::default();
         let ins = inputs
             .try_iter()?
-            .map(|t| describe(&t?, self.at(root, stream).reading(true)))
+            .map(|t| describe_with(&t?, self.at(root, stream).reading(true), &mut memo))
             .collect::<PyResult<Vec<_>>>()?;
-        let outs = self.describe_lists(outputs, stream, None)?;
+        let outs = self.describe_lists(outputs, stream, None, &mut memo)?;
         kept(py, &self.pending, (ins, outs), |(ins, outs)| {
             // SAFETY: as in `broadcast`.
             let inp = unsafe { self.buffers_of(root, ins) }?;
@@ -876,7 +1006,7 @@ impl PyClique {
         self.check_count("tensor lists", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let lists = self.describe_lists(tensors, stream, Some(root))?;
+        let lists = self.describe_lists(tensors, stream, Some(root), &mut StreamMemo::default())?;
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
             let mut bufs = unsafe { self.buffers(lists) }?;
@@ -908,19 +1038,134 @@ impl PyClique {
 }
 
 impl PyClique {
+    /// The descriptions of one broadcast's input (on rank `root`) and outputs (one per rank).
+    fn describe_one(
+        &self,
+        tensor: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        root: usize,
+        stream: Option<u64>,
+    ) -> PyResult<(Desc, Vec<Desc>)> {
+        let mut memo = StreamMemo::default();
+        let input = describe_with(tensor, self.at(root, stream).reading(true), &mut memo)?;
+        let outs = outputs
+            .iter()
+            .enumerate()
+            .map(|(rank, o)| describe_with(&o, self.at(rank, stream), &mut memo))
+            .collect::<PyResult<Vec<Desc>>>()?;
+        Ok((input, outs))
+    }
+
+    /// Typed buffers of one broadcast: rank `root`'s input and every rank's output.
+    ///
+    /// # Safety
+    /// As for [`PyClique::buffers_of`], for the input on rank `root` and `outs[rank]`.
+    unsafe fn typed<T: gpucast::Element>(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+    ) -> gpucast::Result<(ExternalSlice<T>, Vec<ExternalSlice<T>>)> {
+        let slice = |rank: usize, d: &Desc| {
+            let ctx = self.inner.context(rank);
+            // SAFETY: per this function's contract.
+            let s = unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(ctx, d.stream)) }?;
+            if !s.is_plain_allocation() && self.several_gpus {
+                return Err(Error::InvalidArgument(format!(
+                    "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
+                     (PyTorch's expandable_segments or cudaMallocAsync allocator), which the \
+                     clique's other GPUs may not reach: use the default allocator, or a \
+                     Communicator (one process per GPU)"
+                )));
+            }
+            Ok(s)
+        };
+        let i = slice(root, input)?;
+        let o = outs
+            .iter()
+            .enumerate()
+            .map(|(rank, d)| slice(rank, d))
+            .collect::<gpucast::Result<Vec<_>>>()?;
+        Ok((i, o))
+    }
+
+    /// One broadcast of one tensor through `Clique::broadcast_with`, the call a Rust program
+    /// makes (tensors of different types go through the fused call, which names the error).
+    ///
+    /// # Safety
+    /// As for [`PyClique::typed`].
+    unsafe fn single(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+        options: &BroadcastOptions,
+    ) -> gpucast::Result<()> {
+        // SAFETY: per this function's contract.
+        unsafe { self.single_loop(root, input, outs, options, 1) }
+    }
+
+    /// [`PyClique::single`] `iters` times with the same buffers.
+    ///
+    /// # Safety
+    /// As for [`PyClique::typed`].
+    unsafe fn single_loop(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+        options: &BroadcastOptions,
+        iters: usize,
+    ) -> gpucast::Result<()> {
+        if outs.iter().any(|o| o.dtype != input.dtype) {
+            // SAFETY: per this function's contract.
+            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input)) }?;
+            // SAFETY: per this function's contract.
+            let mut out = unsafe { self.buffers_of_each(outs) }?;
+            let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
+            return self
+                .inner
+                .broadcast_many_with(root, &inputs, &mut lend(&mut out), options)
+                .map(|_| ());
+        }
+        typed!(input.dtype, T => {
+            // SAFETY: per this function's contract.
+            let (i, mut o) = unsafe { self.typed::<T>(root, input, outs) }?;
+            for _ in 0..iters {
+                self.inner.broadcast_with(root, &i, &mut o, options)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// One list of one buffer per rank.
+    ///
+    /// # Safety
+    /// As for [`PyClique::buffers_of`], `outs[rank]` being rank `rank`'s.
+    unsafe fn buffers_of_each(&self, outs: &[Desc]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+        outs.iter()
+            .enumerate()
+            // SAFETY: per this function's contract.
+            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d)) })
+            .collect()
+    }
+
     /// Descriptions of `lists[rank][t]`, one list per rank (rank `source`'s only read).
     fn describe_lists(
         &self,
         lists: &Bound<'_, PyList>,
         stream: Option<u64>,
         source: Option<usize>,
+        memo: &mut StreamMemo,
     ) -> PyResult<Vec<Vec<Desc>>> {
         lists
             .iter()
             .enumerate()
             .map(|(rank, list)| {
                 let at = self.at(rank, stream).reading(source == Some(rank));
-                list.try_iter()?.map(|t| describe(&t?, at)).collect()
+                list.try_iter()?
+                    .map(|t| describe_with(&t?, at, memo))
+                    .collect()
             })
             .collect()
     }
