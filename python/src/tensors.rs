@@ -221,7 +221,8 @@ fn torch_dtype_of(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
         }
     }
     let name = dtype.str()?.to_string();
-    let (d, per) = torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
+    let (d, per) =
+        torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
     let mut cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
     // torch has a few dozen dtypes; the bound only guards against a producer of fresh ones.
     if cache.len() < 64 {
