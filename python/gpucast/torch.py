@@ -20,11 +20,14 @@ The group's ranks meet through the store torch hands the backend (no port of gpu
 and build a :class:`gpucast.Communicator` on the current CUDA device
 (``torch.cuda.set_device`` before ``init_process_group``). Ranks that share a GPU (several
 processes on GPU 0) are found at that meeting and use gpucast's shared-device mode. Settings
-(``timeout``, ``path``, thresholds) come from :func:`configure`, the broadcast timeout else
-from ``init_process_group(timeout=)``.
+(``timeout``, ``path``, thresholds) come from :func:`configure`; ``init_process_group(timeout=)``
+bounds the meeting, the store's waits and ``dist.barrier``, while each wait of a broadcast keeps
+gpucast's own bound (10 s unless configured).
 
-Supported: torch 2.6 and newer, where a backend's creator may return a Python subclass of
-``torch.distributed.ProcessGroup`` (tested with torch 2.11).
+Supported: torch 2.11 (the version tested, on CPU in CI and on the GPU machine). It relies on
+``Backend.register_backend(name, creator, devices=)`` and on a creator that returns a Python
+subclass of ``torch.distributed.ProcessGroup``, which replaces torch's group object; older
+versions with both may work but are not tested.
 """
 
 import datetime
@@ -109,6 +112,7 @@ class ProcessGroupGpucast(dist.ProcessGroup):
         self._comm = communicator
         # Bound once: the per-call path does no lookups beyond these.
         self._many = communicator.broadcast_many if communicator is not None else None
+        self._one = communicator.broadcast if communicator is not None else None
         self._device = (torch.device("cuda", communicator.device)
                         if communicator is not None else None)
         self._store = store
@@ -136,7 +140,7 @@ class ProcessGroupGpucast(dist.ProcessGroup):
             return _Done(tensor_list)
         t = tensor_list[0]
         if len(tensor_list) == 1 and t.is_cuda:
-            self._many(tensor_list, src)
+            self._one(t, src)
         else:
             self._broadcast_any(tensor_list, src)
         return _Done(tensor_list)
@@ -257,8 +261,9 @@ def _create(store, rank, size, timeout):
     if "shared_devices" not in settings:
         keys = gather(_device_key(device))
         settings["shared_devices"] = len(set(keys)) < len(keys)
-    if "timeout" not in settings and timeout is not None:
-        settings["timeout"] = timeout.total_seconds()
+    # torch's timeout (default 30 min) bounds the meeting; each wait of a broadcast keeps
+    # gpucast's own bound (10 s, or configure(timeout=)), so a mismatch or a dead peer is an
+    # error in seconds.
     if "init_timeout" not in settings and timeout is not None:
         settings["init_timeout"] = timeout.total_seconds()
     comm = Communicator.from_exchange(gather, rank=rank, world_size=size, device=device,
