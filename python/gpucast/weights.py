@@ -16,6 +16,7 @@ same error or none. Then the tensors go in fused calls (``max_bytes`` per call; 
 call for all), in place, with no packing buffer.
 """
 
+import ctypes
 import struct
 
 from .errors import MismatchError
@@ -31,13 +32,19 @@ def _torch():
 
 
 def _layout(named):
-    """``[(name, shape, dtype), ...]`` as text lines, and the lines themselves."""
+    """``(name, shape, dtype)`` of each tensor, as lines of text."""
     lines = [f"{name}\t{tuple(t.shape)}\t{t.dtype}" for name, t in named]
     return lines
 
 
+def _host_bytes(t):
+    """The bytes of a contiguous uint8 tensor, copied to the host (no numpy needed)."""
+    h = t.contiguous().cpu()
+    return ctypes.string_at(h.data_ptr(), h.numel()) if h.numel() else b""
+
+
 def _first_difference(mine, theirs):
-    """Index of the first line that differs between two layouts, and why (None if equal)."""
+    """Index of the first line that differs between two layouts (None if they are equal)."""
     for i, (a, b) in enumerate(zip(theirs, mine)):
         if a != b:
             return i
@@ -74,7 +81,7 @@ def check_layout(comm, named, src=0):
     if comm.rank == src and n:
         buf[:n].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
     comm.broadcast_many([buf], src)
-    theirs = bytes(buf[:n].cpu().numpy().tobytes()).decode().split("\n") if n else []
+    theirs = _host_bytes(buf[:n]).decode().split("\n") if n else []
     # This rank's verdict, then every rank's, each broadcast by its rank.
     at = None if comm.rank == src else _first_difference(mine, theirs)
     message = ""
@@ -92,7 +99,7 @@ def check_layout(comm, named, src=0):
                                                                 dtype=torch.uint8))
     for r in range(comm.world_size):
         comm.broadcast_many([verdicts[r]], r)
-    host = verdicts.cpu().numpy().tobytes()
+    host = _host_bytes(verdicts)
     bad = []
     for r in range(comm.world_size):
         row = host[r * _VERDICT_BYTES:(r + 1) * _VERDICT_BYTES]
