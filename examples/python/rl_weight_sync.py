@@ -164,9 +164,11 @@ def run_rank(role, args):
         sync = lambda check=True: gt.broadcast_coalesced(model, src=0, check=check)  # noqa: E731,E501
     torch.cuda.synchronize(device)
     fixed = free0 - torch.cuda.mem_get_info(device)[0]
+    # On a shared GPU the other ranks allocate at the same time: no figure of this rank's own.
+    taken = ("not measurable (the GPU is shared with the other ranks)" if shared else
+             f"{fixed / 2**20:.0f} MiB")
     say(f"joined the group ({args.door}) on GPU {device.index}"
-        f"{' (shared)' if shared else ''}; device memory taken by creating it: "
-        f"{fixed / 2**20:.0f} MiB")
+        f"{' (shared)' if shared else ''}; device memory taken by creating it: {taken}")
 
     if args.mismatch:
         try:
@@ -222,7 +224,8 @@ def run_rank(role, args):
                         say(f"step {step}, {name}: tensor {k} differs from the trainer's")
                         sys.exit(1)
     say(f"{len(tensors)} tensors, {total / 1e9:.3f} GB, {args.steps} steps, every tensor "
-        f"checked bit for bit{' on this worker' if rank else ' on every worker'}")
+        f"checked bit for bit " + ("on this worker after every sync" if rank else
+                                   "by each worker (see their lines)"))
     for name, ts in times.items():
         s = statistics.median(ts)
         say(f"  {name:<44} {s * 1e3:9.1f} ms/sync  {total / s / 1e9:7.2f} GB/s  peak extra "

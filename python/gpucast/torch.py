@@ -113,8 +113,8 @@ class ProcessGroupGpucast(dist.ProcessGroup):
         # Bound once: the per-call path does no lookups beyond these.
         self._many = communicator.broadcast_many if communicator is not None else None
         self._one = communicator.broadcast if communicator is not None else None
-        self._device = (torch.device("cuda", communicator.device)
-                        if communicator is not None else None)
+        device = communicator.device if communicator is not None else None
+        self._device = torch.device("cuda", device) if isinstance(device, int) else device
         self._store = store
         self._timeout = timeout or datetime.timedelta(seconds=300)
         self._barriers = 0
@@ -251,6 +251,13 @@ def _create(store, rank, size, timeout):
     """The backend's creator: torch's store, this rank's group rank and size, its timeout."""
     with _settings_lock:
         settings = dict(_settings)
+    comm = _communicator(store, rank, size, timeout, settings)
+    return ProcessGroupGpucast(rank, size, comm, store=store, timeout=timeout)
+
+
+def _communicator(store, rank, size, timeout, settings):
+    """This rank's communicator, its ranks meeting through `store` (the CPU tests put a
+    stand-in here, to run torch's side of the backend without a GPU)."""
     if not torch.cuda.is_available():
         from .errors import UnavailableError
 
@@ -266,9 +273,8 @@ def _create(store, rank, size, timeout):
     # error in seconds.
     if "init_timeout" not in settings and timeout is not None:
         settings["init_timeout"] = timeout.total_seconds()
-    comm = Communicator.from_exchange(gather, rank=rank, world_size=size, device=device,
+    return Communicator.from_exchange(gather, rank=rank, world_size=size, device=device,
                                       **settings)
-    return ProcessGroupGpucast(rank, size, comm, store=store, timeout=timeout)
 
 
 def broadcast_coalesced(tensors, src=0, group=None, *, check=False):

@@ -161,3 +161,32 @@ def test_a_differing_state_dict_is_an_error_on_every_rank_naming_the_tensor(othe
         assert isinstance(e, gpucast.ArgumentError)
         msg = str(e)
         assert f"{naming!r}" in msg and detail in msg and "rank 2" in msg, (r, msg)
+
+
+def test_torch_s_own_calls_reach_the_backend_s_group_in_separate_processes():
+    """init_process_group, new_group, broadcast, broadcast_object_list, barrier, the
+    coalescing manager, the layout check and the refusals, through torch 2.x's dispatch, with
+    a stand-in for the GPU communicator (see fake_backend_main.py)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "fake_backend_main.py")],
+                              env=dict(env, RANK_ARG=str(r), WORLD_ARG="2", PORT_ARG=str(port)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, f"rank {r}:\n{err[-4000:]}"
+        assert out.strip().endswith(f"ok rank {r}"), out
