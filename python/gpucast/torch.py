@@ -119,6 +119,8 @@ class ProcessGroupGpucast(dist.ProcessGroup):
         self._timeout = timeout or datetime.timedelta(seconds=300)
         self._barriers = 0
         self._coalescing = None
+        # What a blocking call returns: torch only waits on it, so one serves every call.
+        self._done = _Done([])
 
     # What torch asks of every group.
     def getBackendName(self):
@@ -143,7 +145,7 @@ class ProcessGroupGpucast(dist.ProcessGroup):
             self._one(t, src)
         else:
             self._broadcast_any(tensor_list, src)
-        return _Done(tensor_list)
+        return _Done(tensor_list) if opts is None or opts.asyncOp else self._done
 
     def _broadcast_any(self, tensor_list, src):
         """Tensors on the CPU (``broadcast_object_list``'s) go through the GPU."""
