@@ -303,7 +303,8 @@ impl PyCommunicator {
     /// `StatelessProcessGroup.create`. Rank 0 hosts gpucast's store on `master_addr:master_port`
     /// (on every interface when the address is not one of its host's); every rank proves
     /// `token` (default: `GPUCAST_JOB_TOKEN`, else none, which the store warns about when it
-    /// listens beyond loopback).
+    /// listens beyond loopback). `device` defaults to `local_rank`, which defaults to `rank`
+    /// (with `local_world_size` defaulting to `world_size`: every rank on one host).
     #[new]
     #[pyo3(signature = (*, rank, world_size, master_addr="127.0.0.1", master_port, token=None,
         device=None, local_rank=None, local_world_size=None, shared_devices=false,
