@@ -66,8 +66,15 @@ if want python || want python-bench; then
   shared=$([ "$(nvidia-smi -L | wc -l)" -lt 2 ] && echo --shared)
 fi
 if want python; then
-  run python-tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=100 --durations=0 .gpu/py/tests
+  # The tests (test_groups_gpu.py among them: explicit groups, the torch backend, the
+  # weight-sync example and mismatches, every process on GPU 0).
+  LIMIT=450 run python-tests python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout=200 --durations=0 .gpu/py/tests
   run python-weight-sync python3 -m torch.distributed.run --standalone --nproc-per-node 2 .gpu/py/examples/weight_sync.py $shared --size 256M
+  # A trainer (python) and two workers (torchrun) in one explicit group, then through the torch
+  # backend; the multicast variables above are exported to every process they start.
+  run python-rl-weight-sync python3 .gpu/py/examples/rl_weight_sync.py --workers 2 --size 1G --steps 3
+  run python-rl-weight-sync-torch python3 .gpu/py/examples/rl_weight_sync.py --workers 2 --size 1G --steps 3 --door torch
+  run python-rl-weight-sync-mismatch python3 .gpu/py/examples/rl_weight_sync.py --workers 2 --size 64M --mismatch --timeout 5
 fi
 if want python-bench; then
   run python-bench-clique python3 .gpu/py/bench/broadcast.py --clique "$([ -n "$shared" ] && echo 0,0 || echo 0,1)" -e 64M --out "$out/py-clique"

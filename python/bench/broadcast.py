@@ -5,6 +5,9 @@
     # one process, several GPUs (or ranks sharing GPU 0): gpucast.Clique vs torch
     python python/bench/broadcast.py --clique 0,1 --out results/py
 
+In clique mode the column "gpucast from Rust" makes the same call from Rust in the same
+process (a loop inside the extension), so the Python door's cost is measured in one run.
+
 Timer: CUDA events on the timing rank's current stream around a batch of back-to-back calls,
 each repeat at least --repeat-ms of work, the median and spread of --repeats repeats; the
 columns of one size are measured interleaved, repeat by repeat. Writes broadcast.csv and
@@ -24,6 +27,10 @@ import gpucast
 
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+#: Calls per Python call of the "gpucast from Rust" column.
+RUST_LOOP = 64
 
 
 def sizes(lo, hi, factor):
@@ -139,7 +146,13 @@ def run_clique(args):
         n = size // 4
         x = torch.randn(n, device=f"cuda:{devices[0]}")
         outs = [torch.empty(n, device=f"cuda:{d}") for d in devices]
+        # The same call made from Rust (`Clique::broadcast_with` on the same tensors, wrapped
+        # once, RUST_LOOP calls back to back per Python call): the first two columns' gap is
+        # the cost of the Python door (argument parsing, reading the tensors, the streams,
+        # the GIL, keeping the tensors alive).
         columns = [("gpucast", lambda: clique.broadcast(0, x, outs)),
+                   ("gpucast from Rust",
+                    lambda: clique._rust_loop(0, x, outs, RUST_LOOP)),
                    ("gpucast-p2p", lambda: clique.broadcast(0, x, outs, path="p2p"))]
         if shared:
             # One GPU: torch's own way to fill every output, a copy per rank.
@@ -157,6 +170,7 @@ def run_clique(args):
                 torch.cuda.synchronize(d)
 
         res = measure(columns, args.repeats, args.repeat_ms / 1e3, sync_all, lambda v: v, gpus)
+        res["gpucast from Rust"] = tuple(v / RUST_LOOP for v in res["gpucast from Rust"])
         rows.append((size, res))
         print(size, {k: f"{v[0] * 1e6:.2f}" for k, v in res.items()}, flush=True)
     names = [c for c, _ in columns]

@@ -1,14 +1,22 @@
 """gpucast: broadcast tensors from one GPU to all the others.
 
-Two ways in:
+Three ways in:
 
-* :class:`Communicator` for jobs that run one process per GPU (torchrun, Slurm)::
+* :class:`Communicator` for jobs that run one process per GPU: under torchrun or Slurm
+  (``from_env``), or an explicit group of separately launched programs that agree on an
+  address (a trainer and its inference workers)::
 
       import torch, gpucast
       comm = gpucast.Communicator.from_env()          # under torchrun
+      comm = gpucast.Communicator(rank=r, world_size=n, master_addr="10.0.0.1",
+                                  master_port=29600, token=token, device=0)
       w = torch.empty(1 << 20, device=f"cuda:{comm.device}")
       comm.broadcast(w, src=0)                         # in place, as torch.distributed
       comm.broadcast_many(list(model.state_dict().values()), src=0)   # one fused call
+      gpucast.broadcast_state_dict(comm, model.state_dict(), src=0)   # checked first
+
+* ``import gpucast.torch``: a ``torch.distributed`` backend named ``"gpucast"``
+  (``dist.init_process_group("gpucast")``, ``dist.new_group(ranks, backend="gpucast")``).
 
 * :class:`Clique` for one process that drives several GPUs::
 
@@ -31,16 +39,25 @@ Every wait is bounded (``timeout=``, default 10 s): a peer that never arrives is
 """
 
 from . import errors
-from ._native import MAX_GPUS, Clique, Communicator, describe_tensor, nccl_version
+from ._native import (
+    MAX_GPUS,
+    Clique,
+    Communicator,
+    describe_tensor,
+    nccl_version,
+    random_token,
+)
 from .errors import (
     AbortedError,
     ArgumentError,
     Error,
     LibraryError,
+    MismatchError,
     RendezvousError,
     TimeoutError,
     UnavailableError,
 )
+from .weights import broadcast_state_dict, check_layout
 
 __version__ = "0.1.0"
 
@@ -51,6 +68,9 @@ __all__ = [
     "Communicator",
     "Clique",
     "nccl_version",
+    "random_token",
+    "broadcast_state_dict",
+    "check_layout",
     "describe_tensor",
     "MAX_GPUS",
     "PATHS",
@@ -62,4 +82,5 @@ __all__ = [
     "UnavailableError",
     "LibraryError",
     "RendezvousError",
+    "MismatchError",
 ]

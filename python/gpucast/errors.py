@@ -38,6 +38,12 @@ class RendezvousError(Error):
     """Ranks could not find each other, or a process outside the job was refused."""
 
 
+class MismatchError(ArgumentError):
+    """Ranks hold different tensors for one call (a count, shape or dtype; a state_dict of
+    another model): raised on every rank, the source's too, naming the first tensor that
+    differs (see :func:`gpucast.broadcast_state_dict`)."""
+
+
 __all__ = [
     "Error",
     "ArgumentError",
@@ -46,4 +52,5 @@ __all__ = [
     "UnavailableError",
     "LibraryError",
     "RendezvousError",
+    "MismatchError",
 ]

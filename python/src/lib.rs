@@ -13,14 +13,65 @@ use std::time::Duration;
 use gpucast::cudarc::driver::{sys, CudaContext, CudaStream};
 use gpucast::{
     BroadcastOptions, BroadcastPath, Clique, CliqueBuilder, Communicator, CommunicatorBuilder,
-    DeviceTensor, DeviceTensorMut, Error,
+    DeviceTensor, DeviceTensorMut, Error, ExternalSlice,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use errors::to_py;
 use pending::Pending;
-use tensors::{describe, external, Desc, Where};
+use tensors::{describe_with, external, Desc, StreamMemo, Where};
+
+/// Runs `$body` with `$T` the Rust element type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            gpucast::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            gpucast::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            gpucast::DType::F16 => {
+                type $T = gpucast::half::f16;
+                $body
+            }
+            gpucast::DType::BF16 => {
+                type $T = gpucast::half::bf16;
+                $body
+            }
+            gpucast::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            gpucast::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            gpucast::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            gpucast::DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            gpucast::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            gpucast::DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "element type {other} has no buffer type here"
+            ))),
+        }
+    };
+}
 
 /// The settings both builders take, from Python keyword arguments.
 #[derive(Default)]
@@ -244,21 +295,123 @@ impl PyCommunicator {
             p2p_chain_threshold,
         )?;
         let init_timeout = seconds_arg("init_timeout", init_timeout)?;
-        let mut b: CommunicatorBuilder =
-            apply_settings!(Communicator::builder(), settings).shared_devices(shared_devices);
-        if let Some(d) = device {
-            b = b.device(d);
+        let b = apply_settings!(Communicator::builder(), settings);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
+    }
+
+    /// Joins an explicit group: processes of separate launches that agree on an address, as
+    /// `StatelessProcessGroup.create`. Rank 0 hosts gpucast's store on `master_addr:master_port`
+    /// (on every interface when the address is not one of its host's); every rank proves
+    /// `token` (default: `GPUCAST_JOB_TOKEN`, else none, which the store warns about when it
+    /// listens beyond loopback). `device` defaults to `local_rank`, which defaults to `rank`
+    /// (with `local_world_size` defaulting to `world_size`: every rank on one host).
+    #[new]
+    #[pyo3(signature = (*, rank, world_size, master_addr="127.0.0.1", master_port, token=None,
+        device=None, local_rank=None, local_world_size=None, shared_devices=false,
+        init_timeout=None, path=None, timeout=None, p2p_threshold=None, packet_threshold=None,
+        copy_engine_threshold=None, p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: i64,
+        token: Option<String>,
+        device: Option<usize>,
+        local_rank: Option<usize>,
+        local_world_size: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<f64>,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCommunicator> {
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let init_timeout = seconds_arg("init_timeout", init_timeout)?;
+        let job = explicit_job(
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            token,
+            local_rank,
+            local_world_size,
+        )?;
+        let b = apply_settings!(Communicator::builder(), settings).job(job);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
+    }
+
+    /// Joins a group whose processes meet through the caller's all-gather (a framework's store
+    /// or process group, MPI): `all_gather(bytes) -> list[bytes]` returns every rank's bytes
+    /// in rank order. It is called with the GIL, from the thread that builds the communicator.
+    #[staticmethod]
+    #[pyo3(signature = (all_gather, *, rank, world_size, device=None, shared_devices=false,
+        init_timeout=None, path=None, timeout=None, p2p_threshold=None, packet_threshold=None,
+        copy_engine_threshold=None, p2p_chain_threshold=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_exchange(
+        py: Python<'_>,
+        all_gather: Py<PyAny>,
+        rank: usize,
+        world_size: usize,
+        device: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<f64>,
+        path: Option<&str>,
+        timeout: Option<f64>,
+        p2p_threshold: Option<&Bound<'_, PyAny>>,
+        packet_threshold: Option<&Bound<'_, PyAny>>,
+        copy_engine_threshold: Option<&Bound<'_, PyAny>>,
+        p2p_chain_threshold: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyCommunicator> {
+        if !all_gather.bind(py).is_callable() {
+            return Err(errors::argument(
+                "all_gather must be a callable: bytes -> list of every rank's bytes".into(),
+            ));
         }
-        if let Some(t) = init_timeout {
-            b = b.init_timeout(t);
-        }
-        let _current = KeepCurrent::before_init();
-        let inner = py.detach(|| b.build()).map_err(to_py)?;
-        let pending = Pending::new(vec![inner.stream().clone()]);
-        Ok(PyCommunicator {
-            inner: ManuallyDrop::new(inner),
-            pending: ManuallyDrop::new(pending),
-        })
+        let settings = Settings::from_args(
+            path,
+            timeout,
+            p2p_threshold,
+            packet_threshold,
+            copy_engine_threshold,
+            p2p_chain_threshold,
+        )?;
+        let init_timeout = seconds_arg("init_timeout", init_timeout)?;
+        // The job's rank and size (checked); its address is never used: the exchange is the
+        // caller's.
+        let job = gpucast::rendezvous::JobEnv::single_node(
+            rank,
+            world_size,
+            gpucast::rendezvous::DEFAULT_MASTER_PORT,
+        )
+        .map_err(rendezvous_error)?;
+        let gather = move |mine: &[u8]| -> Result<Vec<Vec<u8>>, String> {
+            Python::attach(|py| {
+                let all = all_gather
+                    .call1(py, (pyo3::types::PyBytes::new(py, mine),))
+                    .map_err(|e| format!("all_gather raised {e}"))?;
+                all.extract::<Vec<Vec<u8>>>(py)
+                    .map_err(|e| format!("all_gather must return a list of bytes ({e})"))
+            })
+        };
+        let exchange = gpucast::rendezvous::FnExchange::new(rank, world_size, gather)
+            .map_err(rendezvous_error)?;
+        let b = apply_settings!(Communicator::builder(), settings)
+            .job(job)
+            .exchange(exchange);
+        PyCommunicator::join(py, b, device, shared_devices, init_timeout)
     }
 
     /// This process's rank in the job.
@@ -312,8 +465,13 @@ impl PyCommunicator {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let one = PyList::new(py, [tensor])?;
-        self.broadcast_many(py, one.as_any(), src, path, stream)
+        // As in `broadcast_many`: a call refused here still takes its number in the call log.
+        let posted = self.inner.calls_posted();
+        let result = self.one_kept(py, tensor, src, path, stream);
+        if result.is_err() && self.inner.calls_posted() == posted {
+            self.inner.post_failed_call();
+        }
+        result
     }
 
     /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
@@ -362,7 +520,109 @@ impl PyCommunicator {
     }
 }
 
+/// A rendezvous error as Python's: a bad rank, size, address or token is the caller's
+/// argument (`ArgumentError`).
+fn rendezvous_error(e: gpucast::rendezvous::RendezvousError) -> PyErr {
+    match e {
+        gpucast::rendezvous::RendezvousError::InvalidArgument { reason } => {
+            errors::argument(reason)
+        }
+        e => to_py(e.into()),
+    }
+}
+
+/// The job of an explicit group (see `Communicator.__init__`).
+fn explicit_job(
+    rank: usize,
+    world_size: usize,
+    master_addr: &str,
+    master_port: i64,
+    token: Option<String>,
+    local_rank: Option<usize>,
+    local_world_size: Option<usize>,
+) -> PyResult<gpucast::rendezvous::JobEnv> {
+    use gpucast::rendezvous::{env_var, JobEnv, TokenSource, JOB_TOKEN_ENV};
+    let bad = rendezvous_error;
+    let master_port = match u16::try_from(master_port) {
+        Ok(p) if p > 0 => p,
+        _ => {
+            return Err(errors::argument(format!(
+                "master_port must be a TCP port in 1..=65535 that every rank agrees on, not \
+                 {master_port}"
+            )))
+        }
+    };
+    let mut job = JobEnv::single_node(rank, world_size, master_port).map_err(bad)?;
+    job.master_addr = master_addr.trim().to_owned();
+    job.local_rank = local_rank.unwrap_or(rank);
+    job.local_world_size = local_world_size.unwrap_or(world_size);
+    // The token: the caller's, else the launcher's in the environment, else none (the store
+    // warns when it listens beyond loopback with a guessable token, as for every job).
+    match token.or_else(|| env_var(JOB_TOKEN_ENV)) {
+        Some(t) => {
+            job.job_token = t;
+            job.token_source = TokenSource::Explicit;
+        }
+        None => job.token_source = TokenSource::Unset,
+    }
+    job.validate().map_err(bad)?;
+    Ok(job)
+}
+
 impl PyCommunicator {
+    /// Builds the communicator of `b` with the settings every constructor takes.
+    fn join(
+        py: Python<'_>,
+        b: CommunicatorBuilder,
+        device: Option<usize>,
+        shared_devices: bool,
+        init_timeout: Option<Duration>,
+    ) -> PyResult<PyCommunicator> {
+        let mut b = b.shared_devices(shared_devices);
+        if let Some(d) = device {
+            b = b.device(d);
+        }
+        if let Some(t) = init_timeout {
+            b = b.init_timeout(t);
+        }
+        let _current = KeepCurrent::before_init();
+        let inner = py.detach(|| b.build()).map_err(to_py)?;
+        let pending = Pending::new(vec![inner.stream().clone()]);
+        Ok(PyCommunicator {
+            inner: ManuallyDrop::new(inner),
+            pending: ManuallyDrop::new(pending),
+        })
+    }
+
+    /// `broadcast` itself: one typed buffer through `Communicator::broadcast_in_place_with`,
+    /// the call a Rust program makes.
+    fn one_kept(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        src: usize,
+        path: Option<&str>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let _current = KeepCurrent::new();
+        check_stream(self.inner.context(), stream)?;
+        let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
+        let desc = describe_with(tensor, at, &mut StreamMemo::default())?;
+        let ctx = self.inner.context().clone();
+        let comm = &self.inner;
+        kept(py, &self.pending, desc, |d| {
+            typed!(d.dtype, T => {
+                // SAFETY: the description is of a live tensor of this rank's device (checked
+                // by `describe_with`), kept alive by `kept` until the call's work has run; the
+                // stream is the tensor's (torch's current stream, or the caller's).
+                let mut buf =
+                    unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(&ctx, d.stream)) }?;
+                comm.broadcast_in_place_with(src, &mut buf, &options)
+            })
+        })
+    }
+
     /// `broadcast_many` itself.
     fn many_kept(
         &self,
@@ -376,9 +636,10 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
+        let mut memo = StreamMemo::default();
         let descs = tensors
             .try_iter()?
-            .map(|t| describe(&t?, at))
+            .map(|t| describe_with(&t?, at, &mut memo))
             .collect::<PyResult<Vec<Desc>>>()?;
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
@@ -627,14 +888,41 @@ impl PyClique {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        self.root(src)?;
+        let options = options(path)?;
+        let root = self.root(src)?;
         self.check_count("outputs", outputs.len())?;
-        let lists = PyList::empty(py);
-        for o in outputs.iter() {
-            lists.append(PyList::new(py, [o])?)?;
-        }
-        let inputs = PyList::new(py, [tensor])?;
-        self.broadcast_many(py, src, &inputs, &lists, path, stream)
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let (input, outs) = self.describe_one(tensor, outputs, root, stream)?;
+        kept(py, &self.pending, (input, outs), |(input, outs)| {
+            // SAFETY: the descriptions are of live tensors of each rank's device (checked by
+            // `describe_with`), kept alive by `kept` until the call's work has run.
+            unsafe { self.single(root, input, outs, &options) }
+        })
+    }
+
+    /// Runs `iters` broadcasts of `tensor` into `outputs` back to back from Rust, as a Rust
+    /// program calls `Clique::broadcast_with` (the buffers wrapped once): the bench's
+    /// reference for the cost of the Python door.
+    #[pyo3(signature = (src, tensor, outputs, iters, *, path=None))]
+    fn _rust_loop(
+        &self,
+        py: Python<'_>,
+        src: usize,
+        tensor: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        iters: usize,
+        path: Option<&str>,
+    ) -> PyResult<()> {
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("outputs", outputs.len())?;
+        let _current = KeepCurrent::new();
+        let (input, outs) = self.describe_one(tensor, outputs, root, None)?;
+        kept(py, &self.pending, (input, outs), |(input, outs)| {
+            // SAFETY: as in `broadcast`.
+            unsafe { self.single_loop(root, input, outs, &options, iters) }
+        })
     }
 
     /// Broadcasts, in place, `tensors[src]` into `tensors[rank]` of every other rank.
@@ -647,11 +935,27 @@ impl PyClique {
         path: Option<&str>,
         stream: Option<u64>,
     ) -> PyResult<()> {
-        let lists = PyList::empty(py);
-        for t in tensors.iter() {
-            lists.append(PyList::new(py, [t])?)?;
-        }
-        self.broadcast_many_in_place(py, src, &lists, path, stream)
+        let options = options(path)?;
+        let root = self.root(src)?;
+        self.check_count("tensors", tensors.len())?;
+        let _current = KeepCurrent::new();
+        self.check_stream(stream)?;
+        let mut memo = StreamMemo::default();
+        let descs = tensors
+            .iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                describe_with(&t, self.at(rank, stream).reading(rank == root), &mut memo)
+            })
+            .collect::<PyResult<Vec<Desc>>>()?;
+        let lists: Vec<Vec<Desc>> = descs.into_iter().map(|d| vec![d]).collect();
+        kept(py, &self.pending, lists, |lists| {
+            // SAFETY: as in `broadcast`.
+            let mut bufs = unsafe { self.buffers(lists) }?;
+            self.inner
+                .broadcast_many_in_place_with(root, &mut lend(&mut bufs), &options)
+                .map(|_| ())
+        })
     }
 
     /// Many tensors out of place in one fused call: `inputs[t]` is tensor `t` on rank `src`'s
@@ -671,11 +975,12 @@ impl PyClique {
         self.check_count("output lists", outputs.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
+        let mut memo = StreamMemo::default();
         let ins = inputs
             .try_iter()?
-            .map(|t| describe(&t?, self.at(root, stream).reading(true)))
+            .map(|t| describe_with(&t?, self.at(root, stream).reading(true), &mut memo))
             .collect::<PyResult<Vec<_>>>()?;
-        let outs = self.describe_lists(outputs, stream, None)?;
+        let outs = self.describe_lists(outputs, stream, None, &mut memo)?;
         kept(py, &self.pending, (ins, outs), |(ins, outs)| {
             // SAFETY: as in `broadcast`.
             let inp = unsafe { self.buffers_of(root, ins) }?;
@@ -704,7 +1009,7 @@ impl PyClique {
         self.check_count("tensor lists", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let lists = self.describe_lists(tensors, stream, Some(root))?;
+        let lists = self.describe_lists(tensors, stream, Some(root), &mut StreamMemo::default())?;
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
             let mut bufs = unsafe { self.buffers(lists) }?;
@@ -736,19 +1041,134 @@ impl PyClique {
 }
 
 impl PyClique {
+    /// The descriptions of one broadcast's input (on rank `root`) and outputs (one per rank).
+    fn describe_one(
+        &self,
+        tensor: &Bound<'_, PyAny>,
+        outputs: &Bound<'_, PyList>,
+        root: usize,
+        stream: Option<u64>,
+    ) -> PyResult<(Desc, Vec<Desc>)> {
+        let mut memo = StreamMemo::default();
+        let input = describe_with(tensor, self.at(root, stream).reading(true), &mut memo)?;
+        let outs = outputs
+            .iter()
+            .enumerate()
+            .map(|(rank, o)| describe_with(&o, self.at(rank, stream), &mut memo))
+            .collect::<PyResult<Vec<Desc>>>()?;
+        Ok((input, outs))
+    }
+
+    /// Typed buffers of one broadcast: rank `root`'s input and every rank's output.
+    ///
+    /// # Safety
+    /// As for [`PyClique::buffers_of`], for the input on rank `root` and `outs[rank]`.
+    unsafe fn typed<T: gpucast::Element>(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+    ) -> gpucast::Result<(ExternalSlice<T>, Vec<ExternalSlice<T>>)> {
+        let slice = |rank: usize, d: &Desc| {
+            let ctx = self.inner.context(rank);
+            // SAFETY: per this function's contract.
+            let s = unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(ctx, d.stream)) }?;
+            if !s.is_plain_allocation() && self.several_gpus {
+                return Err(Error::InvalidArgument(format!(
+                    "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
+                     (PyTorch's expandable_segments or cudaMallocAsync allocator), which the \
+                     clique's other GPUs may not reach: use the default allocator, or a \
+                     Communicator (one process per GPU)"
+                )));
+            }
+            Ok(s)
+        };
+        let i = slice(root, input)?;
+        let o = outs
+            .iter()
+            .enumerate()
+            .map(|(rank, d)| slice(rank, d))
+            .collect::<gpucast::Result<Vec<_>>>()?;
+        Ok((i, o))
+    }
+
+    /// One broadcast of one tensor through `Clique::broadcast_with`, the call a Rust program
+    /// makes (tensors of different types go through the fused call, which names the error).
+    ///
+    /// # Safety
+    /// As for [`PyClique::typed`].
+    unsafe fn single(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+        options: &BroadcastOptions,
+    ) -> gpucast::Result<()> {
+        // SAFETY: per this function's contract.
+        unsafe { self.single_loop(root, input, outs, options, 1) }
+    }
+
+    /// [`PyClique::single`] `iters` times with the same buffers.
+    ///
+    /// # Safety
+    /// As for [`PyClique::typed`].
+    unsafe fn single_loop(
+        &self,
+        root: usize,
+        input: &Desc,
+        outs: &[Desc],
+        options: &BroadcastOptions,
+        iters: usize,
+    ) -> gpucast::Result<()> {
+        if outs.iter().any(|o| o.dtype != input.dtype) {
+            // SAFETY: per this function's contract.
+            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input)) }?;
+            // SAFETY: per this function's contract.
+            let mut out = unsafe { self.buffers_of_each(outs) }?;
+            let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
+            return self
+                .inner
+                .broadcast_many_with(root, &inputs, &mut lend(&mut out), options)
+                .map(|_| ());
+        }
+        typed!(input.dtype, T => {
+            // SAFETY: per this function's contract.
+            let (i, mut o) = unsafe { self.typed::<T>(root, input, outs) }?;
+            for _ in 0..iters {
+                self.inner.broadcast_with(root, &i, &mut o, options)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// One list of one buffer per rank.
+    ///
+    /// # Safety
+    /// As for [`PyClique::buffers_of`], `outs[rank]` being rank `rank`'s.
+    unsafe fn buffers_of_each(&self, outs: &[Desc]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+        outs.iter()
+            .enumerate()
+            // SAFETY: per this function's contract.
+            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d)) })
+            .collect()
+    }
+
     /// Descriptions of `lists[rank][t]`, one list per rank (rank `source`'s only read).
     fn describe_lists(
         &self,
         lists: &Bound<'_, PyList>,
         stream: Option<u64>,
         source: Option<usize>,
+        memo: &mut StreamMemo,
     ) -> PyResult<Vec<Vec<Desc>>> {
         lists
             .iter()
             .enumerate()
             .map(|(rank, list)| {
                 let at = self.at(rank, stream).reading(source == Some(rank));
-                list.try_iter()?.map(|t| describe(&t?, at)).collect()
+                list.try_iter()?
+                    .map(|t| describe_with(&t?, at, memo))
+                    .collect()
             })
             .collect()
     }
@@ -757,6 +1177,13 @@ impl PyClique {
     fn check_stream(&self, stream: Option<u64>) -> PyResult<()> {
         (0..self.devices.len()).try_for_each(|r| check_stream(self.inner.context(r), stream))
     }
+}
+
+/// A fresh job token (64 hex characters from the operating system's random source), for a
+/// launcher to hand every rank of an explicit group.
+#[pyfunction]
+fn random_token() -> PyResult<String> {
+    gpucast::rendezvous::random_token().map_err(|e| to_py(e.into()))
 }
 
 /// NCCL's version as `(major, minor, patch)`.
@@ -770,6 +1197,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCommunicator>()?;
     m.add_class::<PyClique>()?;
     m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(random_token, m)?)?;
     m.add_function(wrap_pyfunction!(tensors::describe_tensor, m)?)?;
     m.add("MAX_GPUS", gpucast::MAX_GPUS)?;
     Ok(())

@@ -190,6 +190,47 @@ fn wrong_device(found: usize, expected: usize) -> PyErr {
     ))
 }
 
+/// torch's current stream of each device, read once per call: a call's tensors are read with
+/// the GIL held, so the current stream cannot change between them.
+#[derive(Default)]
+pub(crate) struct StreamMemo(Vec<(usize, u64)>);
+
+impl StreamMemo {
+    fn torch(&mut self, py: Python<'_>, device: usize) -> PyResult<u64> {
+        if let Some(&(_, s)) = self.0.iter().find(|(d, _)| *d == device) {
+            return Ok(s);
+        }
+        let s = torch_current_stream(py, device)?;
+        self.0.push((device, s));
+        Ok(s)
+    }
+}
+
+/// torch dtype objects already read (torch's dtypes are singletons that live as long as the
+/// interpreter; the cache holds a reference, so no pointer in it is ever reused): saves
+/// formatting `str(dtype)` on every call.
+static TORCH_DTYPES: std::sync::Mutex<Vec<(Py<PyAny>, DType, usize)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The carried type of torch dtype object `dtype`.
+fn torch_dtype_of(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
+    {
+        let cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&(_, d, per)) = cache.iter().find(|(o, _, _)| o.as_ptr() == dtype.as_ptr()) {
+            return Ok((d, per));
+        }
+    }
+    let name = dtype.str()?.to_string();
+    let (d, per) =
+        torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
+    let mut cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+    // torch has a few dozen dtypes; the bound only guards against a producer of fresh ones.
+    if cache.len() < 64 {
+        cache.push((dtype.clone().unbind(), d, per));
+    }
+    Ok((d, per))
+}
+
 /// `torch._C._cuda_getCurrentRawStream`, looked up once.
 fn torch_current_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
     static RAW: OnceLock<Option<Py<PyAny>>> = OnceLock::new();
@@ -220,7 +261,7 @@ fn module_of(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// A torch tensor, read through its own methods (no DLPack capsule per call).
-fn describe_torch(t: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
+fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut StreamMemo) -> PyResult<Desc> {
     let py = t.py();
     if !t.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
         return Err(not_cuda("tensor"));
@@ -238,15 +279,13 @@ fn describe_torch(t: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
                 .to_string(),
         ));
     }
-    let name = t.getattr(intern!(py, "dtype"))?.str()?.to_string();
-    let (dtype, per) =
-        torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
+    let (dtype, per) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?)?;
     let numel: usize = t.call_method0(intern!(py, "numel"))?.extract()?;
     let (len, dtype) = carried_len(numel, per, dtype)?;
     let ptr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
     let stream = match at.stream {
         Some(s) => s,
-        None => torch_current_stream(py, device)?,
+        None => memo.torch(py, device)?,
     };
     Ok(Desc {
         ptr,
@@ -451,13 +490,49 @@ fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
         .extract()
 }
 
+/// Types whose instances were read as torch tensors (`torch.Tensor`, `nn.Parameter`, ...):
+/// a type seen before skips reading `__module__` (a string) and `hasattr`. Holding a
+/// reference keeps each type, and so its address, alive.
+static TORCH_TYPES: std::sync::Mutex<Vec<Py<PyAny>>> = std::sync::Mutex::new(Vec::new());
+
+/// Whether `obj` is read as a torch tensor.
+fn is_torch(obj: &Bound<'_, PyAny>, module: &mut Option<String>) -> PyResult<bool> {
+    let ty = obj.get_type();
+    {
+        let known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
+        if known.iter().any(|t| t.as_ptr() == ty.as_ptr()) {
+            return Ok(true);
+        }
+    }
+    let m = module.insert(module_of(obj));
+    let torch = m.starts_with("torch") && obj.hasattr(intern!(obj.py(), "data_ptr"))?;
+    if torch {
+        let mut known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
+        // A bound for programs that make tensor subclasses on the fly.
+        if known.len() < 32 {
+            known.push(ty.into_any().unbind());
+        }
+    }
+    Ok(torch)
+}
+
 /// Reads a tensor for a call that wants it `at`.
 pub(crate) fn describe(obj: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
+    describe_with(obj, at, &mut StreamMemo::default())
+}
+
+/// [`describe`] for one of a call's tensors, which share `memo`.
+pub(crate) fn describe_with(
+    obj: &Bound<'_, PyAny>,
+    at: Where,
+    memo: &mut StreamMemo,
+) -> PyResult<Desc> {
     let py = obj.py();
-    let module = module_of(obj);
-    if module.starts_with("torch") && obj.hasattr(intern!(py, "data_ptr"))? {
-        return describe_torch(obj, at);
+    let mut module = None;
+    if is_torch(obj, &mut module)? {
+        return describe_torch(obj, at, memo);
     }
+    let module = module.unwrap_or_else(|| module_of(obj));
     if obj.hasattr(intern!(py, "__dlpack__"))? {
         let stream = match at.stream {
             Some(s) => s,

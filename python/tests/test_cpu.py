@@ -312,3 +312,59 @@ def test_hostile_dlpack_capsules_are_refused_without_reading_past_them():
         gpucast.describe_tensor(crafted_capsule(2, [3, 4], strides=[1, 3]))
     with pytest.raises(gpucast.ArgumentError, match="capsule"):
         gpucast.describe_tensor(crafted_capsule(1, [4], name=b"used_dltensor"))
+
+
+def test_an_explicit_group_checks_its_arguments_before_any_device_or_network():
+    c = gpucast.Communicator
+    params = inspect.signature(c).parameters
+    for name in ["rank", "world_size", "master_addr", "master_port", "token", "device",
+                 "shared_devices", "timeout", "init_timeout"]:
+        assert params[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    with pytest.raises(TypeError):
+        c(0, 2, "127.0.0.1", 29500)  # keyword-only
+    with pytest.raises(TypeError):
+        c(rank=0, world_size=2)  # no port
+    with pytest.raises(gpucast.ArgumentError, match="rank 2 is not below the world size 2"):
+        c(rank=2, world_size=2, master_port=29500)
+    with pytest.raises(gpucast.ArgumentError, match="world size 0"):
+        c(rank=0, world_size=0, master_port=29500)
+    for port in [0, -1, 65536]:
+        with pytest.raises(gpucast.ArgumentError, match="master_port"):
+            c(rank=0, world_size=2, master_port=port)
+    with pytest.raises(gpucast.ArgumentError, match="master address is empty"):
+        c(rank=0, world_size=2, master_addr=" ", master_port=29500)
+    with pytest.raises(gpucast.ArgumentError, match="token"):
+        c(rank=0, world_size=2, master_port=29500, token="x" * 100_000)
+    with pytest.raises(gpucast.ArgumentError, match="local rank"):
+        c(rank=1, world_size=2, master_port=29500, local_rank=3, local_world_size=2)
+    with pytest.raises(gpucast.ArgumentError, match="seconds"):
+        c(rank=0, world_size=2, master_port=29500, timeout=0.0)
+    with pytest.raises(gpucast.ArgumentError, match="unknown path"):
+        c(rank=0, world_size=2, master_port=29500, path="warp-drive")
+
+
+def test_a_group_over_a_caller_s_exchange_checks_its_arguments():
+    f = gpucast.Communicator.from_exchange
+    with pytest.raises(gpucast.ArgumentError, match="callable"):
+        f(b"not callable", rank=0, world_size=2)
+    with pytest.raises(gpucast.ArgumentError, match="rank 3 is not below"):
+        f(lambda b: [b], rank=3, world_size=2)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has a GPU driver")
+def test_an_explicit_group_without_a_driver_fails_at_once():
+    out = run_isolated(
+        "import time, gpucast\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    gpucast.Communicator(rank=1, world_size=2, master_port=1, init_timeout=5.0)\n"
+        "except gpucast.Error as e:\n"
+        "    print(type(e).__name__, round(time.monotonic() - t), e)\n",
+        {},
+    )
+    assert out.startswith("LibraryError 0 "), out
+
+
+def test_random_tokens_are_long_and_fresh():
+    a, b = gpucast.random_token(), gpucast.random_token()
+    assert len(a) == 64 and int(a, 16) >= 0 and a != b
