@@ -231,8 +231,11 @@ fn check_stream(ctx: &std::sync::Arc<CudaContext>, stream: Option<u64>) -> PyRes
         return Ok(());
     };
     let mut owner: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver reads the handle and writes the out pointer; a handle that names no
-    // stream is an error return. (The caller promises a live stream: see `stream=`.)
+    // SAFETY: the driver writes the out pointer, a live local. The handle is the Python
+    // caller's: the driver dereferences it, so it must be a live stream of this process, which
+    // `stream=` documents as the caller's promise (as torch does for external streams). A
+    // handle that was never a stream (the default handles are filtered above) fails with an
+    // error return; one of a stream already destroyed cannot be checked here.
     let r = unsafe { sys::cuStreamGetCtx(handle as sys::CUstream, &mut owner) };
     if r != sys::CUresult::CUDA_SUCCESS || owner != ctx.cu_ctx() {
         return Err(errors::argument(format!(
@@ -258,11 +261,14 @@ impl Drop for PyCommunicator {
     /// thread's current CUDA context as it was (both make contexts current).
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
-        // SAFETY: each field is dropped once, here, and never used after.
-        unsafe {
-            ManuallyDrop::drop(&mut self.inner);
-            ManuallyDrop::drop(&mut self.pending);
-        }
+        // SAFETY: each field is taken or dropped once, here, and never used after.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
+        // the GIL, so that the process's other Python threads run meanwhile.
+        Python::attach(|py| py.detach(move || drop(inner)));
+        // SAFETY: as above; the tensors of finished calls are Python objects, dropped with the
+        // GIL held.
+        unsafe { ManuallyDrop::drop(&mut self.pending) };
     }
 }
 
@@ -675,11 +681,14 @@ impl Drop for PyClique {
     /// As for `PyCommunicator`.
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
-        // SAFETY: each field is dropped once, here, and never used after.
-        unsafe {
-            ManuallyDrop::drop(&mut self.inner);
-            ManuallyDrop::drop(&mut self.pending);
-        }
+        // SAFETY: each field is taken or dropped once, here, and never used after.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
+        // the GIL, so that the process's other Python threads run meanwhile.
+        Python::attach(|py| py.detach(move || drop(inner)));
+        // SAFETY: as above; the tensors of finished calls are Python objects, dropped with the
+        // GIL held.
+        unsafe { ManuallyDrop::drop(&mut self.pending) };
     }
 }
 
