@@ -1,4 +1,4 @@
-//! The promises of README's "Ordering", "Threads" and "Failure model", each tried where it
+//! The promises of the crate docs' "Ordering", "Threads" and "Failure model", each tried where it
 //! was once broken: work on the context's default and per-thread streams right after a call;
 //! threads sharing a clique whose ranks share a GPU; allocations and calls inside a capture
 //! closure; two captures swapped; a late reader after its root gave up; a recovery beside a

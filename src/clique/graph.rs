@@ -123,7 +123,7 @@ impl<'c, 'buf> Capture<'c, 'buf> {
     /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
     /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
     /// fail. Where ranks share a device, each P2P broadcast ends a part of the graph and the
-    /// next part begins (see README, "Threads"): work forked from this stream onto another
+    /// next part begins (see the crate docs, "Threads"): work forked from this stream onto another
     /// must be joined back before the next broadcast, and an event recorded here before a
     /// broadcast cannot be waited for here after it.
     ///
@@ -278,7 +278,7 @@ impl<'c> UncheckedCapture<'c> {
     /// here must follow CUDA's capture rules: an allocation becomes the graph's own (valid
     /// only inside it), and cudarc's per-buffer waits on events recorded outside the capture
     /// fail. Where ranks share a device, each P2P broadcast ends a part of the graph and the
-    /// next part begins (see README, "Threads"): work forked from this stream onto another
+    /// next part begins (see the crate docs, "Threads"): work forked from this stream onto another
     /// must be joined back before the next broadcast, and an event recorded here before a
     /// broadcast cannot be waited for here after it.
     pub fn stream(&self, local: usize) -> &'c Arc<CudaStream> {

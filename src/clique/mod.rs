@@ -109,7 +109,7 @@ impl CliqueBuilder {
     /// and the copy engines work between ranks of one device, NCCL does not (it needs one
     /// device per rank), so the NCCL path is off in such a clique ([`Error::NcclUnavailable`])
     /// and `Auto` never takes it. Neither do the copy engines run inside a graph there
-    /// ([`Error::CopyEngineUnavailable`]; README, "Threads"). Ranks of one device share its
+    /// ([`Error::CopyEngineUnavailable`]; crate docs, "Threads"). Ranks of one device share its
     /// bandwidth: do not benchmark it.
     pub fn shared_devices(mut self, on: bool) -> Self {
         self.shared_devices = on;

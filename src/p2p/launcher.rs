@@ -1,7 +1,8 @@
 //! Kernel launches on several GPUs at once: one worker thread per GPU after the first.
 //!
-//! A kernel launch costs 3.5-4 us of host time in the VMs we measured on, so launching the P2P
-//! kernel on N GPUs from one thread costs N launches back to back, which is most of an eager
+//! A kernel launch costs microseconds of host time (the launch floor of the benchmark's
+//! `launch-floor` column), so launching the P2P kernel on N GPUs from one thread costs N
+//! launches back to back, which is most of an eager
 //! broadcast of a small tensor. Each worker keeps its GPU's context current and launches the
 //! job the calling thread hands it, while the calling thread launches on the first GPU, so the
 //! launches overlap. A call returns only when every launch has been enqueued (or cancelled), so
