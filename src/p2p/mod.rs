@@ -386,11 +386,13 @@ impl P2p {
         Ok(())
     }
 
-    /// Leaks this P2P state (signal areas, shared mappings, error slots, launch threads) after a
-    /// reset that did not finish: a memset may still write the areas, so they are never freed
-    /// or reused.
-    pub(crate) fn abandon(self) {
+    /// Leaks this P2P state (signal areas, shared mappings, error slots, contexts) after a reset
+    /// that did not finish: a memset may still write the areas, so they are never freed or
+    /// reused. The launch threads end (within the launcher's park interval, 50 ms): no launch
+    /// is in flight, since every launch borrows this state.
+    pub(crate) fn abandon(mut self) {
         tracing::warn!("a reset of the P2P signal areas did not finish: they are leaked");
+        drop(self.launcher.take());
         std::mem::forget(self);
     }
 
@@ -811,6 +813,29 @@ impl Drop for P2p {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An abandoned state leaks its memory but not its launch threads: they end.
+    #[test]
+    fn abandoning_the_state_ends_its_launch_threads() {
+        let name = "gl-abandon-test";
+        let p2p = P2p {
+            ranks: Vec::new(),
+            global: vec![0, 1, 2],
+            nranks: 3,
+            // Never freed: `abandon` forgets the state.
+            errors: HostSlots(std::ptr::null_mut()),
+            signals: [0; MAX_GPUS],
+            staging: None,
+            timeout_ns: 0,
+            launcher: Some(launcher::tests::idle_launcher(name, 2)),
+            parallel: true,
+            handoff_limit: Duration::ZERO,
+        };
+        let started = launcher::tests::threads_named(name, 2);
+        p2p.abandon();
+        assert_eq!(started, 2);
+        assert_eq!(launcher::tests::threads_named(name, 0), 0);
+    }
 
     #[test]
     fn timeout_records_decode() {
