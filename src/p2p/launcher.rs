@@ -312,6 +312,7 @@ pub(crate) mod tests {
                 signal: [0; crate::config::MAX_GPUS],
                 error_slot: 0,
                 timeout_ns: 0,
+                lease_ns: 0,
                 rank: 0,
                 nranks: 0,
                 root: 0,

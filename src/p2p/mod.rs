@@ -404,6 +404,7 @@ impl P2p {
             signal: self.signals,
             error_slot: 0,
             timeout_ns: self.timeout_ns,
+            lease_ns: abi::lease_bound_ns(self.timeout_ns, bytes as u64),
             rank: 0,
             nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
@@ -450,8 +451,12 @@ impl P2p {
                         .map_err(Error::cuda("binding a context"))?;
                     // SAFETY: `src + off` holds `len` bytes (contract) and the staging buffer
                     // at least `chunk_max`; queued on the root's stream (live, of the context
-                    // made current just above: contract) before its kernel, and the previous
-                    // chunk's kernel, which waits for every peer, precedes it.
+                    // made current just above: contract) before its kernel. The previous
+                    // chunk's (or call's) kernel precedes it there, and it ends only once every
+                    // peer has read the staging buffer, or will never read it, or (a peer that
+                    // claimed it and outlasted `abi::lease_bound_ns`) has its op expired: that
+                    // peer may then read this copy's bytes, but the staging buffer stays mapped
+                    // as long as this state, and the peer reports an error instead of success.
                     unsafe {
                         crate::driver::memory::copy_dtod_async(
                             staged,
@@ -640,6 +645,7 @@ impl P2p {
             signal: self.signals,
             error_slot: 0,
             timeout_ns: self.timeout_ns,
+            lease_ns: abi::lease_bound_ns(self.timeout_ns, total as u64),
             rank: 0,
             nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
@@ -775,8 +781,15 @@ pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error
         4 => "root waiting for peers to finish reading",
         5 => "waiting for the predecessor's piece in the chain",
         6 => "waiting for the successor in the chain to finish reading",
-        7 => "waiting for a late reader to let go of this rank's buffer",
+        7 => {
+            "waiting for a reader that claimed this rank's buffer to let go of it, past the \
+              bound of its copy (that reader reports an error, not its data)"
+        }
         8 => "arrived after the rank it reads from had given up: nothing was read",
+        9 => {
+            "the rank it read from stopped waiting for it while it read: its data may be \
+              wrong, so it is not reported as success"
+        }
         _ => "unknown wait",
     };
     Error::Timeout {
@@ -853,6 +866,19 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+        // Every phase the kernel reports has a name.
+        for phase in 1..=9u64 {
+            let e = decode_timeout(0, (1u64 << 56) | (phase << 48) | 7, 1_000_000);
+            assert!(
+                !e.to_string().contains("unknown wait"),
+                "phase {phase}: {e}"
+            );
+        }
+        let expired = decode_timeout(0, (1u64 << 56) | (9u64 << 48) | 7, 1_000_000);
+        assert!(
+            expired.to_string().contains("not reported as success"),
+            "{expired}"
+        );
     }
 
     /// Memory the driver exports (a POSIX descriptor of `cuMemCreate` memory) passes the
