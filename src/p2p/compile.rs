@@ -140,7 +140,8 @@ mod tests {
             assert!(ptx.contains("st.release.sys.global.u32"));
             assert!(ptx.contains("st.volatile.global.v4.u32"));
             assert!(ptx.contains("%globaltimer"));
-            // A reader's end of a lease is ordered after its reads.
+            // Long waits back off; a reader's end of a lease is ordered after its reads.
+            assert!(ptx.contains("nanosleep"), "no back-off in the waits");
             assert!(ptx.contains("fence.sc.sys"));
             assert!(ptx.contains("st.relaxed.sys.global.u32"));
             // 16-byte vector loads in the pull body.

@@ -80,6 +80,26 @@ struct Bound {
     u64 lease_ns;
 };
 
+// Polls that find nothing before a waiting thread starts to pause between polls.
+#define SPIN_POLLS 1024u
+// Longest pause between two polls of a long wait.
+#define PAUSE_MAX_NS 1024u
+
+// Backs off a poll loop: nothing for the first SPIN_POLLS polls (a short wait costs no more
+// than before), then pauses that double up to PAUSE_MAX_NS, so that threads of a long wait
+// (a peer held back, or a context time-sliced off the GPU) stop loading the memory system the
+// other rank's work needs. `polls` counts this thread's polls so far.
+__device__ __forceinline__ void back_off(u32& polls) {
+    polls++;
+#if __CUDA_ARCH__ >= 700
+    if (polls > SPIN_POLLS) {
+        u32 shift = (polls - SPIN_POLLS) / 64u;
+        u32 ns = shift >= 5u ? PAUSE_MAX_NS : (32u << shift);
+        __nanosleep(ns);
+    }
+#endif
+}
+
 __device__ void report_timeout(const Bound& p, u32 phase, u32 seq) {
     volatile u64* slot = (volatile u64*)p.error_slot;
     u64 record = (1ull << 56) | ((u64)phase << 48) | ((u64)(blockIdx.x & 0xffff) << 32) | seq;
@@ -87,16 +107,20 @@ __device__ void report_timeout(const Bound& p, u32 phase, u32 seq) {
 }
 
 // Polls until *flag reaches target: 0 when it did, 1 after `timeout_ns`, 2 when another thread
-// of the block gave up first.
+// of the block gave up first. The flag is read once more after the time ran out: a thread
+// descheduled between its last poll and its look at the clock (two contexts time-slicing one
+// GPU) does not report a flag that arrived meanwhile as a timeout.
 __device__ int poll_flag(const u32* flag, u32 target, u64 timeout_ns, volatile int* abort) {
     if (reached(ld_acquire(flag), target)) return 0;
     const u64 start = now_ns();
+    u32 polls = 0;
     while (true) {
         for (int i = 0; i < 32; i++) {
             if (reached(ld_acquire(flag), target)) return 0;
         }
         if (*abort) return 2;
-        if (now_ns() - start > timeout_ns) return 1;
+        if (now_ns() - start > timeout_ns) return reached(ld_acquire(flag), target) ? 0 : 1;
+        back_off(polls);
     }
 }
 
@@ -220,6 +244,7 @@ __device__ bool lease_settle(u64* lease, u32 owner, u64 op, const u32* done, u32
     fence_sc();
     if (ld_relaxed64(lease + LEASE_CLAIM) == op) {
         const u64 start = now_ns();
+        u32 polls = 0;
         while (ld_acquire64(lease + LEASE_RELEASE) < op && !reached(ld_acquire(done), target)) {
             if (now_ns() - start > p.lease_ns && ld_acquire64(lease + LEASE_RELEASE) < op &&
                 !reached(ld_acquire(done), target)) {
@@ -228,6 +253,7 @@ __device__ bool lease_settle(u64* lease, u32 owner, u64 op, const u32* done, u32
                 report_timeout(p, PHASE_LEASE, seq);
                 return false;
             }
+            back_off(polls);
         }
     }
     return reached(ld_acquire(done), target);
@@ -353,18 +379,25 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
             if (!(a.y == seq && a.w == seq && c.y == seq && c.w == seq)) {
                 u64 start = now_ns();
                 u32 spins = 0;
-                        while (true) {
+                u32 polls = 0;
+                while (true) {
                     a = ld_volatile_v4(w);
                     c = ld_volatile_v4(w + 4);
                     if (a.y == seq && a.w == seq && c.y == seq && c.w == seq) break;
                     if ((++spins & 31) == 0) {
                         if (abort_flag) break;
                         if (now_ns() - start > p.timeout_ns) {
+                            // Once more after the clock: this thread may have been descheduled
+                            // (a time-sliced context) between its poll and the clock.
+                            a = ld_volatile_v4(w);
+                            c = ld_volatile_v4(w + 4);
+                            if (a.y == seq && a.w == seq && c.y == seq && c.w == seq) break;
                             report_timeout(bound, PHASE_PACKET_DATA, seq);
                             abort_flag = 1;
                             break;
                         }
-                                }
+                        back_off(polls);
+                    }
                 }
                 if (abort_flag) break;
             }
