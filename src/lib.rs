@@ -154,7 +154,11 @@
 //! off in such a clique, and so are the copy engines inside a graph.
 //! `Communicator::builder().shared_devices(true).device(0)` on every rank does the same for a
 //! job of several processes (the rendezvous, the descriptor exchange and the P2P kernel over
-//! shared memory run as with a GPU each; NCCL is off).
+//! shared memory run as with a GPU each; NCCL is off). Both check protocols, faults and every
+//! byte, not speed: copies between ranks of one GPU are device-local, and processes on one GPU
+//! time-slice it, so a P2P kernel waiting for another process holds the GPU for its slice (a
+//! small broadcast then takes about a millisecond) and a timeout shorter than a few slices
+//! fails calls that separate GPUs would complete.
 //!
 //! ## Ordering
 //!
@@ -262,10 +266,13 @@
 //!   intact, and every buffer may still be dropped (the buffer contract holds). A P2P rank whose
 //!   buffer others read (the root of a pull, each link of a chain) ends its kernel only once no
 //!   reader will touch that buffer again: each reader holds a lease on it, claimed before its
-//!   first read and given back after its last, and an owner that gave up cancels the lease (or
-//!   waits, bounded, for the reader holding it). A reader that arrives after its owner gave up
-//!   reads nothing and reports `Error::Timeout` ("arrived after the rank it reads from had given
-//!   up").
+//!   first read and given back after its last, and an owner that gave up waiting cancels the
+//!   lease. A reader that arrives after that reads nothing and reports `Error::Timeout`
+//!   ("arrived after the rank it reads from had given up"); one that had claimed the buffer is
+//!   waited for until it lets go, and the call succeeds if it finished (the timeout bounds how
+//!   long a peer takes to show up, not its copy). That wait is bounded too: the timeout plus
+//!   half a second plus the message at 4 GB/s. A reader that outlasts it (a GPU that does not
+//!   run it) reports an error, never success, since its owner's stream has moved on.
 //! - `Clique::recover()` makes the clique whole in the same process: it waits for the streams,
 //!   resets the P2P signal areas and the copy-engine flags, and creates new NCCL communicators if
 //!   they were aborted. Broadcasts after it are as on a new clique (the fault suite checks them bit

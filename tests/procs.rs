@@ -106,15 +106,20 @@ fn child() {
         return;
     };
     let seed: u64 = std::env::var("PROCS_SEED").unwrap().parse().unwrap();
-    let comm = if shared_gpu() {
-        Communicator::builder()
-            .shared_devices(true)
-            .device(0)
-            .build()
-    } else {
-        Communicator::from_env()
+    let mut builder = Communicator::builder();
+    if shared_gpu() {
+        builder = builder.shared_devices(true).device(0);
     }
-    .unwrap_or_else(|e| panic!("joining the job: {e}"));
+    // A timeout finer than GPUCAST_TIMEOUT_MS's milliseconds.
+    if let Some(us) = std::env::var("PROCS_TIMEOUT_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        builder = builder.timeout(Duration::from_micros(us));
+    }
+    let comm = builder
+        .build()
+        .unwrap_or_else(|e| panic!("joining the job: {e}"));
     if shared_gpu() {
         // NCCL is off: a forced NCCL call says so, and the cases below leave NCCL out.
         let mut b = comm.alloc::<u8>(16).unwrap();
@@ -147,6 +152,11 @@ fn child() {
             mismatch(&comm);
             return;
         }
+        "late_reader" => {
+            late_reader(comm, seed);
+            return;
+        }
+        "alternating" => alternating(&comm, seed),
         other => panic!("unknown case {other}"),
     }
     comm.synchronize().unwrap();
@@ -457,6 +467,130 @@ fn nodes(comm: &Communicator, seed: u64) {
     ));
 }
 
+/// Bytes of each call of the `late_reader` case: one chunk of the root's 32 MiB staging
+/// buffer, so that each call is one kernel.
+const LATE_BYTES: usize = (32 << 20) - 5;
+
+/// A late reader across processes. The root queues P2P broadcasts of three alternating
+/// messages back to back (it waits for its stream every 16 calls only), so each call's copy
+/// into its staging buffer follows the previous call's kernel at once; the peer waits for each
+/// call and checks it. With a timeout (`PROCS_TIMEOUT_US`) short enough for the root's wait to
+/// end while the peer still copies (two processes time-slice one GPU), the peer must get the
+/// message bit for bit or an error, never success with another message's bytes. Each rank
+/// stops at its first error (the P2P path then closes) or after `PROCS_CALLS` calls.
+fn late_reader(comm: Communicator, seed: u64) {
+    let me = comm.rank();
+    let s = comm.stream();
+    let calls: usize = std::env::var("PROCS_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let messages: Vec<Vec<u8>> = (0..3)
+        .map(|k| shared_data(LATE_BYTES, seed ^ (k + 1)))
+        .collect();
+    let inputs: Vec<CudaSlice<u8>> = if me == 0 {
+        messages.iter().map(|m| s.clone_htod(m).unwrap()).collect()
+    } else {
+        Vec::new()
+    };
+    let mut out = poison::<u8>(s, LATE_BYTES, me);
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+    let mut checked = 0;
+    let mut first_error = None;
+    for i in 0..calls {
+        let r = if me == 0 {
+            comm.broadcast_with(0, Some(&inputs[i % 3]), &mut out, &p2p)
+                .and_then(|()| {
+                    if i % 16 == 15 {
+                        comm.synchronize()
+                    } else {
+                        Ok(())
+                    }
+                })
+        } else {
+            s.memset_zeros(&mut out).unwrap();
+            comm.broadcast_with(0, None::<&CudaSlice<u8>>, &mut out, &p2p)
+                .and_then(|()| comm.synchronize())
+        };
+        if let Err(e) = r {
+            first_error = Some(format!("call {i}: {e}"));
+            break;
+        }
+        if me != 0 {
+            let got: Vec<u8> = s.clone_dtoh(&out).unwrap();
+            let differ = got
+                .iter()
+                .zip(&messages[i % 3])
+                .filter(|(a, b)| a != b)
+                .count();
+            assert_eq!(
+                differ, 0,
+                "rank {me} call {i}: success with {differ} of {LATE_BYTES} bytes wrong"
+            );
+            checked += 1;
+        }
+    }
+    if first_error.is_none() {
+        if let Err(e) = comm.synchronize() {
+            first_error = Some(format!("at the end: {e}"));
+        }
+    }
+    println!(
+        "RANK {me} late_reader: {checked} calls checked bit for bit, first error: {first_error:?}"
+    );
+    drop(out);
+    drop(inputs);
+    drop(comm);
+}
+
+/// Back-to-back small broadcasts from rank 0, as a benchmark makes them: for 1 KiB then 8 KiB,
+/// `Auto` then forced P2P, 500 warm-up calls and a loop of 2000, each ended by a synchronize;
+/// `PROCS_ROUNDS` times (default 4: 40,000 calls, past 2^15 packet ops on block 0). Every call
+/// must succeed and the last of each loop deliver the root's data. Prints the time per call.
+fn alternating(comm: &Communicator, seed: u64) {
+    let me = comm.rank();
+    let s = comm.stream();
+    let rounds: u64 = std::env::var("PROCS_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let mut total = 0u64;
+    for round in 0..rounds {
+        for n in [1usize << 10, 8 << 10] {
+            for path in [BroadcastPath::Auto, BroadcastPath::P2p] {
+                let data: Vec<u8> = shared_data(n, seed ^ total);
+                let input = (me == 0).then(|| s.clone_htod(&data).unwrap());
+                let mut out = poison::<u8>(s, n, me);
+                let opts = BroadcastOptions::path(path);
+                for (phase, calls) in [("warm-up", 500), ("loop", 2000)] {
+                    let t0 = Instant::now();
+                    for _ in 0..calls {
+                        comm.broadcast_with(0, input.as_ref(), &mut out, &opts)
+                            .unwrap_or_else(|e| {
+                                panic!("rank {me} call {total} ({n} B, {path:?}): {e}")
+                            });
+                        total += 1;
+                    }
+                    comm.synchronize().unwrap_or_else(|e| {
+                        panic!("rank {me} after call {total} ({n} B, {path:?} {phase}): {e}")
+                    });
+                    println!(
+                        "RANK {me} round {round} {n} B {path:?} {phase}: {:.1} us per call, \
+                         {total} calls so far",
+                        t0.elapsed().as_secs_f64() * 1e6 / calls as f64
+                    );
+                }
+                assert_bytes_eq(
+                    s,
+                    &out,
+                    &data,
+                    &format!("rank {me} round {round} {n} B {path:?}"),
+                );
+            }
+        }
+    }
+}
+
 /// Why NCCL between two processes of one host needs two GPUs.
 const ONE_GPU_PER_PROCESS: &str =
     "two processes of one host on one GPU cannot form an NCCL communicator";
@@ -638,6 +772,33 @@ fn ranks_that_disagree_on_a_call_all_get_a_mismatch_error() {
         vars.push(("GPUCAST_TIMEOUT_MS".into(), "2000".into()));
         vars
     });
+}
+
+/// Two processes on GPU 0 (or a GPU each), a timeout of 500 us and messages of one staging
+/// chunk: a peer never reports success with bytes of another call (see `late_reader`).
+/// `PROCS_LATE_ROUNDS` pairs of processes (default 3).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_processes_a_late_reader_never_succeeds_with_wrong_data() {
+    let rounds: usize = std::env::var("PROCS_LATE_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    for _ in 0..rounds {
+        run_ranks("late_reader", Duration::from_secs(120), |rank| {
+            let mut vars = host_env(rank);
+            vars.push(("PROCS_TIMEOUT_US".into(), "500".into()));
+            vars
+        });
+    }
+}
+
+/// Two processes sharing GPU 0 (or a GPU each) alternate 1 KiB and 8 KiB broadcasts, `Auto`
+/// and P2P, 40,000 calls with the default timeout: every call succeeds (see `alternating`).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_processes_alternate_small_sizes_forty_thousand_times() {
+    run_ranks("alternating", Duration::from_secs(420), host_env);
 }
 
 #[test]

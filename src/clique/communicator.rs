@@ -82,6 +82,14 @@ impl CommunicatorBuilder {
     /// over shared memory, its faults) with fewer GPUs. NCCL needs one GPU per rank, so the
     /// NCCL path is off in such a job ([`Error::NcclUnavailable`]) and `Auto` never takes it;
     /// ranks of one GPU share its bandwidth: do not benchmark it.
+    ///
+    /// What such a job can and cannot show: it runs every protocol and checks every byte, but
+    /// processes on one GPU time-slice it (the GPU runs one process's kernels at a time and
+    /// switches every millisecond or so), so a P2P kernel waiting for another process's kernel
+    /// keeps the GPU until its slice ends. A small broadcast then takes about a millisecond
+    /// (ranks of one process on one GPU: microseconds), and copies are device-local: no timing
+    /// of such a job says anything about links, NCCL or separate GPUs. A timeout shorter than
+    /// a few time slices fails calls that would succeed on separate GPUs.
     pub fn shared_devices(mut self, on: bool) -> Self {
         self.shared_devices = on;
         self

@@ -110,7 +110,11 @@ impl CliqueBuilder {
     /// device per rank), so the NCCL path is off in such a clique ([`Error::NcclUnavailable`])
     /// and `Auto` never takes it. Neither do the copy engines run inside a graph there
     /// ([`Error::CopyEngineUnavailable`]; crate docs, "Threads"). Ranks of one device share its
-    /// bandwidth: do not benchmark it.
+    /// bandwidth: do not benchmark it. Their copies are device-local and their kernels run
+    /// side by side in one context, so such a clique shows the protocols, their waits and
+    /// faults, and every byte, but no link speed: a timing from it is not one of separate GPUs.
+    /// (Separate processes on one GPU time-slice it instead: see
+    /// [`CommunicatorBuilder::shared_devices`].)
     pub fn shared_devices(mut self, on: bool) -> Self {
         self.shared_devices = on;
         self

@@ -42,6 +42,8 @@ pub(crate) struct Params {
     pub signal: [u64; MAX_GPUS],
     pub error_slot: u64,
     pub timeout_ns: u64,
+    /// How long an owner waits for a reader that claimed its buffer ([`lease_bound_ns`]).
+    pub lease_ns: u64,
     pub rank: u32,
     pub nranks: u32,
     pub root: u32,
@@ -75,6 +77,8 @@ pub(crate) struct ListParams {
     pub signal: [u64; MAX_GPUS],
     pub error_slot: u64,
     pub timeout_ns: u64,
+    /// As in [`Params`], for the whole list.
+    pub lease_ns: u64,
     pub rank: u32,
     pub nranks: u32,
     pub root: u32,
@@ -109,6 +113,7 @@ pub(crate) const STRUCTS: [StructAbi; 3] = [
             ("signal", "u64", MAX_GPUS, offset_of!(Params, signal)),
             ("error_slot", "u64", 1, offset_of!(Params, error_slot)),
             ("timeout_ns", "u64", 1, offset_of!(Params, timeout_ns)),
+            ("lease_ns", "u64", 1, offset_of!(Params, lease_ns)),
             ("rank", "u32", 1, offset_of!(Params, rank)),
             ("nranks", "u32", 1, offset_of!(Params, nranks)),
             ("root", "u32", 1, offset_of!(Params, root)),
@@ -136,6 +141,7 @@ pub(crate) const STRUCTS: [StructAbi; 3] = [
             ("signal", "u64", MAX_GPUS, offset_of!(ListParams, signal)),
             ("error_slot", "u64", 1, offset_of!(ListParams, error_slot)),
             ("timeout_ns", "u64", 1, offset_of!(ListParams, timeout_ns)),
+            ("lease_ns", "u64", 1, offset_of!(ListParams, lease_ns)),
             ("rank", "u32", 1, offset_of!(ListParams, rank)),
             ("nranks", "u32", 1, offset_of!(ListParams, nranks)),
             ("root", "u32", 1, offset_of!(ListParams, root)),
@@ -192,12 +198,14 @@ pub(crate) mod layout {
     /// `[block][succ]`: pieces the successor `succ` has finished reading (written by `succ`).
     pub const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
     /// Words of one block's lease: claim, release and op count, then one cancel per owner,
-    /// 64-bit each.
-    pub const LEASE_WORDS: usize = 2 * (3 + MAX_GPUS);
+    /// then one expiry per owner, 64-bit each.
+    pub const LEASE_WORDS: usize = 2 * (3 + 2 * MAX_GPUS);
     /// `[block][LEASE_WORDS]`, 8-byte aligned: this GPU's lease on the root's buffer in a pull
     /// op: the op it claimed (before its first read) and released (after its last), its count
-    /// of pull ops, and per root the last op that root gave up on (written by the root). See
-    /// the kernel's "Leases": a late reader never touches a buffer whose owner's call has ended.
+    /// of pull ops, per root the last op that root gave up waiting for (written by the root),
+    /// and per root the last op that root stopped waiting for this reader's release on (written
+    /// by the root, after [`super::lease_bound_ns`]). See the kernel's "Leases": an owner's
+    /// kernel does not end while a reader that claimed its buffer reads it, within that bound.
     pub const PULL_LEASE: usize = (CHAIN_DONE + B * MAX_GPUS).next_multiple_of(2);
     /// `[block][LEASE_WORDS]`: the same lease on the predecessor's buffer in a chain op.
     pub const CHAIN_LEASE: usize = PULL_LEASE + LEASE_WORDS * B;
@@ -213,7 +221,7 @@ pub(crate) mod layout {
 }
 
 /// The `#define`s the kernel source needs, from the constants above.
-pub(crate) fn defines() -> [(&'static str, usize); 16] {
+pub(crate) fn defines() -> [(&'static str, usize); 17] {
     [
         ("GPUCAST_MAX_GPUS", MAX_GPUS),
         ("GPUCAST_THREADS", THREADS as usize),
@@ -229,9 +237,31 @@ pub(crate) fn defines() -> [(&'static str, usize); 16] {
         ("GPUCAST_CHAIN_DONE", layout::CHAIN_DONE),
         ("GPUCAST_PULL_LEASE", layout::PULL_LEASE),
         ("GPUCAST_CHAIN_LEASE", layout::CHAIN_LEASE),
+        ("GPUCAST_LEASE_WORDS", layout::LEASE_WORDS),
         ("GPUCAST_INBOX_OFFSET", layout::INBOX_OFFSET),
         ("GPUCAST_LIST_MAX", LIST_MAX),
     ]
+}
+
+/// Part of [`lease_bound_ns`] that does not depend on the message.
+pub(crate) const LEASE_GRACE_NS: u64 = 500_000_000;
+/// Slowest copy [`lease_bound_ns`] allows a reader, in bytes per nanosecond (4 GB/s: a few
+/// times below a PCIe peer read, a hundred times below NVLink or a device-local copy).
+pub(crate) const LEASE_BYTES_PER_NS: u64 = 4;
+
+/// The longest an owner (the root of a pull, a rank of a chain) waits, after its own wait for
+/// a reader ran into `timeout_ns`, for that reader to let go of its buffer once the reader has
+/// claimed it. A reader that has claimed only copies (a chain reader may also wait up to the
+/// timeout for each piece its predecessor forwards), so its remaining work is bounded by its
+/// share of the `bytes` of the launch: the timeout, plus [`LEASE_GRACE_NS`], plus the message
+/// at [`LEASE_BYTES_PER_NS`]. Saturates: a timeout of `u64::MAX` stays `u64::MAX`.
+///
+/// A P2P kernel therefore waits at most `timeout_ns + lease_bound_ns(timeout_ns, bytes)`: for
+/// messages of up to 2 GB within twice the timeout plus one second.
+pub(crate) fn lease_bound_ns(timeout_ns: u64, bytes: u64) -> u64 {
+    timeout_ns
+        .saturating_add(LEASE_GRACE_NS)
+        .saturating_add(bytes / LEASE_BYTES_PER_NS)
 }
 
 /// Grid of one P2P launch. Identical on every GPU: it depends on the size alone.
@@ -402,6 +432,26 @@ mod tests {
                 "{}",
                 s.name
             );
+        }
+    }
+
+    /// The owner's wait for a claimed reader covers the timeout and the reader's copy at the
+    /// slowest rate allowed, never wraps, and keeps a kernel's whole wait (the timeout, then
+    /// this) within what the engine's drains allow for messages up to 2 GB.
+    #[test]
+    fn lease_bound_covers_the_copy_and_saturates() {
+        let ms = 1_000_000u64;
+        assert_eq!(lease_bound_ns(200_000, 0), 200_000 + LEASE_GRACE_NS);
+        assert_eq!(
+            lease_bound_ns(10_000 * ms, 1 << 30),
+            10_000 * ms + LEASE_GRACE_NS + (1 << 30) / 4
+        );
+        assert!(lease_bound_ns(0, 32 << 20) >= (32 << 20) / LEASE_BYTES_PER_NS);
+        assert_eq!(lease_bound_ns(u64::MAX, 1), u64::MAX);
+        assert_eq!(lease_bound_ns(u64::MAX - 1, u64::MAX), u64::MAX);
+        for timeout in [200_000u64, 300 * ms, 10_000 * ms] {
+            let whole = timeout + lease_bound_ns(timeout, 2_000_000_000);
+            assert!(whole <= 2 * timeout + 1_000 * ms, "{timeout}: {whole}");
         }
     }
 

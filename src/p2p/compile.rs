@@ -140,6 +140,10 @@ mod tests {
             assert!(ptx.contains("st.release.sys.global.u32"));
             assert!(ptx.contains("st.volatile.global.v4.u32"));
             assert!(ptx.contains("%globaltimer"));
+            // Long waits back off; a reader's end of a lease is ordered after its reads.
+            assert!(ptx.contains("nanosleep"), "no back-off in the waits");
+            assert!(ptx.contains("fence.sc.sys"));
+            assert!(ptx.contains("st.relaxed.sys.global.u32"));
             // 16-byte vector loads in the pull body.
             assert!(ptx.contains("ld.global.v4.u32") || ptx.contains("ld.global.v4.b32"));
         }

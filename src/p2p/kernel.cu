@@ -17,8 +17,9 @@
 #define PHASE_PULL_DONE 4u    // root waits for peers to finish reading
 #define PHASE_CHAIN_DATA 5u   // rank waits for its predecessor's piece
 #define PHASE_CHAIN_DONE 6u   // rank waits for its successor to finish reading
-#define PHASE_LEASE 7u        // owner that gave up waits for a reader holding its lease
+#define PHASE_LEASE 7u        // owner waited its lease bound for a reader holding its lease
 #define PHASE_CANCELLED 8u    // reader found its owner gave up on the op: nothing read
+#define PHASE_EXPIRED 9u      // reader's owner stopped waiting for it while it read
 
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
@@ -35,6 +36,10 @@ __device__ __forceinline__ u32 ld_volatile(const u32* p) {
     u32 v;
     asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+__device__ __forceinline__ void st_relaxed(u32* p, u32 v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ void st_volatile(u32* p, u32 v) {
@@ -67,11 +72,33 @@ __device__ __forceinline__ u64 now_ns() {
 // Counters wrap at 2^32; compare by signed distance.
 __device__ __forceinline__ bool reached(u32 value, u32 target) { return (int)(value - target) >= 0; }
 
-// Where a rank reports a timeout, and how long it waits.
+// Where a rank reports a timeout, how long it waits, and how long it waits for a reader that
+// claimed its buffer (abi.rs, lease_bound_ns).
 struct Bound {
     u64 error_slot;
     u64 timeout_ns;
+    u64 lease_ns;
 };
+
+// Polls that find nothing before a waiting thread starts to pause between polls.
+#define SPIN_POLLS 1024u
+// Longest pause between two polls of a long wait.
+#define PAUSE_MAX_NS 1024u
+
+// Backs off a poll loop: nothing for the first SPIN_POLLS polls (a short wait costs no more
+// than before), then pauses that double up to PAUSE_MAX_NS, so that threads of a long wait
+// (a peer held back, or a context time-sliced off the GPU) stop loading the memory system the
+// other rank's work needs. `polls` counts this thread's polls so far.
+__device__ __forceinline__ void back_off(u32& polls) {
+    polls++;
+#if __CUDA_ARCH__ >= 700
+    if (polls > SPIN_POLLS) {
+        u32 shift = (polls - SPIN_POLLS) / 64u;
+        u32 ns = shift >= 5u ? PAUSE_MAX_NS : (32u << shift);
+        __nanosleep(ns);
+    }
+#endif
+}
 
 __device__ void report_timeout(const Bound& p, u32 phase, u32 seq) {
     volatile u64* slot = (volatile u64*)p.error_slot;
@@ -79,23 +106,34 @@ __device__ void report_timeout(const Bound& p, u32 phase, u32 seq) {
     if (*slot == 0) *slot = record;
 }
 
+// Polls until *flag reaches target: 0 when it did, 1 after `timeout_ns`, 2 when another thread
+// of the block gave up first. The flag is read once more after the time ran out: a thread
+// descheduled between its last poll and its look at the clock (two contexts time-slicing one
+// GPU) does not report a flag that arrived meanwhile as a timeout.
+__device__ int poll_flag(const u32* flag, u32 target, u64 timeout_ns, volatile int* abort) {
+    if (reached(ld_acquire(flag), target)) return 0;
+    const u64 start = now_ns();
+    u32 polls = 0;
+    while (true) {
+        for (int i = 0; i < 32; i++) {
+            if (reached(ld_acquire(flag), target)) return 0;
+        }
+        if (*abort) return 2;
+        if (now_ns() - start > timeout_ns) return reached(ld_acquire(flag), target) ? 0 : 1;
+        back_off(polls);
+    }
+}
+
 // Spins until *flag reaches target. Returns false (and raises the block's abort flag) on
 // timeout, or when another thread of the block already gave up.
 __device__ bool wait_flag(const u32* flag, u32 target, const Bound& p, u32 phase, u32 seq,
                           volatile int* abort) {
-    if (reached(ld_acquire(flag), target)) return true;
-    u64 start = now_ns();
-    while (true) {
-        for (int i = 0; i < 32; i++) {
-            if (reached(ld_acquire(flag), target)) return true;
-        }
-        if (*abort) return false;
-        if (now_ns() - start > p.timeout_ns) {
-            report_timeout(p, phase, seq);
-            *abort = 1;
-            return false;
-        }
+    const int r = poll_flag(flag, target, p.timeout_ns, abort);
+    if (r == 1) {
+        report_timeout(p, phase, seq);
+        *abort = 1;
     }
+    return r == 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -106,20 +144,29 @@ __device__ bool wait_flag(const u32* flag, u32 target, const Bound& p, u32 phase
 // host resets the areas after a failure before the next call, or closes the path), and numbers
 // never wrap. Before its first read the reader stores the op in CLAIM, then looks at its
 // owner's CANCEL; after its last read it stores the op in RELEASE. An owner that did not see
-// the reader finish (it timed out, or gave up for another reason) stores the op in its CANCEL
-// (one per owner, so each only grows), then looks at CLAIM, and waits for RELEASE if the reader
-// claimed. A sequentially consistent fence sits between the store and the load on both sides
-// (Dekker's protocol: plain loads and stores, no atomics over the link), so at least one side
-// sees the other's store: the reader sees the cancel and reads nothing, or the owner sees the
-// claim and waits for the release. Once an owner's kernel has ended, no reader of that op
-// touches its buffer, and the caller may free it. A cancel holds for its op and every earlier
-// one of that owner.
+// the reader finish in time (it timed out, or gave up for another reason) stores the op in its
+// CANCEL (one per owner, so each only grows), then looks at CLAIM, and waits for RELEASE if the
+// reader claimed. A sequentially consistent fence sits between the store and the load on both
+// sides (Dekker's protocol: plain loads and stores, no atomics over the link), so at least one
+// side sees the other's store: the reader sees the cancel and reads nothing, or the owner sees
+// the claim and waits for the release. A reader that has claimed only copies (a chain reader
+// also waits, each wait bounded by the timeout, for the pieces its predecessor forwards), so
+// the owner waits for its release past the timeout, up to `lease_ns` (abi.rs, lease_bound_ns:
+// the timeout plus half a second plus the message at 4 GB/s); when the reader lets go having
+// finished, the op succeeded after all. Only a reader that outlasts that bound (a GPU that
+// does not run it) is given up on: the owner stores the op in its EXPIRED, then ends. A reader
+// looks at EXPIRED after its reads have returned (a fence between), and between pieces: if its
+// owner expired the op, it reports PHASE_EXPIRED instead of success, since the owner's stream
+// may have overwritten the buffer under its reads. So no reader reports success with data it
+// read after its owner's kernel ended, and within the bound no reader reads after it at all.
+// A cancel or expiry holds for its op and every earlier one of that owner.
 
 #define LEASE_CLAIM 0
 #define LEASE_RELEASE 1
 #define LEASE_COUNT 2   // this rank's ops of this block so far (written by itself)
-#define LEASE_CANCEL 3  // [owner]: the last op that owner gave up on
-#define LEASE_U64S (3 + GPUCAST_MAX_GPUS)
+#define LEASE_CANCEL 3  // [owner]: the last op that owner gave up waiting for
+#define LEASE_EXPIRED (3 + GPUCAST_MAX_GPUS)  // [owner]: the last op that owner left while read
+#define LEASE_U64S (GPUCAST_LEASE_WORDS / 2)
 
 __device__ __forceinline__ u64* lease_of(u32* area, u32 offset, u32 block) {
     return (u64*)(area + offset) + (u64)block * LEASE_U64S;
@@ -158,33 +205,73 @@ __device__ bool lease_claim(u64* lease, u32 owner, u64 op) {
     return false;
 }
 
-// Reader holding a lease: whether its owner has since given up on op `op` (a settle that waited
-// a whole timeout for the release); the reader then stops reading.
-__device__ __forceinline__ bool lease_revoked(const u64* lease, u32 owner, u64 op) {
-    return ld_relaxed64(lease + LEASE_CANCEL + owner) >= op;
+// Reader holding a lease: whether its owner has stopped waiting for it on op `op` (see
+// lease_settle). A look without a fence: between a chain's pieces, so as to read no more.
+__device__ __forceinline__ bool lease_expired_now(const u64* lease, u32 owner, u64 op) {
+    return ld_relaxed64(lease + LEASE_EXPIRED + owner) >= op;
+}
+
+// Reader holding a lease, once every thread's reads of the owner's buffer have returned (the
+// caller synchronises the block first): ends its reading of op `op`. Returns false when its
+// owner stopped waiting for it before those reads returned (EXPIRED), so that they may have
+// read what the owner's stream wrote next: the reader then reports PHASE_EXPIRED, not success,
+// and does not store `done`. Otherwise stores `value` in `done` (the owner's flag of this
+// reader). Gives the lease back either way. One fence orders the reads before the look at
+// EXPIRED (if the look misses the owner's store, the reads were done before it, so before the
+// owner's kernel ended) and before the two stores that follow (a release pattern).
+__device__ bool lease_finish(u64* lease, u32 owner, u64 op, u32* done, u32 value) {
+    fence_sc();
+    const bool whole = !lease_expired_now(lease, owner, op);
+    if (whole) st_relaxed(done, value);
+    st_relaxed64(lease + LEASE_RELEASE, op);
+    return whole;
 }
 
 // Reader: gives the lease back once every thread's reads of the owner's buffer have returned
-// (the caller synchronises the block first).
+// (the caller synchronises the block first), without reporting anything (a failed reader).
 __device__ __forceinline__ void lease_release(u64* lease, u64 op) {
     st_release64(lease + LEASE_RELEASE, op);
 }
 
-// Owner `owner` that did not see `done` reach `target`: after this returns, the reader never
-// reads op `op` of its buffer. Cancels the op; if the reader had claimed it, waits for its
-// release (or for `done`), at most the timeout (then reports PHASE_LEASE and returns).
-__device__ void lease_settle(u64* lease, u32 owner, u64 op, const u32* done, u32 target,
+// Owner `owner` that did not see the reader's `done` reach `target` within the timeout (or
+// whose block already failed): cancels op `op`, and if the reader had claimed it, waits for its
+// release, at most p.lease_ns. Returns whether the reader finished reading (`done` reached).
+// After this returns the reader never reads op `op` of the owner's buffer, unless the wait ran
+// out: then the op is expired (the reader reports no success) and PHASE_LEASE is reported.
+__device__ bool lease_settle(u64* lease, u32 owner, u64 op, const u32* done, u32 target,
                              const Bound& p, u32 seq) {
     st_relaxed64(lease + LEASE_CANCEL + owner, op);
     fence_sc();
-    if (ld_relaxed64(lease + LEASE_CLAIM) != op) return;
-    const u64 start = now_ns();
-    while (ld_acquire64(lease + LEASE_RELEASE) < op && !reached(ld_acquire(done), target)) {
-        if (now_ns() - start > p.timeout_ns) {
-            report_timeout(p, PHASE_LEASE, seq);
-            return;
+    if (ld_relaxed64(lease + LEASE_CLAIM) == op) {
+        const u64 start = now_ns();
+        u32 polls = 0;
+        while (ld_acquire64(lease + LEASE_RELEASE) < op && !reached(ld_acquire(done), target)) {
+            if (now_ns() - start > p.lease_ns && ld_acquire64(lease + LEASE_RELEASE) < op &&
+                !reached(ld_acquire(done), target)) {
+                st_relaxed64(lease + LEASE_EXPIRED + owner, op);
+                fence_sc();
+                report_timeout(p, PHASE_LEASE, seq);
+                return false;
+            }
+            back_off(polls);
         }
     }
+    return reached(ld_acquire(done), target);
+}
+
+// Owner `owner` of a buffer a reader reads in op `op`: waits until the reader's `done` reaches
+// `target`, the timeout for the reader to finish, then (lease_settle) for a reader that has
+// claimed the buffer to let go of it. Returns whether the reader finished; when it did not,
+// reports `phase` (or PHASE_LEASE) and raises the block's abort flag. `failed`: the block has
+// already failed, so the owner does not wait for `done` at all.
+__device__ bool owner_wait(const u32* done, u32 target, u64* lease, u32 owner, u64 op,
+                           const Bound& p, u32 phase, u32 seq, volatile int* abort, bool failed) {
+    if (!failed && poll_flag(done, target, p.timeout_ns, abort) == 0) return true;
+    if (lease_settle(lease, owner, op, done, target, p, seq)) return true;
+    // The reader refused the op (it saw the cancel), or gave up on its own, or expired.
+    report_timeout(p, phase, seq);
+    *abort = 1;
+    return false;
 }
 
 // Loads up to 16 bytes (avail of them; the rest reads as zero) from any alignment.
@@ -249,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
     const u32 b = blockIdx.x;
     const u32 t = threadIdx.x;
     u32* mine = signal_of(p, p.rank);
-    const Bound bound = {p.error_slot, p.timeout_ns};
+    const Bound bound = {p.error_slot, p.timeout_ns, p.lease_ns};
     if (t == 0) {
         abort_flag = 0;
         s_seq = ld_volatile(mine + GPUCAST_PACKET_SEQ + b) + 1;
@@ -292,6 +379,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
             if (!(a.y == seq && a.w == seq && c.y == seq && c.w == seq)) {
                 u64 start = now_ns();
                 u32 spins = 0;
+                u32 polls = 0;
                 while (true) {
                     a = ld_volatile_v4(w);
                     c = ld_volatile_v4(w + 4);
@@ -299,10 +387,16 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_packet(con
                     if ((++spins & 31) == 0) {
                         if (abort_flag) break;
                         if (now_ns() - start > p.timeout_ns) {
+                            // Once more after the clock: this thread may have been descheduled
+                            // (a time-sliced context) between its poll and the clock.
+                            a = ld_volatile_v4(w);
+                            c = ld_volatile_v4(w + 4);
+                            if (a.y == seq && a.w == seq && c.y == seq && c.w == seq) break;
                             report_timeout(bound, PHASE_PACKET_DATA, seq);
                             abort_flag = 1;
                             break;
                         }
+                        back_off(polls);
                     }
                 }
                 if (abort_flag) break;
@@ -372,8 +466,9 @@ __device__ void copy_bytes(u64 src_addr, u64 dst_addr, u64 bytes, u32 unit, u32 
 // The pull protocol around a copy: `copy` runs on the root (its own output, unless in place) and
 // on every peer (reading the root's memory) between the arrival and done flags.
 template <typename Copy>
-__device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 timeout_ns, u32 rank,
-                                              u32 nranks, u32 root, Copy copy) {
+__device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 timeout_ns,
+                                              u64 lease_ns, u32 rank, u32 nranks, u32 root,
+                                              Copy copy) {
     __shared__ int abort_flag;
     __shared__ u32 s_seq;
     __shared__ u64 s_op;
@@ -381,7 +476,7 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
     const u32 t = threadIdx.x;
     u32* mine = (u32*)signal[rank];
     u64* lease = lease_of(mine, GPUCAST_PULL_LEASE, b);
-    const Bound p = {error_slot, timeout_ns};
+    const Bound p = {error_slot, timeout_ns, lease_ns};
     if (t == 0) {
         abort_flag = 0;
         s_seq = ld_volatile(mine + GPUCAST_PULL_SEQ + b) + 1;
@@ -396,12 +491,12 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
             st_release((u32*)signal[t] + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + rank, seq);
         }
         copy(true);
+        // Before this kernel ends, each peer has read its share, or never reads it (it saw the
+        // cancel), or is reported as expired (it outlasted lease_ns).
         if (t < nranks && t != rank) {
             const u32* done = mine + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + t;
-            if (!wait_flag(done, seq, p, PHASE_PULL_DONE, seq, &abort_flag)) {
-                lease_settle(lease_of((u32*)signal[t], GPUCAST_PULL_LEASE, b), rank, op, done, seq,
-                             p, seq);
-            }
+            owner_wait(done, seq, lease_of((u32*)signal[t], GPUCAST_PULL_LEASE, b), rank, op, p,
+                       PHASE_PULL_DONE, seq, &abort_flag, false);
         }
     } else {
         if (t == 0 && wait_flag(mine + GPUCAST_ARRIVE + b * GPUCAST_MAX_GPUS + root, seq, p,
@@ -415,9 +510,11 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
         if (!abort_flag) {
             copy(false);
             __syncthreads();
-            if (t == 0) {
-                st_release((u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq);
-                lease_release(lease, op);
+            if (t == 0 &&
+                !lease_finish(lease, root, op,
+                              (u32*)signal[root] + GPUCAST_DONE + b * GPUCAST_MAX_GPUS + rank, seq)) {
+                report_timeout(p, PHASE_EXPIRED, seq);
+                abort_flag = 1;
             }
         }
     }
@@ -430,7 +527,7 @@ __device__ __forceinline__ void pull_protocol(u64* signal, u64 error_slot, u64 t
 }
 
 extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const Params p) {
-    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.rank, p.nranks, p.root,
+    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.lease_ns, p.rank, p.nranks, p.root,
                   [&](bool is_root) {
                       if (!is_root || p.dst != p.src) copy_bytes(p.src, p.dst, p.bytes, p.unit, p.head);
                   });
@@ -438,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull(const
 
 // Fused form: one pull protocol around a list of copies (many tensors of one broadcast).
 extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS) gpucast_pull_list(const ListParams p) {
-    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.rank, p.nranks, p.root,
+    pull_protocol((u64*)p.signal, p.error_slot, p.timeout_ns, p.lease_ns, p.rank, p.nranks, p.root,
                   [&](bool is_root) {
                       for (u32 i = 0; i < p.count; i++) {
                           const ListEntry& e = p.entries[i];
@@ -484,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
     const u32 blocks = gridDim.x;
     const u32 n = p.nranks;
     u32* mine = signal_of(p, p.rank);
-    const Bound bound = {p.error_slot, p.timeout_ns};
+    const Bound bound = {p.error_slot, p.timeout_ns, p.lease_ns};
     const u32 pos = (p.rank + n - p.root) % n;
     const u32 pred = (p.rank + n - 1) % n;
     const u32 succ = (p.rank + 1) % n;
@@ -520,9 +617,13 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
                                     &abort_flag)) {
                 if (k == 0) {
                     claimed = lease_claim(lease, pred, op);
-                }
-                if (!claimed || (k > 0 && lease_revoked(lease, pred, op))) {
-                    report_timeout(bound, PHASE_CANCELLED, base + k + 1);
+                    if (!claimed) {
+                        report_timeout(bound, PHASE_CANCELLED, base + k + 1);
+                        abort_flag = 1;
+                    }
+                } else if (lease_expired_now(lease, pred, op)) {
+                    // Not another piece of a buffer its owner has left.
+                    report_timeout(bound, PHASE_EXPIRED, base + k + 1);
                     abort_flag = 1;
                 }
             }
@@ -543,23 +644,28 @@ extern "C" __global__ void __launch_bounds__(GPUCAST_THREADS, 2) gpucast_chain(c
         // Every thread's loads of the predecessor's buffer have returned.
         __syncthreads();
         if (t == 0) {
-            if (!abort_flag) {
-                st_release(signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank,
-                           base + count);
+            u32* done = signal_of(p, pred) + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + p.rank;
+            if (!claimed) {
+                // No piece (count == 0): nothing read. After a refused claim: nothing read,
+                // and the lease was given back then.
+                if (!abort_flag) st_release(done, base + count);
+            } else if (abort_flag) {
+                lease_release(lease, op);
+            } else if (!lease_finish(lease, pred, op, done, base + count)) {
+                report_timeout(bound, PHASE_EXPIRED, base + count);
+                abort_flag = 1;
             }
-            if (claimed) lease_release(lease, op);
         }
     }
     if (!last) {
         // Before this kernel ends, the successor is done with this rank's buffer, or never
-        // reads it again (also after a failure above: it may hold pieces already released).
+        // reads it (it saw the cancel), or is reported as expired (it outlasted lease_ns); also
+        // after a failure above, since it may hold pieces already released.
         if (t == 0) {
             const u32* done = mine + GPUCAST_CHAIN_DONE + b * GPUCAST_MAX_GPUS + succ;
-            if (abort_flag || !wait_flag(done, base + count, bound, PHASE_CHAIN_DONE, base + count,
-                                         &abort_flag)) {
-                lease_settle(lease_of(signal_of(p, succ), GPUCAST_CHAIN_LEASE, b), p.rank, op,
-                             done, base + count, bound, base + count);
-            }
+            owner_wait(done, base + count, lease_of(signal_of(p, succ), GPUCAST_CHAIN_LEASE, b),
+                       p.rank, op, bound, PHASE_CHAIN_DONE, base + count, &abort_flag,
+                       abort_flag != 0);
         }
         __syncthreads();
     }

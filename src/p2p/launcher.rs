@@ -30,6 +30,9 @@ use super::abi::Params;
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
+/// Longest a parked worker sleeps before it looks at its slot again (an unpark wakes it
+/// sooner): a stop takes effect within this.
+const PARK: Duration = Duration::from_millis(50);
 
 const EMPTY: u32 = 0;
 const POSTED: u32 = 1;
@@ -163,14 +166,31 @@ impl Launcher {
     /// Every context is live and stays live until the launcher is dropped (its workers make
     /// them current).
     pub(crate) unsafe fn new(ctxs: &[CUcontext]) -> std::io::Result<Launcher> {
+        let binds = ctxs.iter().skip(1).map(|&ctx| {
+            let ctx = SendCtx(ctx);
+            move || {
+                let ctx = ctx;
+                // SAFETY: the context stays live while the launcher lives (this function's
+                // contract), and the launcher's drop ends this worker.
+                unsafe { crate::driver::context::set_current(ctx.0) }
+            }
+        });
+        Launcher::start("gpucast-launch", binds)
+    }
+
+    /// Starts one worker per item of `binds`, named `{name}-{rank}` (ranks from 1); each first
+    /// calls its `bind` (making its context current) and launches only if that succeeded.
+    fn start<B>(name: &str, binds: impl Iterator<Item = B>) -> std::io::Result<Launcher>
+    where
+        B: FnOnce() -> Result<(), cudarc::driver::DriverError> + Send + 'static,
+    {
         let mut workers = Vec::new();
-        for (rank, &ctx) in ctxs.iter().enumerate().skip(1) {
+        for (i, bind) in binds.enumerate() {
             let slot = Arc::new(Slot::new());
             let s = slot.clone();
-            let ctx = SendCtx(ctx);
             let handle = std::thread::Builder::new()
-                .name(format!("gpucast-launch-{rank}"))
-                .spawn(move || worker(&s, ctx))?;
+                .name(format!("{name}-{}", i + 1))
+                .spawn(move || worker(&s, bind))?;
             workers.push(Worker {
                 slot,
                 thread: handle.thread().clone(),
@@ -231,10 +251,8 @@ pub(super) unsafe fn launch(job: &Job) -> Result<(), cudarc::driver::DriverError
     unsafe { super::launch_one(job.func, job.blocks, job.threads, job.stream, job.params) }
 }
 
-fn worker(slot: &Slot, ctx: SendCtx) {
-    // SAFETY: the context stays live while the launcher lives (`Launcher::new`'s contract),
-    // and the launcher's drop ends this worker.
-    let bound = unsafe { crate::driver::context::set_current(ctx.0) };
+fn worker(slot: &Slot, bind: impl FnOnce() -> Result<(), cudarc::driver::DriverError>) {
+    let bound = bind();
     let mut idle_since = Instant::now();
     loop {
         if let Some(job) = slot.claim() {
@@ -253,12 +271,16 @@ fn worker(slot: &Slot, ctx: SendCtx) {
         if idle_since.elapsed() < SPIN {
             std::hint::spin_loop();
         } else {
-            std::thread::park_timeout(Duration::from_millis(50));
+            std::thread::park_timeout(PARK);
         }
     }
 }
 
 impl Drop for Launcher {
+    /// Stops the workers and joins them. A worker between jobs (every worker, once
+    /// `launch_all` has returned: it waits for each job it posted, or cancels it before it is
+    /// taken) sees the stop at its next look at its slot, at once when spinning or unparked,
+    /// within [`PARK`] otherwise: the drop ends within that.
     fn drop(&mut self) {
         for w in &self.workers {
             w.slot.stop.store(true, Ordering::Release);
@@ -275,7 +297,7 @@ impl Drop for Launcher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn job() -> Job {
@@ -291,6 +313,7 @@ mod tests {
                 signal: [0; crate::config::MAX_GPUS],
                 error_slot: 0,
                 timeout_ns: 0,
+                lease_ns: 0,
                 rank: 0,
                 nranks: 0,
                 root: 0,
@@ -300,6 +323,48 @@ mod tests {
                 from: 0,
             },
         }
+    }
+
+    /// How many of this process's threads have a name that starts with `prefix`, once that
+    /// is `want` or a second has passed (a thread names itself once it runs).
+    pub(crate) fn threads_named(prefix: &str, want: usize) -> usize {
+        let count = || {
+            std::fs::read_dir("/proc/self/task")
+                .map(|tasks| {
+                    tasks
+                        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                        .filter(|name| name.starts_with(prefix))
+                        .count()
+                })
+                .unwrap_or(0)
+        };
+        let t0 = Instant::now();
+        loop {
+            let n = count();
+            if n == want || t0.elapsed() > Duration::from_secs(1) {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Workers with no context (nothing is launched): what a test needs of a launcher.
+    pub(crate) fn idle_launcher(name: &str, workers: usize) -> Launcher {
+        Launcher::start(name, (0..workers).map(|_| || Ok(()))).unwrap()
+    }
+
+    /// Dropping a launcher ends its workers, parked or not, within the park interval.
+    #[test]
+    fn dropping_the_launcher_ends_its_workers_within_the_park_interval() {
+        let name = "gl-drop-test";
+        let launcher = idle_launcher(name, 3);
+        // Past their spin: the workers are parked.
+        assert_eq!(threads_named(name, 3), 3);
+        std::thread::sleep(SPIN * 5);
+        let t0 = Instant::now();
+        drop(launcher);
+        assert!(t0.elapsed() < PARK * 4, "{:?}", t0.elapsed());
+        assert_eq!(threads_named(name, 0), 0);
     }
 
     #[test]

@@ -386,11 +386,13 @@ impl P2p {
         Ok(())
     }
 
-    /// Leaks this P2P state (signal areas, shared mappings, error slots, launch threads) after a
-    /// reset that did not finish: a memset may still write the areas, so they are never freed
-    /// or reused.
-    pub(crate) fn abandon(self) {
+    /// Leaks this P2P state (signal areas, shared mappings, error slots, contexts) after a reset
+    /// that did not finish: a memset may still write the areas, so they are never freed or
+    /// reused. The launch threads end (within the launcher's park interval, 50 ms): no launch
+    /// is in flight, since every launch borrows this state.
+    pub(crate) fn abandon(mut self) {
         tracing::warn!("a reset of the P2P signal areas did not finish: they are leaked");
+        drop(self.launcher.take());
         std::mem::forget(self);
     }
 
@@ -402,6 +404,7 @@ impl P2p {
             signal: self.signals,
             error_slot: 0,
             timeout_ns: self.timeout_ns,
+            lease_ns: abi::lease_bound_ns(self.timeout_ns, bytes as u64),
             rank: 0,
             nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
@@ -448,8 +451,12 @@ impl P2p {
                         .map_err(Error::cuda("binding a context"))?;
                     // SAFETY: `src + off` holds `len` bytes (contract) and the staging buffer
                     // at least `chunk_max`; queued on the root's stream (live, of the context
-                    // made current just above: contract) before its kernel, and the previous
-                    // chunk's kernel, which waits for every peer, precedes it.
+                    // made current just above: contract) before its kernel. The previous
+                    // chunk's (or call's) kernel precedes it there, and it ends only once every
+                    // peer has read the staging buffer, or will never read it, or (a peer that
+                    // claimed it and outlasted `abi::lease_bound_ns`) has its op expired: that
+                    // peer may then read this copy's bytes, but the staging buffer stays mapped
+                    // as long as this state, and the peer reports an error instead of success.
                     unsafe {
                         crate::driver::memory::copy_dtod_async(
                             staged,
@@ -638,6 +645,7 @@ impl P2p {
             signal: self.signals,
             error_slot: 0,
             timeout_ns: self.timeout_ns,
+            lease_ns: abi::lease_bound_ns(self.timeout_ns, total as u64),
             rank: 0,
             nranks: self.nranks,
             root: u32::try_from(root).expect("<= 8"),
@@ -774,8 +782,15 @@ pub(crate) fn decode_timeout(rank: usize, record: u64, timeout_ns: u64) -> Error
         4 => "root waiting for peers to finish reading",
         5 => "waiting for the predecessor's piece in the chain",
         6 => "waiting for the successor in the chain to finish reading",
-        7 => "waiting for a late reader to let go of this rank's buffer",
+        7 => {
+            "waiting for a reader that claimed this rank's buffer to let go of it, past the \
+              bound of its copy (that reader reports an error, not its data)"
+        }
         8 => "arrived after the rank it reads from had given up: nothing was read",
+        9 => {
+            "the rank it read from stopped waiting for it while it read: its data may be \
+              wrong, so it is not reported as success"
+        }
         _ => "unknown wait",
     };
     Error::Timeout {
@@ -813,6 +828,29 @@ impl Drop for P2p {
 mod tests {
     use super::*;
 
+    /// An abandoned state leaks its memory but not its launch threads: they end.
+    #[test]
+    fn abandoning_the_state_ends_its_launch_threads() {
+        let name = "gl-abandon-test";
+        let p2p = P2p {
+            ranks: Vec::new(),
+            global: vec![0, 1, 2],
+            nranks: 3,
+            // Never freed: `abandon` forgets the state.
+            errors: HostSlots(std::ptr::null_mut()),
+            signals: [0; MAX_GPUS],
+            staging: None,
+            timeout_ns: 0,
+            launcher: Some(launcher::tests::idle_launcher(name, 2)),
+            parallel: true,
+            handoff_limit: Duration::ZERO,
+        };
+        let started = launcher::tests::threads_named(name, 2);
+        p2p.abandon();
+        assert_eq!(started, 2);
+        assert_eq!(launcher::tests::threads_named(name, 0), 0);
+    }
+
     #[test]
     fn timeout_records_decode() {
         let record = (1u64 << 56) | (3u64 << 48) | (17u64 << 32) | 4242;
@@ -829,6 +867,19 @@ mod tests {
             }
             other => panic!("unexpected {other:?}"),
         }
+        // Every phase the kernel reports has a name.
+        for phase in 1..=9u64 {
+            let e = decode_timeout(0, (1u64 << 56) | (phase << 48) | 7, 1_000_000);
+            assert!(
+                !e.to_string().contains("unknown wait"),
+                "phase {phase}: {e}"
+            );
+        }
+        let expired = decode_timeout(0, (1u64 << 56) | (9u64 << 48) | 7, 1_000_000);
+        assert!(
+            expired.to_string().contains("not reported as success"),
+            "{expired}"
+        );
     }
 
     /// Memory the driver exports (a POSIX descriptor of `cuMemCreate` memory) passes the
