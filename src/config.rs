@@ -29,16 +29,21 @@ impl Timeouts {
     }
 
     /// The longest a host wait for the streams (or for an abort of NCCL) lasts while the
-    /// clique lives: a P2P kernel may wait twice the timeout (a wait, then a late reader's
-    /// lease), plus two seconds of slack.
+    /// clique lives: twice the timeout plus two seconds. A P2P kernel waits at most the
+    /// timeout for a peer, then the timeout plus half a second plus its message at 4 GB/s for a
+    /// reader that claimed its buffer (`p2p::abi::lease_bound_ns`): within this bound for
+    /// messages of up to about 6 GB. A longer wait ends in [`Error::StreamsBusy`] with the work
+    /// still queued, so buffers stay ordered behind it.
     pub(crate) fn drain(&self) -> Duration {
         self.wait
             .saturating_mul(2)
             .saturating_add(Duration::from_secs(2))
     }
 
-    /// The longest a drop waits for the streams before it aborts NCCL: two kernel waits plus
-    /// a second.
+    /// The longest a drop waits for the streams before it aborts NCCL: twice the timeout plus
+    /// a second (a P2P kernel's longest wait for messages of up to 2 GB, see
+    /// [`Timeouts::drain`]; past it the drop leaks the P2P memory rather than free it under a
+    /// running kernel).
     pub(crate) fn drop_drain(&self) -> Duration {
         self.wait
             .saturating_mul(2)

@@ -23,6 +23,11 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, D
 
 use crate::config::{BroadcastOptions, BroadcastPath, Requested, Route, Thresholds};
 use crate::dtype::{DType, Element};
+#[allow(
+    unused_imports,
+    reason = "used by intra-doc links, and by the testing hooks"
+)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::topology::Topology;
 pub(crate) use core::Core;
@@ -518,7 +523,7 @@ impl Clique {
             }
             self.context(rank)
                 .bind_to_thread()
-                .map_err(crate::error::Error::cuda("binding a context"))?;
+                .map_err(Error::cuda("binding a context"))?;
             // SAFETY: per this function's contract; both contexts are live.
             unsafe {
                 cudarc::driver::result::memcpy_peer_async(
@@ -530,7 +535,7 @@ impl Clique {
                     self.stream(rank).cu_stream(),
                 )
             }
-            .map_err(crate::error::Error::cuda(format!("copying to rank {rank}")))?;
+            .map_err(Error::cuda(format!("copying to rank {rank}")))?;
         }
         Ok(())
     }

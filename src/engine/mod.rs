@@ -1068,7 +1068,7 @@ impl Drop for Engine {
     /// streams are still busy, leaks the P2P memory rather than free it under a running
     /// kernel.
     fn drop(&mut self) {
-        // A P2P kernel may wait up to twice the timeout (a wait, then a late reader's lease).
+        // A P2P kernel's longest wait for messages of up to 2 GB (see `Timeouts::drop_drain`).
         let limit = self.settings.timeouts.drop_drain();
         drop(self.watchdog.take());
         let mut idle = self.wait_idle(limit);
