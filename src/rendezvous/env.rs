@@ -372,7 +372,9 @@ impl JobEnv {
         Ok(env)
     }
 
-    /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`.
+    /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`,
+    /// and no job token: set `job_token` to the same random secret in every rank (e.g. from
+    /// [`super::random_token`]), or any user of the host who finds the port can join.
     pub fn single_node(rank: usize, world_size: usize, master_port: u16) -> Result<Self> {
         let env = Self {
             rank,

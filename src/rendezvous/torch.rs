@@ -374,7 +374,7 @@ impl TorchSession {
         })?;
         let mut s = TorchSession {
             store,
-            sealer: Sealer::new(&env.job_token, prefix.as_bytes()),
+            sealer: Sealer::new(&auth::Key::of(&env.job_token), prefix.as_bytes()),
             base: key(&format!("{instance}/")),
             instance,
             rank: env.rank,
