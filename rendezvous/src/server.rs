@@ -1153,8 +1153,8 @@ impl Conn {
 
 #[cfg(test)]
 mod tests {
-    use super::super::client::StoreClient;
     use super::*;
+    use crate::client::StoreClient;
     use std::io::{Read, Write};
 
     const T: Duration = Duration::from_secs(3);
@@ -1583,7 +1583,7 @@ mod tests {
     fn oversize_requests_are_refused_by_the_client() {
         let s = server(1);
         let mut c = client(&s, 0, 1);
-        let big = vec![0u8; super::super::MAX_VALUE_LEN + 1];
+        let big = vec![0u8; crate::MAX_VALUE_LEN + 1];
         assert!(matches!(
             c.all_gather(0, &big, T),
             Err(RendezvousError::TooLarge { .. })

@@ -13,20 +13,20 @@
 //! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
 //!
 //! Pure Rust and `std` (plus RustCrypto's HMAC, SHA-2 and XChaCha20-Poly1305, and the OS's
-//! random source): blocking sockets with timeouts and a few threads on rank 0. This module
-//! uses nothing else of gpucast.
+//! random source): blocking sockets with timeouts and a few threads on rank 0. This crate
+//! uses nothing of gpucast, which re-exports it as `gpucast::rendezvous`.
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use gpucast::rendezvous::{JobEnv, Rendezvous, host_id};
+//! use gpucast_rendezvous::{JobEnv, Rendezvous, host_id};
 //!
 //! let env = JobEnv::from_env()?;
 //! let rdv = Rendezvous::connect(&env, Duration::from_secs(120))?;
-//! let hosts = rdv.all_gather(host_id(gpucast::rendezvous::env_var).as_bytes())?;
+//! let hosts = rdv.all_gather(host_id(gpucast_rendezvous::env_var).as_bytes())?;
 //! let same_node: Vec<usize> = (0..rdv.world_size()).filter(|&r| hosts[r] == hosts[rdv.rank()]).collect();
 //! # let _ = same_node;
 //! rdv.barrier()?;
-//! # Ok::<(), gpucast::rendezvous::RendezvousError>(())
+//! # Ok::<(), gpucast_rendezvous::RendezvousError>(())
 //! ```
 //!
 //! # Who gets in
@@ -179,9 +179,6 @@ const DEFAULT_PENDING_FLOOR: Duration = Duration::from_millis(500);
 const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time to finish reading a started frame or writing a reply.
 const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// For the descriptor exchange between the processes of a host (the P2P path).
-pub(crate) use auth::{random as random_bytes, same_secret};
 
 /// `timeout` from now, or far in the future when that is beyond what an `Instant` holds (a
 /// caller may pass `Duration::MAX` for "no limit").
