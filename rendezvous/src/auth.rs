@@ -18,8 +18,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use chacha20poly1305::aead::{Aead, KeyInit, Payload};
-use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
@@ -32,8 +30,8 @@ type HmacSha256 = Hmac<Sha256>;
 pub(crate) const NONCE_LEN: usize = 32;
 /// Bytes of a proof (an HMAC-SHA256 tag).
 pub(crate) const PROOF_LEN: usize = 32;
-/// Bytes a sealed value carries besides its plaintext: the 24-byte nonce and the 16-byte tag.
-pub(crate) const SEAL_OVERHEAD: usize = 24 + 16;
+/// Bytes a sealed value carries besides the value: its 32-byte tag.
+pub(crate) const SEAL_OVERHEAD: usize = 32;
 /// PBKDF2 rounds of the key derivation (see the module's documentation).
 pub(crate) const KDF_ROUNDS: u32 = 1 << 17;
 /// Bits of randomness below which a token is called guessable.
@@ -266,48 +264,46 @@ pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// Seals and opens values with a key derived from the job token and a context (XChaCha20-Poly1305
-/// with a random 24-byte nonce per value): without the token a value can be neither read nor
-/// forged, and the associated data binds it to where it belongs.
+/// Seals values to where they belong: each carries HMAC-SHA256, under a key derived from the
+/// job token and a context, of the value and of `aad` (the session, instance, round and rank it
+/// is for). Without the token a value can be neither forged nor moved to another place or
+/// session. Values are not hidden: what gpucast puts in torchrun's store (nonces, world sizes,
+/// the NCCL id, which PyTorch itself writes there in the clear) is readable by whoever reaches
+/// that store, and worth no cipher's crates.
 pub(crate) struct Sealer {
-    cipher: XChaCha20Poly1305,
+    key: [u8; 32],
 }
 
 impl Sealer {
     /// The sealer of `key` for `context` (e.g. the key prefix of one job in a shared store).
     pub(crate) fn new(key: &Key, context: &[u8]) -> Sealer {
-        let key: [u8; 32] = mac(&key.0, b"gpucast rendezvous v3: sealing key", &[context])
-            .finalize()
-            .into_bytes()
-            .into();
         Sealer {
-            cipher: XChaCha20Poly1305::new(&key.into()),
+            key: mac(&key.0, b"gpucast rendezvous v3: value key", &[context])
+                .finalize()
+                .into_bytes()
+                .into(),
         }
     }
 
-    /// `plain`, sealed and bound to `aad`: nonce, then ciphertext and tag.
-    pub(crate) fn seal(&self, aad: &[u8], plain: &[u8]) -> Result<Vec<u8>> {
-        let nonce = random::<24>()?;
-        let sealed = self
-            .cipher
-            .encrypt(XNonce::from_slice(&nonce), Payload { msg: plain, aad })
-            .map_err(|_| RendezvousError::InvalidArgument {
-                reason: format!("a value of {} bytes cannot be sealed", plain.len()),
-            })?;
-        let mut out = nonce.to_vec();
-        out.extend(sealed);
-        Ok(out)
+    fn tag(&self, aad: &[u8], value: &[u8]) -> HmacSha256 {
+        mac(&self.key, b"gpucast rendezvous v3: value", &[aad, value])
     }
 
-    /// The plaintext of `sealed` if it was sealed with this key and `aad`, else `None`.
+    /// `value`, then its tag for `aad`.
+    pub(crate) fn seal(&self, aad: &[u8], value: &[u8]) -> Vec<u8> {
+        let mut out = value.to_vec();
+        out.extend_from_slice(&self.tag(aad, value).finalize().into_bytes());
+        out
+    }
+
+    /// The value of `sealed` if its tag is this key's for `aad` (compared in constant time),
+    /// else `None`.
     pub(crate) fn open(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
-        if sealed.len() < SEAL_OVERHEAD {
-            return None;
-        }
-        let (nonce, body) = sealed.split_at(24);
-        self.cipher
-            .decrypt(XNonce::from_slice(nonce), Payload { msg: body, aad })
-            .ok()
+        let (value, tag) = sealed.split_at(sealed.len().checked_sub(SEAL_OVERHEAD)?);
+        self.tag(aad, value)
+            .verify_slice(tag)
+            .is_ok()
+            .then(|| value.to_vec())
     }
 }
 
@@ -438,9 +434,8 @@ mod tests {
         let a = Sealer::new(&ka, b"/worker/attempt_0");
         let b = Sealer::new(&kb, b"/worker/attempt_0");
         let other_place = Sealer::new(&ka, b"/worker/attempt_1");
-        let sealed = a.seal(b"round 3 rank 1", b"the nccl id").unwrap();
+        let sealed = a.seal(b"round 3 rank 1", b"the nccl id");
         assert_eq!(sealed.len(), b"the nccl id".len() + SEAL_OVERHEAD);
-        assert!(!sealed.windows(7).any(|w| w == b"nccl id"));
         assert_eq!(a.open(b"round 3 rank 1", &sealed).unwrap(), b"the nccl id");
         assert!(a.open(b"round 3 rank 2", &sealed).is_none());
         assert!(b.open(b"round 3 rank 1", &sealed).is_none());
@@ -451,8 +446,8 @@ mod tests {
         for cut in 0..sealed.len() {
             assert!(a.open(b"round 3 rank 1", &sealed[..cut]).is_none());
         }
-        // Two seals of one value differ (fresh nonces).
-        assert_ne!(a.seal(b"x", b"v").unwrap(), a.seal(b"x", b"v").unwrap());
+        // The tag covers the boundary between value and binding.
+        assert!(a.open(b"round 3 rank 1the", &sealed[3..]).is_none());
     }
 
     /// The derivation is PBKDF2-HMAC-SHA256 (vectors of RFC 7914 and Python's hashlib), and the

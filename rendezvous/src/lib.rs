@@ -12,7 +12,7 @@
 //!   process group provide it instead.
 //! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
 //!
-//! Pure Rust and `std` (plus RustCrypto's HMAC, SHA-2 and XChaCha20-Poly1305, and the OS's
+//! Pure Rust and `std` (plus RustCrypto's HMAC and SHA-2, nix's sockets, and the OS's
 //! random source): blocking sockets with timeouts and a few threads on rank 0. This crate
 //! uses nothing of gpucast, which re-exports it as `gpucast::rendezvous`.
 //!
@@ -53,11 +53,13 @@
 //!   a retried connection; a flood from the rank's own address, or from more addresses than
 //!   the store has room for, can delay it.
 //! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
-//!   there is sealed with XChaCha20-Poly1305 under a key derived from the token, bound to its
+//!   there carries HMAC-SHA256 under a key derived from the token, over the value and its
 //!   rank, round and instance and, after a first round of fresh nonces and a round that
-//!   confirms them, to the session id they make: a value written by a process without the
-//!   token is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can
-//!   at most keep a rank's place empty until the timeout, never stand for it.
+//!   confirms them, the session id they make: a value written by a process without the token
+//!   is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can at
+//!   most keep a rank's place empty until the timeout, never stand for it. Values are not
+//!   encrypted: whoever reaches torchrun's store reads them (the NCCL id among them, which
+//!   PyTorch writes there in the clear too), as they could read torch's own.
 //! - The token must be random, with at least 128 bits (`openssl rand -hex 32`,
 //!   [`random_token`]). One captured exchange (a HELLO, or a sealed value in torchrun's store,
 //!   which anyone who reaches its port can read) lets anyone test guesses offline, one key
