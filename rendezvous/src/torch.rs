@@ -631,6 +631,11 @@ impl TorchSession {
                 return Ok(());
             }
             if self.store.check(&abort, hard)? {
+                // The round may have filled between the two looks, and a rank that saw it full
+                // have aborted since: then this round is done, and the abort is the next one's.
+                if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
+                    return Ok(());
+                }
                 self.read_abort(hard)?;
             }
             let left = deadline.saturating_duration_since(Instant::now());
