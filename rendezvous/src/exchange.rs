@@ -560,6 +560,38 @@ impl Exchange for Rendezvous {
 mod tests {
     use super::*;
 
+    /// A rank turned away until its deadline (every place held by connections younger than
+    /// the floor) says so, rather than blaming a closed connection or an exited rank 0.
+    #[test]
+    fn a_rank_kept_out_by_a_full_store_names_the_crowd() {
+        let mut opts = ServerOptions::new(2, "a token of the crowded job, long enough");
+        opts.max_pending_per_addr = 2;
+        opts.pending_floor = Duration::from_secs(60);
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let port = server.local_addr().port();
+        let idle: Vec<_> = (0..2)
+            .map(|_| std::net::TcpStream::connect(server.local_addr()).unwrap())
+            .collect();
+        thread::sleep(Duration::from_millis(100));
+        let mut env = JobEnv::single_node(1, 2, port).unwrap();
+        env.job_token = "a token of the crowded job, long enough".into();
+        let started = Instant::now();
+        let deadline = Instant::now() + Duration::from_millis(700);
+        let e = connect_and_hello("127.0.0.1", port, &env, deadline).unwrap_err();
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "gave up early"
+        );
+        match &e {
+            RendezvousError::Crowded { reason, .. } => {
+                assert!(reason.contains("2 connections from 127.0.0.1"), "{reason}");
+                assert!(e.to_string().contains("floods its port"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(idle);
+    }
+
     #[test]
     fn fn_exchange_maps_results_and_errors() {
         // Four ranks simulated by a closure that knows the others' bytes.
