@@ -662,13 +662,9 @@ fn flood(
                         thread::sleep(Duration::from_micros(500));
                         continue;
                     }
-                    #[allow(clippy::cast_possible_truncation)]
-                    let from = std::net::Ipv4Addr::new(
-                        127,
-                        1,
-                        0,
-                        (opened * u64::from(THREADS) + u64::from(t)) as u8,
-                    );
+                    // 127.1.0.0 to 127.1.0.255, in turn.
+                    let host = (opened * u64::from(THREADS) + u64::from(t)) % 256;
+                    let from = std::net::Ipv4Addr::new(127, 1, 0, u8::try_from(host).unwrap());
                     if let Ok(s) = connect_from(from, to) {
                         held.push_back((Instant::now(), s));
                     }
