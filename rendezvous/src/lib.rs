@@ -51,7 +51,7 @@
 //!   turned away with an error that says why ([`RendezvousError::Crowded`]). Strangers that
 //!   connect, idle, dribble or reconnect, and floods from other addresses, cost a rank at most
 //!   a retried connection; a flood from the rank's own address, or from so many addresses
-//!   that none holds more than two of the places, can delay it.
+//!   that each holds one place, can delay it.
 //! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
 //!   there carries HMAC-SHA256 under a key derived from the token, over the value and its
 //!   rank, round and instance and, after a first round of fresh nonces and a round that
