@@ -331,9 +331,12 @@ mod limits;
 mod nccl;
 mod p2p;
 mod plan;
-pub mod rendezvous;
+/// The rendezvous: the crate `gpucast-rendezvous`, which uses nothing of gpucast. The rest of
+/// gpucast sees it through [`rendezvous::Exchange`].
+pub use gpucast_rendezvous as rendezvous;
 mod tensor;
 mod topology;
+mod util;
 mod wait;
 
 pub use clique::{

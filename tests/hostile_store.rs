@@ -552,3 +552,262 @@ fn huge_timeouts_are_far_deadlines() {
         );
     }
 }
+
+/// A connection to `to` from the loopback address `from` (any of 127.0.0.0/8), as a host with
+/// many addresses would open it.
+fn connect_from(from: std::net::Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let SocketAddr::V4(to) = to else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::sa_family_t::try_from(libc::AF_INET).unwrap(),
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let (src, dst) = (sockaddr(from, 0), sockaddr(*to.ip(), to.port()));
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::sockaddr_in>()).unwrap();
+    // SAFETY: a new socket; on success its descriptor is owned by the TcpStream made from it
+    // and nothing else, on failure it is closed here. bind and connect read the sockaddr_in
+    // structs above for `len` bytes, their exact size.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let ok = libc::bind(fd, (&raw const src).cast(), len) == 0
+            && libc::connect(fd, (&raw const dst).cast(), len) == 0;
+        if !ok {
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            return Err(e);
+        }
+        Ok(TcpStream::from_raw_fd(fd))
+    }
+}
+
+/// Forwards every connection made to `listener` to `store`, holding each chunk `delay` in
+/// each direction (a distant rank), until `stop`.
+fn delaying_proxy(
+    listener: TcpListener,
+    store: SocketAddr,
+    delay: Duration,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<()> {
+    fn pump(mut from: TcpStream, mut to: TcpStream, delay: Duration) -> [JoinHandle<()>; 2] {
+        let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+        let reader = thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = from.read(&mut buf).unwrap_or(0);
+                let _ = tx.send((Instant::now() + delay, buf[..n].to_vec()));
+                if n == 0 {
+                    return;
+                }
+            }
+        });
+        let writer = thread::spawn(move || {
+            while let Ok((due, bytes)) = rx.recv() {
+                thread::sleep(due.saturating_duration_since(Instant::now()));
+                if bytes.is_empty() || to.write_all(&bytes).is_err() {
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                    return;
+                }
+            }
+        });
+        [reader, writer]
+    }
+    thread::spawn(move || {
+        listener.set_nonblocking(true).unwrap();
+        let mut pumps = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let Ok((client, _)) = listener.accept() else {
+                thread::sleep(Duration::from_millis(1));
+                continue;
+            };
+            client.set_nonblocking(false).unwrap();
+            let Ok(server) = TcpStream::connect(store) else {
+                continue;
+            };
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            pumps.extend(pump(client, server, delay));
+            pumps.extend(pump(s2, c2, delay));
+        }
+        drop(pumps);
+    })
+}
+
+/// Opens about `per_second` connections a second to `to` from the 256 addresses 127.1.0.x,
+/// each held `hold` without a word, until `stop`; returns how many were opened.
+fn flood(
+    to: SocketAddr,
+    per_second: u32,
+    hold: Duration,
+    stop: Arc<AtomicBool>,
+) -> JoinHandle<u64> {
+    const THREADS: u32 = 4;
+    let workers: Vec<JoinHandle<u64>> = (0..THREADS)
+        .map(|t| {
+            let stop = Arc::clone(&stop);
+            thread::spawn(move || {
+                let started = Instant::now();
+                let mut held = std::collections::VecDeque::new();
+                let mut opened = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let due = started.elapsed().as_secs_f64() * f64::from(per_second / THREADS);
+                    if (opened as f64) >= due {
+                        thread::sleep(Duration::from_micros(500));
+                        continue;
+                    }
+                    // 127.1.0.0 to 127.1.0.255, in turn.
+                    let host = (opened * u64::from(THREADS) + u64::from(t)) % 256;
+                    let from = std::net::Ipv4Addr::new(127, 1, 0, u8::try_from(host).unwrap());
+                    if let Ok(s) = connect_from(from, to) {
+                        held.push_back((Instant::now(), s));
+                    }
+                    opened += 1;
+                    while held.front().is_some_and(|(at, _)| at.elapsed() > hold) {
+                        held.pop_front();
+                    }
+                }
+                opened
+            })
+        })
+        .collect();
+    thread::spawn(move || workers.into_iter().map(|w| w.join().unwrap()).sum())
+}
+
+/// How long rank 1 of a job of two, reached through a proxy that adds `delay` each way, takes
+/// to join, with or without a flood of `per_second` connections a second from 256 other
+/// loopback addresses; and how many flood connections were opened a second.
+fn distant_join(delay: Duration, per_second: u32) -> (Result<Duration, RendezvousError>, f64) {
+    let port = free_port();
+    let store: SocketAddr = ([127, 0, 0, 1], port).into();
+    let rank0 = spawn_rank(0, 2, port, Duration::from_secs(10));
+    wait_listening(port);
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood_started = Instant::now();
+    let flooding = (per_second > 0).then(|| {
+        flood(
+            store,
+            per_second,
+            Duration::from_millis(1500),
+            Arc::clone(&stop),
+        )
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let via = listener.local_addr().unwrap().port();
+    let proxy = delaying_proxy(listener, store, delay, Arc::clone(&stop));
+    if flooding.is_some() {
+        // The flood fills the store's queue before the rank comes.
+        thread::sleep(Duration::from_millis(500));
+    }
+    let rank1 = thread::spawn(move || {
+        let started = Instant::now();
+        let mut env = job(1, 2, port, SECRET);
+        env.master_port = via;
+        let rdv = Rendezvous::connect(&env, Duration::from_secs(6))?;
+        let joined = started.elapsed();
+        rdv.all_gather(&[1; 3])?;
+        rdv.barrier()?;
+        Ok(joined)
+    });
+    let joined = rank1.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let rate = flooding.map_or(0.0, |f| {
+        let opened = f.join().unwrap();
+        opened as f64 / flood_started.elapsed().as_secs_f64()
+    });
+    proxy.join().unwrap();
+    if joined.is_ok() {
+        rank0.join().unwrap().unwrap();
+    }
+    (joined, rate)
+}
+
+/// A flood of 3,000 connections a second from 256 loopback addresses that never say a word
+/// does not keep out a rank 20 ms away (each way): it joins within a second of its time
+/// without the flood, and its error, were it kept out, would say why.
+#[test]
+fn a_flood_from_many_addresses_does_not_keep_a_distant_rank_out() {
+    let delay = Duration::from_millis(20);
+    // Once unmeasured, so that deriving the token's key (once per process) counts in neither.
+    distant_join(Duration::ZERO, 0).0.unwrap();
+    let (alone, _) = distant_join(delay, 0);
+    let alone = alone.unwrap();
+    let (flooded, rate) = distant_join(delay, 3000);
+    println!(
+        "a rank 20 ms away: joined in {alone:?} alone; beside {rate:.0} connections/s: {flooded:?}"
+    );
+    let flooded = flooded.unwrap_or_else(|e| panic!("kept out by {rate:.0} connections/s: {e}"));
+    assert!(
+        flooded < alone + Duration::from_secs(1),
+        "joined in {flooded:?} beside {rate:.0} connections/s, {alone:?} alone"
+    );
+}
+
+/// A process that holds the port a rank dials and answers every HELLO with a bare "token
+/// refused" for `for_how_long`, then forwards connections to the real store: the rank does not
+/// believe a refusal nobody proved, and joins once the store answers.
+#[test]
+fn an_unproven_token_refusal_does_not_end_a_rank() {
+    let port = free_port();
+    let store: SocketAddr = ([127, 0, 0, 1], port).into();
+    let rank0 = spawn_rank(0, 2, port, Duration::from_secs(10));
+    wait_listening(port);
+    let version = store_version(store);
+    let grabber = TcpListener::bind("127.0.0.1:0").unwrap();
+    let via = grabber.local_addr().unwrap().port();
+    let refusing_until = Instant::now() + Duration::from_millis(600);
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&refused);
+    let liar = thread::spawn(move || {
+        grabber.set_nonblocking(true).unwrap();
+        while Instant::now() < refusing_until {
+            let Ok((mut s, _)) = grabber.accept() else {
+                thread::sleep(Duration::from_millis(1));
+                continue;
+            };
+            s.set_nonblocking(false).unwrap();
+            let mut challenge = header(version, 0x84, 32);
+            challenge.extend_from_slice(&[7; 32]);
+            let _ = s.write_all(&challenge);
+            let mut hello = [0u8; 12 + 72];
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            if s.read_exact(&mut hello).is_ok() {
+                // ERROR, code 4 (token refused), no numbers, no strings: nothing proven.
+                let mut refusal = header(version, 0x83, 7);
+                refusal.extend_from_slice(&[4, 0, 0, 0, 0, 0, 0]);
+                let _ = s.write_all(&refusal);
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // From now on the port leads to the store.
+        let stop = Arc::new(AtomicBool::new(false));
+        (
+            delaying_proxy(grabber, store, Duration::ZERO, Arc::clone(&stop)),
+            stop,
+        )
+    });
+    let started = Instant::now();
+    let mut env = job(1, 2, port, SECRET);
+    env.master_port = via;
+    let joined = Rendezvous::connect(&env, Duration::from_secs(5)).and_then(|rdv| {
+        rdv.all_gather(&[1; 3])?;
+        rdv.barrier()
+    });
+    let took = started.elapsed();
+    let (proxy, stop) = liar.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    proxy.join().unwrap();
+    let refused = refused.load(Ordering::Relaxed);
+    assert!(
+        refused > 0,
+        "the rank never met the false refusal: {joined:?} after {took:?}"
+    );
+    joined.unwrap_or_else(|e| panic!("ended after {took:?} by {refused} unproven refusals: {e}"));
+    rank0.join().unwrap().unwrap();
+}

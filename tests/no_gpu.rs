@@ -152,9 +152,12 @@ fn the_other_ranks_hear_at_once_why_a_rank_cannot_run() {
             .unwrap()
             .port();
         let waiting = 1 - failing;
+        let token = gpucast::rendezvous::random_token().unwrap();
+        let theirs = token.clone();
         let peer = std::thread::spawn(move || {
             let started = std::time::Instant::now();
-            let job = JobEnv::single_node(waiting, 2, port).unwrap();
+            let mut job = JobEnv::single_node(waiting, 2, port).unwrap();
+            job.job_token = theirs;
             // The failing rank may complete the rendezvous before it aborts: the first
             // exchange after it fails then.
             let r = Rendezvous::connect(&job, Duration::from_secs(20))
@@ -162,7 +165,8 @@ fn the_other_ranks_hear_at_once_why_a_rank_cannot_run() {
             (r.map(drop), started.elapsed())
         });
         std::thread::sleep(Duration::from_millis(200));
-        let job = JobEnv::single_node(failing, 2, port).unwrap();
+        let mut job = JobEnv::single_node(failing, 2, port).unwrap();
+        job.job_token = token;
         let r = gpucast::Communicator::builder()
             .job(job)
             .device(bad_device)

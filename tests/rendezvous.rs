@@ -491,10 +491,13 @@ fn a_stalled_rank_is_named_by_the_all_gather_timeout() {
     // Three ranks as threads of this process; rank 2 joins, then stalls before the all-gather.
     let port = free_port();
     let timeout = Duration::from_secs(1);
+    let token = random_token().unwrap();
     let ranks: Vec<_> = (0..3usize)
         .map(|rank| {
+            let token = token.clone();
             thread::spawn(move || {
-                let env = JobEnv::single_node(rank, 3, port).unwrap();
+                let mut env = JobEnv::single_node(rank, 3, port).unwrap();
+                env.job_token = token;
                 let mut rdv = Rendezvous::connect(&env, Duration::from_secs(5)).unwrap();
                 rdv.set_timeout(timeout);
                 rdv.barrier().unwrap();

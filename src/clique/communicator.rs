@@ -255,7 +255,7 @@ impl Communicator {
                 reason: "must be longer than zero".into(),
             });
         }
-        let deadline = crate::rendezvous::later(init_timeout);
+        let deadline = crate::util::later(init_timeout);
         let job = match b.job {
             Some(j) => j,
             None => JobEnv::from_env()?,

@@ -152,7 +152,7 @@ impl Comms {
         entries: impl Iterator<Item = (usize, ncclDataType_t, &'a [RankOp])>,
         timeout: Duration,
     ) -> Result<()> {
-        let deadline = crate::rendezvous::later(timeout);
+        let deadline = crate::util::later(timeout);
         let root_c = c_int::try_from(root).expect("root is validated to be < 8");
         // SAFETY: ncclGroupStart has no preconditions.
         let code = unsafe { (self.lib.group_start)() };

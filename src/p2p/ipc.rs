@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use nix::sys::socket::{getsockopt, sendmsg, sockopt, ControlMessage, MsgFlags};
 
 use crate::error::{Error, Result};
-use crate::rendezvous::{random_bytes, same_secret, Throttle};
+use crate::util::{random_bytes, same_secret, Throttle};
 
 /// Logging of refused and failed connections (strangers may make many).
 static REFUSED: Throttle = Throttle::new();

@@ -11,7 +11,7 @@ use super::MAX_VALUE_LEN;
 /// The first four bytes of every frame.
 pub(crate) const MAGIC: [u8; 4] = *b"GCRV";
 /// The protocol version this build speaks; a frame of another version closes the connection.
-pub(crate) const PROTOCOL_VERSION: u8 = 2;
+pub(crate) const PROTOCOL_VERSION: u8 = 3;
 /// Bytes in a frame header: magic (4), version (1), op (1), reserved zero (2), payload length
 /// (4, little-endian).
 pub(crate) const FRAME_HEADER_LEN: usize = 12;
@@ -523,12 +523,6 @@ pub(crate) fn decode_gathered(payload: &[u8]) -> Result<Vec<Vec<u8>>, String> {
     Ok(out)
 }
 
-/// Whether an `ERROR` payload is the refusal of a HELLO's proof (which the store cannot prove
-/// to a process that lacks the token, so it travels alone).
-pub(crate) fn is_token_refusal(payload: &[u8]) -> bool {
-    payload.first() == Some(&code::TOKEN_MISMATCH)
-}
-
 /// Error codes of the `ERROR` reply.
 mod code {
     pub const WORLD_SIZE_MISMATCH: u8 = 1;
@@ -540,6 +534,7 @@ mod code {
     pub const REJECTED: u8 = 7;
     pub const TOO_LARGE: u8 = 8;
     pub const PROTOCOL: u8 = 9;
+    pub const CROWDED: u8 = 10;
 }
 
 /// Encodes an error as an `ERROR` payload: code (u8), number count (u32), numbers (u64 each),
@@ -589,6 +584,7 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
         }
         RendezvousError::Protocol { reason, .. } => (code::PROTOCOL, vec![], vec![reason.clone()]),
         RendezvousError::Rejected { reason } => (code::REJECTED, vec![], vec![reason.clone()]),
+        RendezvousError::Crowded { reason, .. } => (code::CROWDED, vec![], vec![reason.clone()]),
         other => (code::REJECTED, vec![], vec![other.to_string()]),
     };
     // At most one number per rank plus one, and two strings: the counts always fit.
@@ -672,6 +668,10 @@ pub(crate) fn decode_error(payload: &[u8], peer: &str) -> Result<RendezvousError
             reason: text(0),
         },
         code::REJECTED => RendezvousError::Rejected { reason: text(0) },
+        code::CROWDED => RendezvousError::Crowded {
+            store: peer.to_owned(),
+            reason: text(0),
+        },
         other => RendezvousError::Rejected {
             reason: format!("unknown error code {other}: {}", strs.join("; ")),
         },
@@ -695,7 +695,7 @@ mod tests {
     #[test]
     fn header_layout() {
         let h = header(op::GATHER, 0x0102_0304).unwrap();
-        assert_eq!(h, [b'G', b'C', b'R', b'V', 2, 0x05, 0, 0, 4, 3, 2, 1]);
+        assert_eq!(h, [b'G', b'C', b'R', b'V', 3, 0x05, 0, 0, 4, 3, 2, 1]);
         assert_eq!(
             parse_header(&h, usize::MAX).unwrap(),
             (op::GATHER, 0x0102_0304)

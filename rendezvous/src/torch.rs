@@ -11,8 +11,9 @@
 //! the key (`TCPStore` adds the leading `/` itself).
 //!
 //! The store authenticates nobody: any process that reaches the port reads and writes every
-//! key. So every value gpucast puts there is sealed (XChaCha20-Poly1305, key derived from the
-//! job token and the prefix) and bound to its place (the instance, the round, the rank) and,
+//! key. So every value gpucast puts there is sealed (HMAC-SHA256 under a key derived from the
+//! job token and the prefix: readable, but not forgeable) and bound to its place (the
+//! instance, the round, the rank) and,
 //! after the first round, to a session id made of every rank's fresh nonce, so that a value
 //! recorded in an earlier launch is refused as well. A value that does not open is an error
 //! that names it, never data. Rank 0 deletes a round's keys once every rank is past it.
@@ -361,7 +362,7 @@ impl TorchSession {
             auth::warn_weak_token(
                 reason,
                 "gpucast's values in torchrun's store, which any process that reaches \
-                 MASTER_PORT can read, are sealed with a key derived from it",
+                 MASTER_PORT can read, carry tags made with a key derived from it",
             );
         }
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
@@ -374,7 +375,7 @@ impl TorchSession {
         })?;
         let mut s = TorchSession {
             store,
-            sealer: Sealer::new(&env.job_token, prefix.as_bytes()),
+            sealer: Sealer::new(&auth::Key::of(&env.job_token), prefix.as_bytes()),
             base: key(&format!("{instance}/")),
             instance,
             rank: env.rank,
@@ -454,7 +455,7 @@ impl TorchSession {
 
     /// Writes this rank's sealed `plain` for `round` and counts it in.
     fn put(&mut self, round: Round, what: &[u8], plain: &[u8], hard: Instant) -> Result<()> {
-        let sealed = self.sealer.seal(&self.aad(what, round, self.rank), plain)?;
+        let sealed = self.sealer.seal(&self.aad(what, round, self.rank), plain);
         self.store.set(&self.key(round, self.rank), &sealed, hard)?;
         self.store.add(&self.counter(round), 1, hard).map(drop)
     }
@@ -630,6 +631,11 @@ impl TorchSession {
                 return Ok(());
             }
             if self.store.check(&abort, hard)? {
+                // The round may have filled between the two looks, and a rank that saw it full
+                // have aborted since: then this round is done, and the abort is the next one's.
+                if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
+                    return Ok(());
+                }
                 self.read_abort(hard)?;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -723,7 +729,7 @@ impl TorchSession {
         plain.extend_from_slice(
             format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON)).as_bytes(),
         );
-        let sealed = self.sealer.seal(&self.abort_aad(), &plain)?;
+        let sealed = self.sealer.seal(&self.abort_aad(), &plain);
         let key = self.abort_key();
         self.store.set(&key, &sealed, later(timeout))
     }

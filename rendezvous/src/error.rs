@@ -133,14 +133,30 @@ pub enum RendezvousError {
     },
     /// The store refused this process's proof of the job token: the process belongs to another
     /// job or launch than rank 0, or was given another token.
+    /// Such a refusal cannot be proven (the store cannot prove the token to a process whose
+    /// token differs): the rank tries again until its deadline, then says this.
     #[error(
-        "the rendezvous store at {store} refused this process's job token: it belongs to \
-         another job or launch than rank 0 (every rank needs the same GPUCAST_JOB_TOKEN, \
-         torchrun run id or Slurm job id; check MASTER_ADDR and MASTER_PORT)"
+        "the rendezvous store at {store} refused this process's job token until the deadline: \
+         it belongs to another job or launch than rank 0 (every rank needs the same \
+         GPUCAST_JOB_TOKEN, torchrun run id or Slurm job id; check MASTER_ADDR and MASTER_PORT)"
     )]
     JobTokenMismatch {
         /// The store's address.
         store: String,
+    },
+    /// The store (or whatever answered at its address: the answer cannot be proven) kept
+    /// turning this process's connections away until its deadline, for want of room among the
+    /// connections that have not proven the job token: something floods its port.
+    #[error(
+        "the rendezvous store at {store} kept turning this rank away until the deadline: \
+         {reason} (something floods its port with connections that never prove the job \
+         token; this answer was not proven, so whatever holds the port may have sent it)"
+    )]
+    Crowded {
+        /// The store's address.
+        store: String,
+        /// What the store said.
+        reason: String,
     },
     /// The process at the store's address could not prove it knows the job token: it is not
     /// this job's store (another job's, or a process that took the port first).

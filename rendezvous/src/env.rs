@@ -87,7 +87,7 @@ pub struct JobEnv {
     pub master_port: u16,
     /// The job's secret; every rank must have the same. Each rank proves it knows the token
     /// (never sending it) and the store proves it back, so a process without it joins nothing,
-    /// and gpucast's values in torchrun's store are sealed with a key derived from it. From
+    /// and gpucast's values in torchrun's store carry tags made with a key derived from it. From
     /// `GPUCAST_JOB_TOKEN`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`,
     /// else empty; only the first can be a real secret (see [`TokenSource`]).
     pub job_token: String,
@@ -372,7 +372,9 @@ impl JobEnv {
         Ok(env)
     }
 
-    /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`.
+    /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`,
+    /// and no job token: set `job_token` to the same random secret in every rank (e.g. from
+    /// [`super::random_token`]), or any user of the host who finds the port can join.
     pub fn single_node(rank: usize, world_size: usize, master_port: u16) -> Result<Self> {
         let env = Self {
             rank,

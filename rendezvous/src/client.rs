@@ -281,11 +281,17 @@ impl StoreClient {
         let challenge = self.receive_raw(&during, timeout)?;
         let server_nonce = match (challenge.op, wire::decode_challenge(&challenge.payload)) {
             (op::CHALLENGE, Ok(n)) => n,
+            (op::ERROR, _) => {
+                return Err(self
+                    .unproven_error(&challenge.payload, &store)
+                    .unwrap_or_else(|| not_authentic(self)))
+            }
             _ => return Err(not_authentic(self)),
         };
         let nonce = auth::random()?;
+        let key = auth::Key::of(job_token);
         let handshake = Handshake {
-            token: job_token,
+            key: &key,
             server_nonce: &server_nonce,
             client_nonce: &nonce,
             rank: rank32,
@@ -309,29 +315,22 @@ impl StoreClient {
                 self.world_size = Some(world_size);
                 Ok(())
             }
-            // The refusal of this process's proof: unprovable to a process whose token
-            // differs, so it travels bare, and is believed (it ends only this rank's attempt).
-            op::ERROR if wire::is_token_refusal(&frame.payload) => {
-                self.broken = Some("the store refused the job token".into());
-                Err(RendezvousError::JobTokenMismatch { store })
-            }
             op::ERROR => {
                 let split = frame.payload.len().checked_sub(auth::PROOF_LEN);
                 let proven = split.filter(|&at| {
                     let (refusal, claimed) = frame.payload.split_at(at);
                     handshake.verify(Purpose::Refusal, refusal, claimed)
                 });
-                match proven {
-                    Some(at) => {
-                        self.broken = Some("the store refused this rank".into());
-                        let refusal = wire::Frame {
-                            op: op::ERROR,
-                            payload: frame.payload[..at].to_vec(),
-                        };
-                        self.error_reply(refusal, &during).map(drop)
-                    }
-                    None => Err(not_authentic(self)),
+                if let Some(at) = proven {
+                    self.broken = Some("the store refused this rank".into());
+                    let refusal = wire::Frame {
+                        op: op::ERROR,
+                        payload: frame.payload[..at].to_vec(),
+                    };
+                    return self.error_reply(refusal, &during).map(drop);
                 }
+                self.unproven_error(&frame.payload, &store)
+                    .map_or_else(|| Err(not_authentic(self)), Err)
             }
             other => {
                 self.broken = Some(format!("reply op {other:#04x} to a HELLO"));
@@ -340,6 +339,29 @@ impl StoreClient {
                     reason: format!("reply op {other:#04x} during {during}"),
                 })
             }
+        }
+    }
+
+    /// The two errors the store says without proof during a handshake (it cannot prove the
+    /// token to a process whose token differs, nor spend a proof on a connection it turns away
+    /// in a flood): the refusal of this process's token, and [`RendezvousError::Crowded`].
+    /// Whatever holds the port can send them too, so they are reasons to try again until the
+    /// deadline (see `connect_and_hello`), never a final answer by themselves. Any other
+    /// unproven error is `None`: not this job's store.
+    fn unproven_error(&mut self, payload: &[u8], store: &str) -> Option<RendezvousError> {
+        let e = wire::decode_error(payload, store).ok()?;
+        match e {
+            RendezvousError::JobTokenMismatch { .. } => {
+                self.broken = Some("the store refused the job token".into());
+                Some(RendezvousError::JobTokenMismatch {
+                    store: store.to_owned(),
+                })
+            }
+            RendezvousError::Crowded { .. } => {
+                self.broken = Some("the store turned the connection away".into());
+                Some(e)
+            }
+            _ => None,
         }
     }
 

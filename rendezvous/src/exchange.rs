@@ -230,15 +230,13 @@ fn host_store(env: &JobEnv) -> Result<StoreServer> {
                 if addr.ip().is_unspecified() {
                     debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
                 }
-                if !addr.ip().is_loopback() {
-                    if let Some(reason) = auth::weakness(&env.job_token, env.token_source) {
-                        auth::warn_weak_token(
-                            reason,
-                            &format!(
-                                "gpucast's rendezvous store listens on {addr}, beyond this host"
-                            ),
-                        );
-                    }
+                if let Some(reason) = auth::weakness(&env.job_token, env.token_source) {
+                    let exposure = if addr.ip().is_loopback() {
+                        format!("gpucast's rendezvous store listens on {addr}, which every user of this host can reach")
+                    } else {
+                        format!("gpucast's rendezvous store listens on {addr}, beyond this host")
+                    };
+                    auth::warn_weak_token(reason, &exposure);
                 }
                 return Ok(server);
             }
@@ -261,8 +259,9 @@ fn local_target(listening: SocketAddr) -> SocketAddr {
 }
 
 /// Connects and says hello, reconnecting while the failure is on the connection (the store
-/// closed it, e.g. to make room, or reset it) or on what answered (it could not prove the
-/// token: not the job's store, or not yet) and time is left. When time runs out after such a
+/// closed it, e.g. to make room, or reset it) or on what answered without proof (garbage, a
+/// "token refused", a "turned away", or a welcome it could not prove: not the job's store, or
+/// not yet) and time is left. When time runs out after such a
 /// failure, that failure is the error, not the last connect attempt.
 fn connect_and_hello(
     host: &str,
@@ -282,7 +281,25 @@ fn connect_and_hello(
         let left = deadline.saturating_duration_since(Instant::now());
         match client.hello(env.rank, env.world_size, &env.job_token, left) {
             Ok(()) => return Ok(client),
-            Err(e @ (RendezvousError::Io { .. } | RendezvousError::StoreNotAuthentic { .. })) => {
+            Err(
+                e @ (RendezvousError::Io { .. }
+                | RendezvousError::Protocol { .. }
+                | RendezvousError::StoreNotAuthentic { .. }
+                | RendezvousError::JobTokenMismatch { .. }
+                | RendezvousError::Crowded { .. }),
+            ) => {
+                // An answer nobody proved, or none: try again. A closed connection says less
+                // than a reason given before it, which stays the one reported.
+                let named = matches!(
+                    last,
+                    Some(
+                        RendezvousError::Crowded { .. } | RendezvousError::JobTokenMismatch { .. }
+                    )
+                );
+                let e = match last.take() {
+                    Some(earlier) if named && matches!(e, RendezvousError::Io { .. }) => earlier,
+                    _ => e,
+                };
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     return Err(e);
@@ -324,15 +341,17 @@ impl Rendezvous {
     /// may start last), proves the job token, checks the store's proof, and waits until all
     /// `world_size` ranks have joined. Under torchrun ([`StoreKind::Torch`]) every rank joins
     /// the agent's store instead and runs the same steps there, with sealed values. A token
-    /// that others can find out (empty, torchrun's run id, Slurm's job id, under 16
-    /// characters) on a store that other hosts can reach is said once, by rank 0 on standard
-    /// error, with how to set a secret one.
+    /// that does not look random (empty, torchrun's run id, Slurm's job id, under 128 bits
+    /// for its length and alphabet, repetitive) is said once, by rank 0 on standard error, on
+    /// loopback too, with how to set a secret one. An answer nobody proved ("token refused",
+    /// "turned away", a closed connection) is tried again until the deadline.
     ///
     /// Errors: [`RendezvousError::PortInUse`] on rank 0 if the port is taken;
     /// [`RendezvousError::ConnectTimeout`] if the store cannot be reached; the store's last
     /// refusal if it kept closing the connection; [`RendezvousError::JobTokenMismatch`] /
     /// [`RendezvousError::StoreNotAuthentic`] when this process and the store do not share the
-    /// token; [`RendezvousError::Timeout`] naming the missing ranks if not all arrive in time;
+    /// token, or [`RendezvousError::Crowded`] when the store kept turning it away, until the
+    /// deadline; [`RendezvousError::Timeout`] naming the missing ranks if not all arrive in time;
     /// [`RendezvousError::WorldSizeMismatch`] / [`RendezvousError::DuplicateRank`] /
     /// [`RendezvousError::RankOutOfRange`] for the offending process and
     /// [`RendezvousError::JobFailed`] for all others. After a failure, rank 0 keeps its store
@@ -540,6 +559,38 @@ impl Exchange for Rendezvous {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank turned away until its deadline (every place held by connections younger than
+    /// the floor) says so, rather than blaming a closed connection or an exited rank 0.
+    #[test]
+    fn a_rank_kept_out_by_a_full_store_names_the_crowd() {
+        let mut opts = ServerOptions::new(2, "a token of the crowded job, long enough");
+        opts.max_pending_per_addr = 2;
+        opts.pending_floor = Duration::from_secs(60);
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let port = server.local_addr().port();
+        let idle: Vec<_> = (0..2)
+            .map(|_| std::net::TcpStream::connect(server.local_addr()).unwrap())
+            .collect();
+        thread::sleep(Duration::from_millis(100));
+        let mut env = JobEnv::single_node(1, 2, port).unwrap();
+        env.job_token = "a token of the crowded job, long enough".into();
+        let started = Instant::now();
+        let deadline = Instant::now() + Duration::from_millis(700);
+        let e = connect_and_hello("127.0.0.1", port, &env, deadline).unwrap_err();
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "gave up early"
+        );
+        match &e {
+            RendezvousError::Crowded { reason, .. } => {
+                assert!(reason.contains("2 connections from 127.0.0.1"), "{reason}");
+                assert!(e.to_string().contains("floods its port"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(idle);
+    }
 
     #[test]
     fn fn_exchange_maps_results_and_errors() {

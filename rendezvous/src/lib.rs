@@ -12,21 +12,21 @@
 //!   process group provide it instead.
 //! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
 //!
-//! Pure Rust and `std` (plus RustCrypto's HMAC, SHA-2 and XChaCha20-Poly1305, and the OS's
-//! random source): blocking sockets with timeouts and a few threads on rank 0. This module
-//! uses nothing else of gpucast.
+//! Pure Rust and `std` (plus RustCrypto's HMAC and SHA-2, nix's sockets, and the OS's
+//! random source): blocking sockets with timeouts and a few threads on rank 0. This crate
+//! uses nothing of gpucast, which re-exports it as `gpucast::rendezvous`.
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use gpucast::rendezvous::{JobEnv, Rendezvous, host_id};
+//! use gpucast_rendezvous::{JobEnv, Rendezvous, host_id};
 //!
 //! let env = JobEnv::from_env()?;
 //! let rdv = Rendezvous::connect(&env, Duration::from_secs(120))?;
-//! let hosts = rdv.all_gather(host_id(gpucast::rendezvous::env_var).as_bytes())?;
+//! let hosts = rdv.all_gather(host_id(gpucast_rendezvous::env_var).as_bytes())?;
 //! let same_node: Vec<usize> = (0..rdv.world_size()).filter(|&r| hosts[r] == hosts[rdv.rank()]).collect();
 //! # let _ = same_node;
 //! rdv.barrier()?;
-//! # Ok::<(), gpucast::rendezvous::RendezvousError>(())
+//! # Ok::<(), gpucast_rendezvous::RendezvousError>(())
 //! ```
 //!
 //! # Who gets in
@@ -34,28 +34,48 @@
 //! The job token ([`JobEnv::job_token`], from `GPUCAST_JOB_TOKEN`) is the job's secret. It
 //! never leaves the process: not in a frame, a log line, an error or a `Debug` form.
 //!
-//! - gpucast's store sends every new connection a fresh random nonce; the HELLO must carry
-//!   HMAC-SHA256(token, both nonces, rank, world size), checked in constant time, and the store
-//!   answers with its own proof over the same nonces, for a welcome and for a refusal alike. A
-//!   process without the token learns nothing and registers nothing; a recorded HELLO is
-//!   useless on any other connection; a process that took the port first can pass neither as
-//!   the store nor for its refusals (the rank retries until its deadline, then says so).
+//! - Every process derives a key from the token once: PBKDF2-HMAC-SHA256 with 2^17 rounds
+//!   (why not scrypt or Argon2: see below). gpucast's store sends every new connection a fresh
+//!   random nonce; the HELLO must carry HMAC-SHA256(key, both nonces, rank, world size),
+//!   checked in constant time, and the store answers with its own proof over the same nonces,
+//!   for a welcome and for a refusal alike. A process without the token registers nothing; a
+//!   recorded HELLO is useless on any other connection; a process that took the port first can
+//!   pass neither as the store nor for its refusals: a rank takes any answer nobody proved
+//!   ("token refused" and "turned away" included) as a reason to try again until its deadline,
+//!   then names the last one.
 //! - Until a HELLO is proven, a connection may send one frame of at most a HELLO's size,
-//!   within one deadline for the whole handshake (10 s), and at most 64 such connections are
-//!   kept: a new one evicts the oldest. Strangers that connect, idle, dribble or reconnect cost
-//!   the job at most a retried connection.
+//!   within one deadline for the whole handshake (10 s). At most 1,024 such connections are
+//!   kept, at most 128 from one address, and none is closed to make room before it is 500 ms
+//!   old: a newcomer evicts an older one of its own address or, the store being full, of the
+//!   address holding the most (when that is at least two more than its own), else it is
+//!   turned away with an error that says why ([`RendezvousError::Crowded`]). Strangers that
+//!   connect, idle, dribble or reconnect, and floods from other addresses, cost a rank at most
+//!   a retried connection; a flood from the rank's own address, or from so many addresses
+//!   that each holds one place, can delay it.
 //! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
-//!   there is sealed with XChaCha20-Poly1305 under a key derived from the token, bound to its
+//!   there carries HMAC-SHA256 under a key derived from the token, over the value and its
 //!   rank, round and instance and, after a first round of fresh nonces and a round that
-//!   confirms them, to the session id they make: a value written by a process without the
-//!   token is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can
-//!   at most keep a rank's place empty until the timeout, never stand for it.
-//! - A token that anyone can find out (empty, torchrun's run id: `"none"` by default and in the
-//!   process list otherwise, Slurm's job id, fewer than 16 characters) protects nothing. gpucast accepts it, so that jobs that never
-//!   set one keep working, and says so once on standard error when the store is reachable from
-//!   other hosts (rank 0 listens beyond loopback, or torchrun's store is used), with how to set
-//!   a secret one: `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)`. Launchers that start
-//!   the ranks themselves make one with [`random_token`].
+//!   confirms them, the session id they make: a value written by a process without the token
+//!   is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can at
+//!   most keep a rank's place empty until the timeout, never stand for it. Values are not
+//!   encrypted: whoever reaches torchrun's store reads them (the NCCL id among them, which
+//!   PyTorch writes there in the clear too), as they could read torch's own.
+//! - The token must be random, with at least 128 bits (`openssl rand -hex 32`,
+//!   [`random_token`]). One captured exchange (a HELLO, or a sealed value in torchrun's store,
+//!   which anyone who reaches its port can read) lets anyone test guesses offline, one key
+//!   derivation per guess: a random token is out of reach, a guessable one is found. A token
+//!   that does not look random (empty, torchrun's run id: `"none"` by default and in the
+//!   process list otherwise, Slurm's job id, fewer than 128 bits for its length and alphabet,
+//!   repetitive) protects nothing. gpucast accepts it, so that jobs that never set one keep
+//!   working, and says so once on standard error, on loopback too (every local user can reach
+//!   127.0.0.1), with how to set a secret one: `export GPUCAST_JOB_TOKEN=$(openssl rand -hex
+//!   32)`. Launchers that start the ranks themselves make one with [`random_token`].
+//! - Why PBKDF2 and not a memory-hard derivation: the derivation only multiplies the cost of
+//!   each guess of a weak token (2^17 HMACs instead of one: a 2-million-word list takes hours
+//!   of a core, not 0.2 s), and does nothing for a random one, which needs no help. scrypt or
+//!   Argon2 would also blunt GPUs, at the price of crates of their own, for what stays a delay;
+//!   PBKDF2 is written on the HMAC-SHA256 the proofs use. Its salt is fixed (both sides derive
+//!   the key before anything is proven), so one derived word list serves against every capture.
 //!
 //! Beyond admission, a connection is not encrypted: a process that can read or inject the
 //! traffic between two nodes (on the path) is outside what this defends against, as it is for
@@ -71,14 +91,14 @@
 //! failure, including its own timeout), or disconnects before contributing to an all-gather
 //! that others wait on, fails the job too. A timeout names the missing ranks.
 //!
-//! # Wire format of gpucast's store (version 2)
+//! # Wire format of gpucast's store (version 3)
 //!
 //! Every message is a frame: a 12-byte header, then the payload. Integers are little-endian.
 //!
 //! | bytes | field |
 //! |---|---|
 //! | 0..4 | magic `GCRV` |
-//! | 4 | version, 2 |
+//! | 4 | version, 3 |
 //! | 5 | op |
 //! | 6..8 | reserved, zero |
 //! | 8..12 | payload length (u32) |
@@ -99,12 +119,16 @@
 //! world-size mismatch `[rank, client, server]`, 2 rank out of range `[rank, world]`, 3
 //! duplicate rank `[rank]` + detail, 4 token refused (nothing else), 5 timeout `[ms,
 //! missing...]` + what, 6 job failed `[missing...]` + reason, 7 rejected + reason, 8 too large
-//! `[len, max]` + what, 9 protocol + reason. Proofs are HMAC-SHA256 keyed by the token over a
-//! label (`gpucast rendezvous v2: hello`, `...: welcome` or `...: refusal`) and the
+//! `[len, max]` + what, 9 protocol + reason, 10 crowded + reason. Proofs are HMAC-SHA256 keyed by the token's key over a
+//! label (`gpucast rendezvous v3: hello`, `...: welcome` or `...: refusal`) and the
 //! length-prefixed server nonce, client nonce, rank, world size and, for a refusal, the error
 //! payload. The ERROR that answers a proven HELLO carries the store's refusal proof after the
-//! error; a client believes no other ERROR during the handshake except code 4 (the refusal of
-//! its own proof, which the store cannot prove to a process whose token differs).
+//! error; any other ERROR during the handshake is unproven: code 4 (the refusal of the client's
+//! proof, which the store cannot prove to a process whose token differs) and code 10 (turned
+//! away: no room among unproven connections, reason as a string, sent instead of the challenge
+//! or before an eviction) make the client try again until its deadline; any other makes it
+//! call the store not authentic (and try again too). The key is PBKDF2-HMAC-SHA256 of the
+//! token, salt `gpucast rendezvous v3: job token`, 2^17 rounds, 32 bytes.
 //!
 //! A bad magic closes the connection silently; a bad version, non-zero reserved bytes or an
 //! oversize length closes it after an ERROR reply. The length is checked before any payload
@@ -148,14 +172,15 @@ pub const MAX_TOKEN_LEN: usize = 256;
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
 /// Connections not yet proven that the store keeps at once.
-const DEFAULT_MAX_PENDING: usize = 64;
+const DEFAULT_MAX_PENDING: usize = 1024;
+/// Connections not yet proven that the store keeps at once from one address.
+const DEFAULT_MAX_PENDING_PER_ADDR: usize = 128;
+/// Age below which a connection not yet proven is never closed to make room.
+const DEFAULT_PENDING_FLOOR: Duration = Duration::from_millis(500);
 /// Default time a new connection has to complete its HELLO.
 const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time to finish reading a started frame or writing a reply.
 const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// For the descriptor exchange between the processes of a host (the P2P path).
-pub(crate) use auth::{random as random_bytes, same_secret};
 
 /// `timeout` from now, or far in the future when that is beyond what an `Instant` holds (a
 /// caller may pass `Duration::MAX` for "no limit").

@@ -1,0 +1,552 @@
+//! The job token as a secret: a key derived from it once per process (PBKDF2-HMAC-SHA256,
+//! [`KDF_ROUNDS`] rounds), proofs that a peer knows that key (HMAC-SHA256 over fresh nonces, so
+//! a captured proof is worth nothing on another connection), values sealed under a key derived
+//! from it, random nonces and tokens, and the warning for a token that does not look random.
+//!
+//! The token itself never leaves the process: not in a frame, a log line or an error.
+//!
+//! Why PBKDF2 and not a memory-hard function: one captured HELLO (or sealed value) lets anyone
+//! test guesses of the token offline, each guess costing one derivation. A random token of 128
+//! bits or more is out of reach whatever the derivation; for a weak one the derivation only
+//! multiplies the cost of each guess ([`KDF_ROUNDS`] HMACs, ~2^17, instead of one: a
+//! 2-million-word list takes hours of one core instead of a fraction of a second). scrypt or
+//! Argon2 would also make guessing on GPUs costly, but would bring crates of their own for what
+//! stays a delay: the defence is a random token, which gpucast warns about when it is missing.
+//! PBKDF2 is written here on the HMAC-SHA256 the proofs use already. Its salt is a fixed label
+//! (both sides must derive the key before either has proven anything), so a list of guesses
+//! can be derived once and tried against many captures.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use hmac::{Hmac, Mac};
+use sha2::{Digest, Sha256};
+
+use super::env::TokenSource;
+use super::error::{RendezvousError, Result};
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Bytes of a connection nonce.
+pub(crate) const NONCE_LEN: usize = 32;
+/// Bytes of a proof (an HMAC-SHA256 tag).
+pub(crate) const PROOF_LEN: usize = 32;
+/// Bytes a sealed value carries besides the value: its 32-byte tag.
+pub(crate) const SEAL_OVERHEAD: usize = 32;
+/// PBKDF2 rounds of the key derivation (see the module's documentation).
+pub(crate) const KDF_ROUNDS: u32 = 1 << 17;
+/// Bits of randomness below which a token is called guessable.
+const MIN_SECRET_BITS: f64 = 128.0;
+
+/// A nonce.
+pub(crate) type Nonce = [u8; NONCE_LEN];
+/// A proof.
+pub(crate) type Proof = [u8; PROOF_LEN];
+
+/// `N` bytes from the operating system's random source.
+pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
+    let mut bytes = [0u8; N];
+    getrandom::fill(&mut bytes).map_err(|e| RendezvousError::NoRandomness {
+        reason: e.to_string(),
+    })?;
+    Ok(bytes)
+}
+
+/// A fresh job token: 32 random bytes in hex (64 characters). Launchers that start the ranks of
+/// a job themselves give every rank the same one in `GPUCAST_JOB_TOKEN`.
+///
+/// Errors: [`RendezvousError::NoRandomness`] if the operating system has no random source.
+pub fn random_token() -> Result<String> {
+    Ok(random::<32>()?.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The MAC of `label` and `parts` (each length-prefixed, so no two inputs share an encoding)
+/// under `key`.
+fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+    // HMAC takes keys of any length: `new_from_slice` cannot fail for it.
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+    m.update(label);
+    for p in parts {
+        m.update(&(p.len() as u64).to_le_bytes());
+        m.update(p);
+    }
+    m
+}
+
+/// PBKDF2-HMAC-SHA256 of `password` and `salt` with `rounds` rounds: the first 32 bytes
+/// (RFC 8018, section 5.2). After the first round, each HMAC is two SHA-256 blocks from the
+/// key's inner and outer states, run on SHA-256's compression function directly.
+fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
+    use sha2::digest::generic_array::GenericArray;
+    const IV: [u32; 8] = [
+        0x6a09_e667,
+        0xbb67_ae85,
+        0x3c6e_f372,
+        0xa54f_f53a,
+        0x510e_527f,
+        0x9b05_688c,
+        0x1f83_d9ab,
+        0x5be0_cd19,
+    ];
+    let first: [u8; 32] = mac_raw(password, &[salt, &1u32.to_be_bytes()]);
+    // HMAC's key block: the password, or its digest when longer than a block.
+    let mut key = [0u8; 64];
+    if password.len() > 64 {
+        key[..32].copy_from_slice(&Sha256::digest(password));
+    } else {
+        key[..password.len()].copy_from_slice(password);
+    }
+    let state_after = |pad: u8| {
+        let mut state = IV;
+        let block: [u8; 64] = std::array::from_fn(|i| key[i] ^ pad);
+        sha2::compress256(&mut state, &[GenericArray::from(block)]);
+        state
+    };
+    let (inner, outer) = (state_after(0x36), state_after(0x5c));
+    // A 32-byte message after the key block, padded: 0x80, zeros, then 96 * 8 bits. Plain
+    // loops over arrays: this runs 2^18 times, and must be quick in unoptimised builds too.
+    let mut block = [0u8; 64];
+    block[32] = 0x80;
+    block[62] = 3;
+    let (mut u, mut out) = (first, first);
+    for _ in 1..rounds {
+        block[..32].copy_from_slice(&u);
+        let mut st = inner;
+        sha2::compress256(
+            &mut st,
+            std::slice::from_ref(GenericArray::from_slice(&block)),
+        );
+        for k in 0..8 {
+            block[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
+        }
+        let mut st = outer;
+        sha2::compress256(
+            &mut st,
+            std::slice::from_ref(GenericArray::from_slice(&block)),
+        );
+        for k in 0..8 {
+            u[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
+        }
+        for k in 0..32 {
+            out[k] ^= u[k];
+        }
+    }
+    out
+}
+
+/// HMAC-SHA256 of the concatenated `parts` under `key`.
+fn mac_raw(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().into()
+}
+
+/// The key every proof and sealed value of a job is made with, derived from the job token
+/// (never the token itself). Its `Debug` form shows nothing of it.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Key([u8; 32]);
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Key(<not shown>)")
+    }
+}
+
+/// Keys derived in this process, by a digest of their token: the derivation is made costly
+/// on purpose, and a process needs it once.
+static KEYS: std::sync::Mutex<Vec<([u8; 32], Key)>> = std::sync::Mutex::new(Vec::new());
+
+impl Key {
+    /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
+    /// process and token.
+    pub(crate) fn of(token: &str) -> Key {
+        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
+        let cached = |keys: &Vec<([u8; 32], Key)>| {
+            keys.iter()
+                .find(|(k, _)| same_secret(k, &id))
+                .map(|(_, key)| key.clone())
+        };
+        let mut keys = KEYS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(key) = cached(&keys) {
+            return key;
+        }
+        let key = Key(pbkdf2_sha256(
+            token.as_bytes(),
+            b"gpucast rendezvous v3: job token",
+            KDF_ROUNDS,
+        ));
+        if keys.len() >= 16 {
+            keys.remove(0);
+        }
+        keys.push((id, key.clone()));
+        key
+    }
+}
+
+/// What a proof is for: the label makes a client's proof useless as the store's, and each
+/// useless anywhere else.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Purpose {
+    /// A client proves the token when it says hello.
+    Hello,
+    /// The store proves it back in its welcome.
+    Welcome,
+    /// The store proves that it refused this HELLO with the error it sends, so that whatever
+    /// holds the port cannot end a rank with an error of its choosing.
+    Refusal,
+}
+
+impl Purpose {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Purpose::Hello => b"gpucast rendezvous v3: hello",
+            Purpose::Welcome => b"gpucast rendezvous v3: welcome",
+            Purpose::Refusal => b"gpucast rendezvous v3: refusal",
+        }
+    }
+}
+
+/// One handshake: both nonces (the store's is fresh per connection, so a recorded proof does
+/// not replay) and the rank and world size the HELLO claims.
+pub(crate) struct Handshake<'a> {
+    pub key: &'a Key,
+    pub server_nonce: &'a Nonce,
+    pub client_nonce: &'a Nonce,
+    pub rank: u32,
+    pub world_size: u32,
+}
+
+impl Handshake<'_> {
+    /// The MAC of `purpose` over this handshake and `extra` (a refusal's encoded error).
+    fn mac(&self, purpose: Purpose, extra: &[u8]) -> HmacSha256 {
+        mac(
+            &self.key.0,
+            purpose.label(),
+            &[
+                self.server_nonce,
+                self.client_nonce,
+                &self.rank.to_le_bytes(),
+                &self.world_size.to_le_bytes(),
+                extra,
+            ],
+        )
+    }
+
+    /// The proof of knowing the token for `purpose`, over `extra` too.
+    pub(crate) fn prove(&self, purpose: Purpose, extra: &[u8]) -> Proof {
+        self.mac(purpose, extra).finalize().into_bytes().into()
+    }
+
+    /// Whether `claimed` is that proof, compared in constant time.
+    pub(crate) fn verify(&self, purpose: Purpose, extra: &[u8], claimed: &[u8]) -> bool {
+        self.mac(purpose, extra).verify_slice(claimed).is_ok()
+    }
+}
+
+/// Equality of two byte strings in time that depends on their lengths only.
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    a.ct_eq(b).into()
+}
+
+/// SHA-256 of the length-prefixed `parts`.
+pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+/// Seals values to where they belong: each carries HMAC-SHA256, under a key derived from the
+/// job token and a context, of the value and of `aad` (the session, instance, round and rank it
+/// is for). Without the token a value can be neither forged nor moved to another place or
+/// session. Values are not hidden: what gpucast puts in torchrun's store (nonces, world sizes,
+/// the NCCL id, which PyTorch itself writes there in the clear) is readable by whoever reaches
+/// that store, and worth no cipher's crates.
+pub(crate) struct Sealer {
+    key: [u8; 32],
+}
+
+impl Sealer {
+    /// The sealer of `key` for `context` (e.g. the key prefix of one job in a shared store).
+    pub(crate) fn new(key: &Key, context: &[u8]) -> Sealer {
+        Sealer {
+            key: mac(&key.0, b"gpucast rendezvous v3: value key", &[context])
+                .finalize()
+                .into_bytes()
+                .into(),
+        }
+    }
+
+    fn tag(&self, aad: &[u8], value: &[u8]) -> HmacSha256 {
+        mac(&self.key, b"gpucast rendezvous v3: value", &[aad, value])
+    }
+
+    /// `value`, then its tag for `aad`.
+    pub(crate) fn seal(&self, aad: &[u8], value: &[u8]) -> Vec<u8> {
+        let mut out = value.to_vec();
+        out.extend_from_slice(&self.tag(aad, value).finalize().into_bytes());
+        out
+    }
+
+    /// The value of `sealed` if its tag is this key's for `aad` (compared in constant time),
+    /// else `None`.
+    pub(crate) fn open(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
+        let (value, tag) = sealed.split_at(sealed.len().checked_sub(SEAL_OVERHEAD)?);
+        self.tag(aad, value)
+            .verify_slice(tag)
+            .is_ok()
+            .then(|| value.to_vec())
+    }
+}
+
+/// Why `token` is no secret, if it is not: empty, torchrun's run id or Slurm's job id (anyone
+/// on the host or cluster can read them), or a string that does not look random: fewer than
+/// 128 bits by its length and the kinds of characters in it, a repetition of a shorter string,
+/// or too few distinct characters for its length.
+pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str> {
+    if token.is_empty() {
+        Some("no job token is set")
+    } else if token.eq_ignore_ascii_case("none") {
+        Some("the job token is \"none\" (torchrun's run id when --rdzv-id is not given)")
+    } else if source == TokenSource::SlurmJobId {
+        Some("the job token is Slurm's job id, which every user of the cluster can list")
+    } else if source == TokenSource::TorchRunId {
+        Some("the job token is torchrun's run id, which every user of the host sees in the process list")
+    } else if !looks_random(token.as_bytes()) {
+        Some("the job token does not look random (it needs at least 128 random bits, e.g. 32 hex digits)")
+    } else {
+        None
+    }
+}
+
+/// Whether `t` could hold 128 random bits: long enough for its alphabet, not a repetition,
+/// and with as many distinct characters as a random string of its length and alphabet would
+/// almost surely have.
+fn looks_random(t: &[u8]) -> bool {
+    let hex = t.iter().all(u8::is_ascii_hexdigit)
+        && !(t.iter().any(u8::is_ascii_lowercase) && t.iter().any(u8::is_ascii_uppercase));
+    let alphabet: u32 = if t.iter().all(u8::is_ascii_digit) {
+        10
+    } else if hex {
+        16
+    } else {
+        [
+            (t.iter().any(u8::is_ascii_digit), 10),
+            (t.iter().any(u8::is_ascii_lowercase), 26),
+            (t.iter().any(u8::is_ascii_uppercase), 26),
+            (t.iter().any(u8::is_ascii_punctuation), 32),
+            (
+                t.iter()
+                    .any(|b| !b.is_ascii_alphanumeric() && !b.is_ascii_punctuation()),
+                128,
+            ),
+        ]
+        .iter()
+        .filter(|(present, _)| *present)
+        .map(|(_, n)| n)
+        .sum()
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let bits = t.len() as f64 * f64::from(alphabet).log2();
+    let repeated = (1..=t.len() / 2).any(|p| t[p..] == t[..t.len() - p]);
+    let mut seen = [false; 256];
+    for &b in t {
+        seen[usize::from(b)] = true;
+    }
+    let distinct = seen.iter().filter(|&&s| s).count();
+    // A random string of n characters from an alphabet of a has about a(1 - (1 - 1/a)^n)
+    // distinct ones; half of that is far below what chance gives.
+    let a = f64::from(alphabet);
+    #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+    let expected = a * (1.0 - (1.0 - 1.0 / a).powi(t.len().min(1 << 20) as i32));
+    #[allow(clippy::cast_precision_loss)]
+    let varied = distinct as f64 >= expected / 2.0;
+    bits >= MIN_SECRET_BITS && !repeated && varied
+}
+
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Says once per process, on standard error and through `tracing`, that the rendezvous is
+/// protected by a guessable token (`reason`; `exposure` says who can reach it), and how to set
+/// a real one.
+pub(crate) fn warn_weak_token(reason: &str, exposure: &str) {
+    if WARNED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let text = format!(
+        "{reason}, and {exposure}: any process that can reach it and finds out the token can \
+         join the job, or guess the token from one captured exchange. Give every rank the \
+         same random secret of at least 128 bits, e.g. \
+         `export GPUCAST_JOB_TOKEN=$(openssl rand -hex 32)` before launching."
+    );
+    tracing::warn!("{text}");
+    eprintln!("gpucast: warning: {text}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proofs_bind_the_token_the_nonces_and_the_claim() {
+        let (s, c) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
+        let (tok, tok2) = (Key::of("tok"), Key::of("tok2"));
+        let hs = |key, server_nonce, client_nonce, rank, world_size| Handshake {
+            key,
+            server_nonce,
+            client_nonce,
+            rank,
+            world_size,
+        };
+        let p = hs(&tok, &s, &c, 3, 8).prove(Purpose::Hello, b"");
+        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs(&tok2, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Welcome, b"", &p));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"", &p));
+        assert!(!hs(&tok, &c, &s, 3, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs(&tok, &s, &c, 4, 8).verify(Purpose::Hello, b"", &p));
+        assert!(!hs(&tok, &s, &c, 3, 9).verify(Purpose::Hello, b"", &p));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"x", &p));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p[..31]));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &[]));
+        // A refusal's proof covers the error it proves.
+        let r = hs(&tok, &s, &c, 3, 8).prove(Purpose::Refusal, b"error 1");
+        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 1", &r));
+        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 2", &r));
+        // The token is not in the proof in any readable form.
+        assert!(!p.windows(3).any(|w| w == b"tok"));
+    }
+
+    #[test]
+    fn sealed_values_open_only_with_the_same_key_and_binding() {
+        let (ka, kb) = (
+            Key::of("secret token of job a"),
+            Key::of("secret token of job b"),
+        );
+        let a = Sealer::new(&ka, b"/worker/attempt_0");
+        let b = Sealer::new(&kb, b"/worker/attempt_0");
+        let other_place = Sealer::new(&ka, b"/worker/attempt_1");
+        let sealed = a.seal(b"round 3 rank 1", b"the nccl id");
+        assert_eq!(sealed.len(), b"the nccl id".len() + SEAL_OVERHEAD);
+        assert_eq!(a.open(b"round 3 rank 1", &sealed).unwrap(), b"the nccl id");
+        assert!(a.open(b"round 3 rank 2", &sealed).is_none());
+        assert!(b.open(b"round 3 rank 1", &sealed).is_none());
+        assert!(other_place.open(b"round 3 rank 1", &sealed).is_none());
+        let mut flipped = sealed.clone();
+        flipped[30] ^= 1;
+        assert!(a.open(b"round 3 rank 1", &flipped).is_none());
+        for cut in 0..sealed.len() {
+            assert!(a.open(b"round 3 rank 1", &sealed[..cut]).is_none());
+        }
+        // The tag covers the boundary between value and binding.
+        assert!(a.open(b"round 3 rank 1the", &sealed[3..]).is_none());
+    }
+
+    /// The derivation is PBKDF2-HMAC-SHA256 (vectors of RFC 7914 and Python's hashlib), and the
+    /// key of a token is that derivation with its rounds, not one HMAC of the token.
+    #[test]
+    fn the_key_is_an_iterated_derivation_of_the_token() {
+        assert_eq!(
+            pbkdf2_sha256(b"passwd", b"salt", 1).to_vec(),
+            hex("55ac046e56e3089fec1691c22544b605f94185216dde0465e68b9d57c20dacbc")
+        );
+        assert_eq!(
+            pbkdf2_sha256(b"Password", b"NaCl", 80_000).to_vec(),
+            hex("4ddcd8f60b98be21830cee5ef22701f9641a4418d04c0414aeff08876b34ab56")
+        );
+        // A password longer than SHA-256's block is hashed first (as HMAC does).
+        assert_eq!(
+            pbkdf2_sha256(&[b'p'; 100], b"salt", 3).to_vec(),
+            hex("f598272d35e2ca276ac07694cf01636c4d643ad3075956477cfdd83eda46d9f6")
+        );
+        let key = Key::of("a job token");
+        assert_eq!(
+            key.0.to_vec(),
+            hex("5b43687b14f80a20a76dea3a9ce5f9f2ede7562503fcc138ff2a3768a38f32a2")
+        );
+        assert_eq!(Key::of("a job token"), key, "the same key, from the cache");
+        assert!(!format!("{key:?}").contains(&format!("{}", key.0[0])));
+        // A HELLO's proof is no single HMAC keyed by the raw token: one capture must cost a
+        // guesser a whole derivation per guess.
+        let (sn, cn) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
+        let proof = Handshake {
+            key: &key,
+            server_nonce: &sn,
+            client_nonce: &cn,
+            rank: 1,
+            world_size: 2,
+        }
+        .prove(Purpose::Hello, b"");
+        let parts: [&[u8]; 5] = [&sn, &cn, &1u32.to_le_bytes(), &2u32.to_le_bytes(), b""];
+        for label in [&b"gpucast rendezvous v2: hello"[..], Purpose::Hello.label()] {
+            let raw: Proof = mac(b"a job token", label, &parts)
+                .finalize()
+                .into_bytes()
+                .into();
+            assert_ne!(proof, raw);
+        }
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn tokens_that_do_not_look_random_are_named() {
+        let weak = |t: &str| weakness(t, TokenSource::Explicit).is_some();
+        for t in [
+            "short",
+            "blue-river-2024!",
+            "0123456789abcdef0123",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "passwordpasswordpasswordpasswordpassword",
+            "abababababababababababababababababababababababab",
+            "00000000000000000000000000000000000000000000000000000001",
+            "12345678901234567890123456789012345678", // 38 digits: 126 bits at most
+        ] {
+            assert!(weak(t), "{t:?} passed as random");
+        }
+        for t in [
+            random_token().unwrap(),
+            random_token().unwrap()[..32].to_owned(), // 128 bits in hex
+            random_token().unwrap().to_uppercase(),
+            "Zq3v_9rT-pL2xW8mK4nB7yH1cF6dJ0sA".to_owned(), // 32 of base64url
+            "3f2a9c1e-7b4d-4e8a-9c6f-1d2e3f4a5b6c".to_owned(), // a UUID
+        ] {
+            assert!(!weak(&t), "{t:?} called weak");
+        }
+    }
+
+    #[test]
+    fn guessable_tokens_are_named() {
+        assert!(weakness("", TokenSource::Unset).is_some());
+        assert!(weakness("None", TokenSource::TorchRunId).is_some());
+        assert!(weakness("123456", TokenSource::SlurmJobId).is_some());
+        assert!(weakness("0123456789abcdef0123", TokenSource::SlurmJobId).is_some());
+        assert!(weakness("short", TokenSource::Explicit).is_some());
+        assert!(weakness(&random_token().unwrap(), TokenSource::Explicit).is_none());
+        assert!(weakness(&random_token().unwrap(), TokenSource::TorchRunId).is_some());
+        let t = random_token().unwrap();
+        assert_eq!(t.len(), 64);
+        assert!(t.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(t, random_token().unwrap());
+    }
+
+    #[test]
+    fn constant_time_equality() {
+        assert!(same_secret(b"abc", b"abc"));
+        assert!(!same_secret(b"abc", b"abd"));
+        assert!(!same_secret(b"abc", b"ab"));
+    }
+}
