@@ -9,28 +9,13 @@
 
 mod common;
 
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use gpucast::cudarc::driver::sys::CUstreamCaptureMode;
 use gpucast::cudarc::driver::CudaSlice;
 use gpucast::{BroadcastOptions, BroadcastPath, Clique, Error};
-
-/// Runs `f` on a thread of its own and returns what it returns, or fails the test when it has
-/// not returned within `limit` (the thread is left behind: the process ends with the test).
-fn within<T: Send + 'static>(
-    limit: Duration,
-    what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
-}
 
 /// A clique of one GPU (NCCL runs there with one rank) from `builder`.
 fn one_gpu(builder: gpucast::CliqueBuilder) -> Clique {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -218,20 +218,6 @@ fn allow_pool_dependencies(ctx: &Arc<CudaContext>) {
         .result()
         .unwrap();
     }
-}
-
-/// Runs `f` on another thread and fails the test if it does not end within `limit` (a hang).
-fn within<T: Send + 'static>(
-    limit: Duration,
-    what: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(limit)
-        .unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
 }
 
 #[test]

@@ -409,3 +409,18 @@ fn fused_from_thread(clique: &Clique, rng: &mut impl RngCore, what: &str) {
         assert!(got == *data, "{what}, fused tensor {t}: wrong data");
     }
 }
+
+/// Runs `f` on a thread of its own and returns what it returns, or fails the test when it has
+/// not returned within `limit` (the thread is left behind: the process ends with the test).
+pub fn within<T: Send + 'static>(
+    limit: std::time::Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit)
+        .unwrap_or_else(|_| panic!("{what} did not return within {limit:?}"))
+}
