@@ -234,7 +234,8 @@ impl Watchdog {
     /// peers, so with `limit` above the timeout this means the streams do not move for another
     /// reason, such as the caller's own work queued on them).
     pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<()> {
-        let start = Instant::now();
+        // Read the clock only once a wait begins: not on the hot path.
+        let mut start: Option<Instant> = None;
         let mut backoff = crate::wait::Backoff::new();
         loop {
             {
@@ -252,11 +253,12 @@ impl Watchdog {
                     return Ok(());
                 }
             }
-            if start.elapsed() > limit {
+            let waited = start.get_or_insert_with(Instant::now).elapsed();
+            if waited > limit {
                 // The streams did not move (the caller's own work, or the watchdog could not
                 // abort): nothing of this call was queued.
                 return Err(Error::StreamsBusy {
-                    waited_ms: millis(start.elapsed()),
+                    waited_ms: millis(waited),
                 });
             }
             backoff.pause();

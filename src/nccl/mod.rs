@@ -152,7 +152,6 @@ impl Comms {
         entries: impl Iterator<Item = (usize, ncclDataType_t, &'a [RankOp])>,
         timeout: Duration,
     ) -> Result<()> {
-        let deadline = crate::util::later(timeout);
         let root_c = c_int::try_from(root).expect("root is validated to be < 8");
         // SAFETY: ncclGroupStart has no preconditions.
         let code = unsafe { (self.lib.group_start)() };
@@ -190,6 +189,8 @@ impl Comms {
         if code == lib::IN_PROGRESS {
             // gpucast makes blocking communicators, but NCCL_COMM_BLOCKING=0 in the environment
             // overrides that: a non-blocking one finishes the group's work in the background.
+            // The deadline is read from the clock only here, off the common path.
+            let deadline = crate::util::later(timeout);
             return self.wait_ready(deadline, || "queueing a grouped ncclBroadcast".into());
         }
         self.lib.check(code, None, || "ncclGroupEnd".into())
