@@ -187,11 +187,11 @@
 //! ## What the ordering costs, and how to go without it
 //!
 //! The promise above is cudarc's: every cudarc operation records and waits for per-buffer events,
-//! and gpucast's calls pay them like any other. Measured on one H200 (2026-12-02, commits bb65367
-//! to 3635975, two ranks sharing the GPU; `results/h200x1-shared/tracking-rerun/` in the
-//! repository, each file opening with its commit and command), an eager P2P call of 1 to 64 KiB
-//! took 2.4 to 4.4 us more with tracking on than with it off, a driver call of 0.2 to 0.4 us per
-//! event record or wait (`results/h200x1/driver-calls-2cdd88f.txt`). Two ways to go without it:
+//! and gpucast's calls pay them like any other. Measured on one H100 (2026-12-06, commit 279e76f,
+//! two ranks sharing the GPU; `results/h100x1-shared/gpu-279e76f/budget-p2p.md` in the
+//! repository, opening with its commit and command), an eager P2P call of 1 KiB took 1.33 us
+//! more with tracking on than with it off; on a 1-GPU clique's NCCL path, 1.16 us
+//! (`budget-nccl.md` beside it). Two ways to go without it:
 //!
 //! - CUDA graphs: [`Clique::capture`] (or [`Clique::capture_owned`]) records the calls once; a
 //!   replay queues no per-buffer event at all.
