@@ -272,7 +272,13 @@
 //!   waited for until it lets go, and the call succeeds if it finished (the timeout bounds how
 //!   long a peer takes to show up, not its copy). That wait is bounded too: the timeout plus
 //!   half a second plus the message at 4 GB/s. A reader that outlasts it (a GPU that does not
-//!   run it) reports an error, never success, since its owner's stream has moved on.
+//!   run it) reports an error, never success, since its owner's stream has moved on; in one
+//!   process such a reader may go on reading an input the caller has freed since, which faults
+//!   its context rather than report. For a chain's middle rank (a wait for each piece, then
+//!   one for its reader) and for messages above about 6 GB, a kernel's waits can add up past
+//!   the host's wait for the streams (twice the timeout plus two seconds): `synchronize` then
+//!   reports `Error::StreamsBusy` with the work still queued (buffers stay ordered behind it),
+//!   and a drop leaks the P2P memory rather than free it under the kernel.
 //! - `Clique::recover()` makes the clique whole in the same process: it waits for the streams,
 //!   resets the P2P signal areas and the copy-engine flags, and creates new NCCL communicators if
 //!   they were aborted. Broadcasts after it are as on a new clique (the fault suite checks them bit

@@ -218,12 +218,14 @@ __device__ __forceinline__ bool lease_expired_now(const u64* lease, u32 owner, u
 // and does not store `done`. Otherwise stores `value` in `done` (the owner's flag of this
 // reader). Gives the lease back either way. One fence orders the reads before the look at
 // EXPIRED (if the look misses the owner's store, the reads were done before it, so before the
-// owner's kernel ended) and before the two stores that follow (a release pattern).
+// owner's kernel ended) and before the two stores that follow; the release store of RELEASE
+// also orders `done` before it, so an owner that sees the release (lease_settle, an acquire)
+// sees `done` too and does not fail an op its reader finished.
 __device__ bool lease_finish(u64* lease, u32 owner, u64 op, u32* done, u32 value) {
     fence_sc();
     const bool whole = !lease_expired_now(lease, owner, op);
     if (whole) st_relaxed(done, value);
-    st_relaxed64(lease + LEASE_RELEASE, op);
+    st_release64(lease + LEASE_RELEASE, op);
     return whole;
 }
 
