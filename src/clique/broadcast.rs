@@ -1,0 +1,190 @@
+//! The broadcast family, written once per argument shape.
+//!
+//! Every receiver (a [`Clique`](super::Clique), a [`Communicator`](super::Communicator), a
+//! [`Capture`](super::Capture) of either, and the [`WithOptions`] view of any of them) queues a
+//! call through one hidden method of its own (`Queue`); the public methods are default methods
+//! of one trait per argument shape, as rsmpi writes each collective once for every
+//! communicator:
+//!
+//! - [`CliqueBroadcast`]: the process drives every rank of the call and passes every rank's
+//!   buffers (`outputs[rank]`), a clique and its captures;
+//! - [`RankBroadcast`]: the process is one rank and passes its own buffer, a communicator and
+//!   its captures.
+//!
+//! Options are given one way: `receiver.with(&options)` is a receiver that carries them.
+
+use super::sealed::Queue;
+use crate::config::BroadcastOptions;
+use crate::error::Result;
+use crate::plan::FusedReport;
+use crate::tensor::{DeviceTensor, DeviceTensorMut};
+
+/// Broadcasts of a process that drives every rank of the call: each method takes one buffer
+/// (or one list of buffers) per rank, in rank order. Implemented by [`super::Clique`], by the
+/// [`super::Capture`] of a clique, and by their [`WithOptions`] views. Bring it into scope
+/// with `use gpucast::prelude::*`.
+///
+/// Every call checks its arguments before anything is queued and runs asynchronously on the
+/// ranks' streams (or is recorded into the graph, in a capture); every buffer may be dropped
+/// or reused as soon as it returns (the crate docs, "Ordering"). `root` is a rank of the
+/// clique (an index into [`super::Clique::ordinals`]), not a device ordinal.
+pub trait CliqueBroadcast: Queue {
+    /// Broadcasts `input` (on the root's GPU) into `outputs[rank]` on every rank, the root's
+    /// own output included. `outputs` holds one buffer per rank, each of `input`'s element
+    /// type and length; a zero-length broadcast does nothing.
+    fn broadcast<I: DeviceTensor, O: DeviceTensorMut>(
+        &self,
+        root: usize,
+        input: &I,
+        outputs: &mut [O],
+    ) -> Result<()> {
+        let mut outs: Vec<&mut dyn DeviceTensorMut> = outputs
+            .iter_mut()
+            .map(|o| o as &mut dyn DeviceTensorMut)
+            .collect();
+        self.queue_one(root, Some(input), &mut outs, None)
+    }
+
+    /// In place: `buffers[root]` is the source and every other rank's buffer receives it. One
+    /// buffer per rank, all of one type and length.
+    fn broadcast_in_place<B: DeviceTensorMut>(&self, root: usize, buffers: &mut [B]) -> Result<()> {
+        let mut bufs: Vec<&mut dyn DeviceTensorMut> = buffers
+            .iter_mut()
+            .map(|b| b as &mut dyn DeviceTensorMut)
+            .collect();
+        self.queue_one(root, None, &mut bufs, None)
+    }
+
+    /// Many tensors in one fused call: `inputs[t]` is tensor `t` on the root's GPU,
+    /// `outputs[rank][t]` its destination on rank `rank` (the root's own included). Tensors may
+    /// differ in element type and length; each tensor's outputs match its input.
+    ///
+    /// With [`crate::BroadcastPath::Auto`] each tensor takes the path a single broadcast of its
+    /// size would take; P2P tensors are copied by one kernel launch per 120 tensors (no staging
+    /// copy), NCCL tensors are broadcast in groups.
+    fn broadcast_many<'a, 'b>(
+        &self,
+        root: usize,
+        inputs: &[&dyn DeviceTensor],
+        outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+    ) -> Result<FusedReport> {
+        self.queue_many(root, Some(inputs), outputs, None)
+    }
+
+    /// [`CliqueBroadcast::broadcast_many`] in place: `buffers[root][t]` is tensor `t`'s source;
+    /// every other rank's `buffers[rank][t]` receives it.
+    fn broadcast_many_in_place<'a, 'b>(
+        &self,
+        root: usize,
+        buffers: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+    ) -> Result<FusedReport> {
+        self.queue_many(root, None, buffers, None)
+    }
+
+    /// This receiver with per-call `options` (path, thresholds): every broadcast through the
+    /// view uses them, as in `clique.with(&options).broadcast(0, &input, &mut outputs)`.
+    fn with<'o>(&'o self, options: &'o BroadcastOptions) -> WithOptions<'o, Self>
+    where
+        Self: Sized,
+    {
+        WithOptions {
+            inner: self,
+            options,
+        }
+    }
+}
+
+/// Broadcasts of one rank of a job (one process per GPU): each rank passes its own buffer, and
+/// only the root an input. Implemented by [`super::Communicator`], by the [`super::Capture`] of
+/// a communicator, and by their [`WithOptions`] views. Every rank makes the same calls, in the
+/// same order, with buffers of the same types and lengths (checked between the ranks of one
+/// host: [`crate::Error::CallMismatch`]).
+pub trait RankBroadcast: Queue {
+    /// Out of place: the root passes `Some(input)` and receives a copy in `output` too; every
+    /// other rank passes `None` and receives into `output`. (`None` on the root broadcasts its
+    /// `output` in place.)
+    fn broadcast<I: DeviceTensor, O: DeviceTensorMut>(
+        &self,
+        root: usize,
+        input: Option<&I>,
+        output: &mut O,
+    ) -> Result<()> {
+        let mut outs = [output as &mut dyn DeviceTensorMut];
+        self.queue_one(root, input.map(|i| i as &dyn DeviceTensor), &mut outs, None)
+    }
+
+    /// In place, like `torch.distributed.broadcast`: rank `root`'s `buffer` into every other
+    /// rank's `buffer`.
+    fn broadcast_in_place<B: DeviceTensorMut>(&self, root: usize, buffer: &mut B) -> Result<()> {
+        let mut bufs = [buffer as &mut dyn DeviceTensorMut];
+        self.queue_one(root, None, &mut bufs, None)
+    }
+
+    /// Many tensors out of place in one call: the root passes `Some(inputs)` (tensor `t` is
+    /// `inputs[t]`), every other rank `None`; every rank receives tensor `t` into `outputs[t]`.
+    fn broadcast_many<'a, 'b>(
+        &self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: Vec<&'a mut (dyn DeviceTensorMut + 'b)>,
+    ) -> Result<FusedReport> {
+        self.queue_many(root, inputs, &mut [outputs], None)
+    }
+
+    /// Many tensors in place in one call: `buffers[t]` is tensor `t` (the root's are the
+    /// sources).
+    fn broadcast_many_in_place<'a, 'b>(
+        &self,
+        root: usize,
+        buffers: Vec<&'a mut (dyn DeviceTensorMut + 'b)>,
+    ) -> Result<FusedReport> {
+        self.queue_many(root, None, &mut [buffers], None)
+    }
+
+    /// This receiver with per-call `options` (see [`CliqueBroadcast::with`]).
+    fn with<'o>(&'o self, options: &'o BroadcastOptions) -> WithOptions<'o, Self>
+    where
+        Self: Sized,
+    {
+        WithOptions {
+            inner: self,
+            options,
+        }
+    }
+}
+
+/// A receiver with per-call options: what [`CliqueBroadcast::with`] and
+/// [`RankBroadcast::with`] return. It has the receiver's broadcast methods; in a chain
+/// (`a.with(&x).with(&y)`) the last options given apply.
+#[derive(Debug)]
+pub struct WithOptions<'o, R> {
+    inner: &'o R,
+    options: &'o BroadcastOptions,
+}
+
+impl<R: Queue> Queue for WithOptions<'_, R> {
+    fn queue_one(
+        &self,
+        root: usize,
+        input: Option<&dyn DeviceTensor>,
+        outputs: &mut [&mut dyn DeviceTensorMut],
+        options: Option<&BroadcastOptions>,
+    ) -> Result<()> {
+        let options = options.unwrap_or(self.options);
+        self.inner.queue_one(root, input, outputs, Some(options))
+    }
+
+    fn queue_many<'a, 'b>(
+        &self,
+        root: usize,
+        inputs: Option<&[&dyn DeviceTensor]>,
+        outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+        options: Option<&BroadcastOptions>,
+    ) -> Result<FusedReport> {
+        let options = options.unwrap_or(self.options);
+        self.inner.queue_many(root, inputs, outputs, Some(options))
+    }
+}
+
+impl<R: CliqueBroadcast> CliqueBroadcast for WithOptions<'_, R> {}
+impl<R: RankBroadcast> RankBroadcast for WithOptions<'_, R> {}
