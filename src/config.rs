@@ -202,7 +202,7 @@ pub struct Thresholds {
 ///   N-1 peers, so its switch point drops with N. Above the P2P limit `Auto` takes NCCL: the
 ///   copy-engine chain never (`usize::MAX`) until a run on 3 or more GPUs shows where it wins
 ///   (on 2 GPUs it lost to the P2P kernel at every size up to 32 MiB, large/table.txt).
-pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
+pub(crate) const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (2, usize::MAX, PACKET_MAX_BYTES, COPY_ENGINE_MIN_2_GPUS),
     (3, 4 << 20, 64 << 10, usize::MAX),
     (4, 2 << 20, 64 << 10, usize::MAX),
@@ -220,21 +220,21 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
 /// at 128 MiB (384-388 against 379-381 us), and tied at 512 MiB. In place, or beside compute
 /// (no SM taken: 0.1% compute slowdown against 24% for NCCL and 24.9% for the P2P kernel,
 /// results/h200x2/interference), it is the better path anyway.
-pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
+pub(crate) const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 
 /// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
 /// memory operations. In the same two runs, the chain won at 128 MiB (386-390 against 415-418
 /// us for the P2P kernel), 256 MiB (739-745 against 794-799 us) and 1 GiB (2802-2842 against
 /// 2986-2993 us), and lost at 64 MiB (221-223 against 207-209 us) and, by 4-5%, at 512 MiB
 /// (1604-1613 against 1533-1535 us).
-pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
+pub(crate) const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
 /// GPUs, given `Auto`'s P2P limit there. With 2 GPUs both carry the message over the one link
 /// once, and fan-out needs no hand-off per piece: never. Beyond, fan-out makes the root's links
 /// carry the message N-1 times while the chain carries it once per link, so a call forced onto
 /// P2P chains above the limit where `Auto` leaves the P2P kernel (the cost model's crossover).
-pub fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
+pub(crate) fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
     if n <= 2 {
         usize::MAX
     } else {
@@ -246,17 +246,17 @@ pub fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds: a model parameter,
 /// near the 2-GPU gap at <= 64 KiB in results/h200x2/table.txt (NCCL 14.1-20.2 us, P2P
 /// 5.3-6.1 us eager; aa6182f, host timer). Not measured on 3 or more GPUs.
-pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
+pub(crate) const MODEL_FIXED_GAP_S: f64 = 14e-6;
 #[cfg(test)]
 /// Bandwidth of one GPU's NVLink egress, bytes per second: a model parameter, within the 2-GPU
 /// figures at 1 GiB in results/h200x2/table.txt (NCCL 361, P2P 369, copy engines 395 GB/s).
-pub const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
+pub(crate) const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
 
 #[cfg(test)]
 /// The message size above which NCCL's ring beats P2P fan-out from the root on `n` GPUs, by the
 /// model `t_p2p = a + (n-1) S / B` against `t_nccl = a + gap + S / B`: `S* = gap B / (n - 2)`.
 /// `None` for 1 or 2 GPUs, where fan-out is never slower.
-pub fn model_crossover(n: usize) -> Option<usize> {
+pub(crate) fn model_crossover(n: usize) -> Option<usize> {
     if n <= 2 {
         return None;
     }
@@ -276,13 +276,13 @@ pub fn model_crossover(n: usize) -> Option<usize> {
 /// costs more than NCCL's lead in eager mode. Measured on 2 H200 (results/h200x2/procs/
 /// broadcast.csv, aa6182f, host timer): staged pull 11.3 and 13.4 us at 512 KiB and 1 MiB
 /// against 8.3 and 11.8 us for a raw `ncclBroadcast`.
-pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
+pub(crate) const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
 
 /// The same limit inside CUDA graphs, where the staging copy costs no launch: the staged pull
 /// beat a raw `ncclBroadcast` from 1 to 8 MiB (10.4 against 11.1 us at 1 MiB, 33.1 against
 /// 35.7 us at 8 MiB), tied at 16 MiB and lost at 64 MiB (224.8 against 199.6 us) on 2 H200
 /// (results/h200x2/procs/broadcast.csv, aa6182f, host timer).
-pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
+pub(crate) const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
 
 impl Thresholds {
     /// These thresholds for ranks in separate processes of one host: the P2P limit is capped
@@ -437,27 +437,31 @@ pub(crate) fn choose(
 // `Env::read`, once per clique; README.md's table lists the same set (a test checks it).
 
 /// `Auto`'s P2P limit (bytes; `K`, `M`, `G` suffixes, powers of 1024).
-pub const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
+pub(crate) const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
 /// The packet/pull switch point (bytes, suffixes allowed).
-pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
+pub(crate) const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
 /// `Auto`'s copy-engine start (bytes, suffixes allowed).
-pub const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
+pub(crate) const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
 /// Where a P2P broadcast of more than two ranks goes along the chain (bytes, suffixes allowed).
-pub const P2P_CHAIN_THRESHOLD_ENV: &str = "GPUCAST_P2P_CHAIN_THRESHOLD";
+pub(crate) const P2P_CHAIN_THRESHOLD_ENV: &str = "GPUCAST_P2P_CHAIN_THRESHOLD";
 /// Bound on every wait, in milliseconds (a positive integer).
-pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
+pub(crate) const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
-pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
+pub(crate) const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
 /// Default path of new cliques: `auto`, `nccl`, `p2p` or `copy-engine`.
-pub const PATH_ENV: &str = "GPUCAST_PATH";
+pub(crate) const PATH_ENV: &str = "GPUCAST_PATH";
 /// The NCCL library file to load instead of searching `libnccl.so.2` and `libnccl.so`.
-pub const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
+pub(crate) const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
 /// Read by the NVRTC test only: `1` makes a missing libnvrtc a failure instead of a skip.
-pub const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
-pub use crate::rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+#[cfg(test)]
+pub(crate) const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
+#[cfg(test)]
+use crate::rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
 
-/// Every variable above with a one-line description, for documentation and error messages.
-pub const ENV_VARS: [(&str, &str); 13] = [
+/// Every variable above with a one-line description: the README's table "Environment variables"
+/// documents each (checked by a test).
+#[cfg(test)]
+pub(crate) const ENV_VARS: [(&str, &str); 13] = [
     (PATH_ENV, "default path: auto, nccl, p2p or copy-engine"),
     (
         P2P_THRESHOLD_ENV,

@@ -71,7 +71,8 @@
 //! create a clique; `libnvrtc` to compile the P2P kernel (once per architecture per process).
 //! Each missing library is an [`Error::LibraryMissing`] naming it and the fix; without NVRTC,
 //! `Auto` falls back to NCCL with a warning and a forced P2P path returns that error.
-//! `GPUCAST_NCCL_LIBRARY` names the NCCL file to load; [`ENV_VARS`] lists every variable.
+//! `GPUCAST_NCCL_LIBRARY` names the NCCL file to load; the README's table "Environment variables"
+//! lists every variable.
 //!
 //! ## Buffers, ordering and threads
 //!
@@ -322,6 +323,7 @@
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
+#![warn(unreachable_pub)]
 
 mod clique;
 mod config;
@@ -334,6 +336,10 @@ mod limits;
 mod nccl;
 mod p2p;
 mod plan;
+#[allow(
+    unreachable_pub,
+    reason = "the rendezvous is its own crate-to-be: its items are public for the nccl and p2p paths and for other users"
+)]
 pub mod rendezvous;
 mod tensor;
 mod topology;
@@ -352,10 +358,18 @@ pub mod prelude {
 }
 #[doc(hidden)]
 pub use config::parse_bytes;
-pub use config::{BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT, ENV_VARS};
+pub use config::{BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use limits::{MAX_GPUS, PACKET_MAX_BYTES};
+pub use limits::MAX_GPUS;
+
+/// Limits that the tests and the benchmark probe (the `testing` feature): not part of the API.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod testing {
+    /// Largest message the P2P kernel's packet protocol carries.
+    pub const PACKET_MAX_BYTES: usize = crate::limits::PACKET_MAX_BYTES;
+}
 pub use nccl::nccl_version;
 pub use plan::FusedReport;
 pub use tensor::{DeviceTensor, DeviceTensorMut, ExternalSlice};

@@ -496,7 +496,7 @@ fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
         .expect("P2P between the two ranks of this test");
     let mut rng = rng();
     let p2p = BroadcastOptions::path(BroadcastPath::P2p);
-    let max = gpucast::PACKET_MAX_BYTES;
+    let max = gpucast::testing::PACKET_MAX_BYTES;
     for round in 0..3u32 {
         // The first op is u32::MAX - round: the wrap falls within the first four.
         clique
@@ -573,9 +573,9 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
         .expect("P2P between the two ranks of this test");
     let mut rng = rng();
     // Packets at every size of the graph (the limit is the inbox's).
-    let p2p =
-        BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES);
-    let sizes = [3000usize, gpucast::PACKET_MAX_BYTES - 5];
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p)
+        .packet_threshold(gpucast::testing::PACKET_MAX_BYTES);
+    let sizes = [3000usize, gpucast::testing::PACKET_MAX_BYTES - 5];
     let roots = [0usize, 0];
     let inputs: Vec<CudaSlice<u8>> = sizes
         .iter()

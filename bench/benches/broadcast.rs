@@ -815,9 +815,8 @@ impl EmptyKernel {
 /// kernel's protocol).
 fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
-        "p2p-packet" => {
-            BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES)
-        }
+        "p2p-packet" => BroadcastOptions::path(BroadcastPath::P2p)
+            .packet_threshold(gpucast::testing::PACKET_MAX_BYTES),
         "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
         "nccl-nowatch" | "nccl-untracked" | "nccl-untracked-nowatch" => {
             BroadcastOptions::path(BroadcastPath::Nccl)
@@ -1077,7 +1076,7 @@ fn prepare<'c>(
         Ok(opts) => clique.route(bytes, &opts)?.name().to_string(),
         Err(_) => "-".to_string(),
     };
-    if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
+    if path == "p2p-packet" && bytes > gpucast::testing::PACKET_MAX_BYTES {
         return Ok(None);
     }
     // Switches around a call (events off, watchdog off) have no meaning inside a capture.

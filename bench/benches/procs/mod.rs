@@ -373,7 +373,7 @@ impl<'c> Bench<'c> {
             "raw-nccl" | "launch-floor" => "-".to_string(),
             p => self.comm.route(bytes, &options_for(p)?)?.name().to_string(),
         };
-        if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
+        if path == "p2p-packet" && bytes > gpucast::testing::PACKET_MAX_BYTES {
             return Ok(None);
         }
         match mode {
