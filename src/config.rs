@@ -434,7 +434,7 @@ pub(crate) fn choose(
 
 // ---------------------------------------------------------------------------------------------
 // Environment variables. Every GPUCAST_* variable the library reads is named here and read by
-// `Env::read`, once per clique; README.md's table lists the same set (a test checks it).
+// `Layer::from_env`, once per clique; README.md's table lists the same set (a test checks it).
 
 /// `Auto`'s P2P limit (bytes; `K`, `M`, `G` suffixes, powers of 1024).
 pub(crate) const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
@@ -507,9 +507,12 @@ pub(crate) const ENV_VARS: [(&str, &str); 13] = [
     ),
 ];
 
-/// The settings found in the environment; `None` where a variable is unset.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Env {
+/// One layer of settings: what the builder asked for, or what the environment sets (`None`
+/// where unset); a call's [`BroadcastOptions`] is the layer above both. Layers resolve, once
+/// per clique or communicator, into [`Settings`]: call over builder over environment over
+/// defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Layer {
     pub path: Option<BroadcastPath>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
@@ -519,14 +522,68 @@ pub(crate) struct Env {
     pub parallel_launch: Option<bool>,
 }
 
-impl Env {
-    /// Reads the process environment.
-    pub(crate) fn read() -> Result<Env> {
-        Env::parse(|name| std::env::var_os(name))
+impl Layer {
+    /// The layer the process environment sets.
+    pub(crate) fn from_env() -> Result<Layer> {
+        Layer::parse(|name| std::env::var_os(name))
+    }
+
+    /// The layer of a call's options.
+    fn of_call(o: &BroadcastOptions) -> Layer {
+        Layer {
+            path: o.path,
+            p2p_threshold: o.p2p_threshold,
+            packet_threshold: o.packet_threshold,
+            copy_engine_threshold: o.copy_engine_threshold,
+            p2p_chain_threshold: o.p2p_chain_threshold,
+            ..Layer::default()
+        }
+    }
+
+    /// This layer over `lower`: each setting from the first layer that sets it.
+    pub(crate) fn over(&self, lower: &Layer) -> Layer {
+        Layer {
+            path: self.path.or(lower.path),
+            p2p_threshold: self.p2p_threshold.or(lower.p2p_threshold),
+            packet_threshold: self.packet_threshold.or(lower.packet_threshold),
+            copy_engine_threshold: self.copy_engine_threshold.or(lower.copy_engine_threshold),
+            p2p_chain_threshold: self.p2p_chain_threshold.or(lower.p2p_chain_threshold),
+            timeout: self.timeout.or(lower.timeout),
+            parallel_launch: self.parallel_launch.or(lower.parallel_launch),
+        }
+    }
+
+    /// The thresholds this layer sets, over `t`.
+    fn thresholds_over(&self, mut t: Thresholds) -> Thresholds {
+        if let Some(b) = self.p2p_threshold {
+            t.p2p_max_bytes = b;
+        }
+        if let Some(b) = self.packet_threshold {
+            t.packet_max_bytes = b;
+        }
+        if let Some(b) = self.copy_engine_threshold {
+            t.copy_engine_min_bytes = b;
+        }
+        if let Some(b) = self.p2p_chain_threshold {
+            t.p2p_chain_min_bytes = b;
+        }
+        t
+    }
+
+    /// Rejects what no number of GPUs makes valid (a zero timeout): checked before anything
+    /// touches the driver.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(invalid(
+                "timeout",
+                "must be longer than zero (every wait would fail at once)".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Parses the variables through `lookup`; a set but malformed variable is an error.
-    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Env> {
+    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Layer> {
         let text = |name: &'static str| -> Result<Option<String>> {
             match lookup(name) {
                 None => Ok(None),
@@ -577,7 +634,7 @@ impl Env {
                 })
             })
             .transpose()?;
-        Ok(Env {
+        Ok(Layer {
             path,
             p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
             packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
@@ -661,80 +718,40 @@ pub(crate) struct Settings {
     pub parallel_launch: bool,
 }
 
-/// What a builder asked for; `None` defers to the environment, then to the defaults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Requested {
-    pub path: Option<BroadcastPath>,
-    pub p2p_threshold: Option<usize>,
-    pub packet_threshold: Option<usize>,
-    pub copy_engine_threshold: Option<usize>,
-    pub p2p_chain_threshold: Option<usize>,
-    pub timeout: Option<Duration>,
-    pub parallel_launch: Option<bool>,
-}
-
 impl Settings {
-    /// Resolves a clique's settings for `gpus` GPUs; rejects a zero timeout.
-    pub(crate) fn resolve(req: &Requested, env: &Env, gpus: usize) -> Result<Settings> {
-        let mut thresholds = Thresholds::for_gpus(gpus);
-        if let Some(t) = req.p2p_threshold.or(env.p2p_threshold) {
-            thresholds.p2p_max_bytes = t;
-        }
-        if let Some(t) = req.packet_threshold.or(env.packet_threshold) {
-            thresholds.packet_max_bytes = t;
-        }
-        if let Some(t) = req.copy_engine_threshold.or(env.copy_engine_threshold) {
-            thresholds.copy_engine_min_bytes = t;
-        }
-        if let Some(t) = req.p2p_chain_threshold.or(env.p2p_chain_threshold) {
-            thresholds.p2p_chain_min_bytes = t;
-        }
-        let timeout = req.timeout.or(env.timeout).unwrap_or(DEFAULT_TIMEOUT);
-        if timeout.is_zero() {
-            return Err(invalid(
-                "timeout",
-                "must be longer than zero (every wait would fail at once)".into(),
-            ));
-        }
+    /// Resolves the settings of a clique or communicator of `gpus` GPUs (on this host), from
+    /// the builder's layer over the environment's over the defaults; rejects a zero timeout.
+    pub(crate) fn resolve(builder: &Layer, env: &Layer, gpus: usize) -> Result<Settings> {
+        let layer = builder.over(env);
+        layer.check()?;
+        let thresholds = layer.thresholds_over(Thresholds::for_gpus(gpus));
         let mut graph_thresholds = thresholds;
-        if gpus <= 2
-            && req
-                .copy_engine_threshold
-                .or(env.copy_engine_threshold)
-                .is_none()
-        {
+        if gpus <= 2 && layer.copy_engine_threshold.is_none() {
             graph_thresholds.copy_engine_min_bytes = COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS;
         }
         Ok(Settings {
-            path: req.path.or(env.path).unwrap_or_default(),
+            path: layer.path.unwrap_or_default(),
             thresholds,
             graph_thresholds,
-            timeouts: Timeouts::new(timeout),
-            parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
+            timeouts: Timeouts::new(layer.timeout.unwrap_or(DEFAULT_TIMEOUT)),
+            parallel_launch: layer.parallel_launch.unwrap_or(true),
         })
     }
 
-    /// The thresholds of one call (queued inside a capture when `in_graph`), overridden by
-    /// `options`.
+    /// The thresholds of one call (queued inside a capture when `in_graph`): the call's layer
+    /// over these settings.
     pub(crate) fn thresholds_for(&self, options: &BroadcastOptions, in_graph: bool) -> Thresholds {
-        let mut t = if in_graph {
+        let settled = if in_graph {
             self.graph_thresholds
         } else {
             self.thresholds
         };
-        if let Some(p) = options.p2p_threshold {
-            t.p2p_max_bytes = p;
-        }
-        if let Some(p) = options.packet_threshold {
-            t.packet_max_bytes = p;
-        }
-        if let Some(p) = options.copy_engine_threshold {
-            t.copy_engine_min_bytes = p;
-        }
-        if let Some(p) = options.p2p_chain_threshold {
-            t.p2p_chain_min_bytes = p;
-        }
-        t
+        Layer::of_call(options).thresholds_over(settled)
+    }
+
+    /// The path of one call: its own, else these settings'.
+    pub(crate) fn path_for(&self, options: &BroadcastOptions) -> BroadcastPath {
+        options.path.unwrap_or(self.path)
     }
 }
 
@@ -743,17 +760,17 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env_of(pairs: &[(&str, &str)]) -> Result<Env> {
+    fn env_of(pairs: &[(&str, &str)]) -> Result<Layer> {
         let map: HashMap<String, OsString> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), OsString::from(v)))
             .collect();
-        Env::parse(|k| map.get(k).cloned())
+        Layer::parse(|k| map.get(k).cloned())
     }
 
     #[test]
     fn environment_values_parse_or_fail_loudly() {
-        assert_eq!(env_of(&[]).unwrap(), Env::default());
+        assert_eq!(env_of(&[]).unwrap(), Layer::default());
         let e = env_of(&[
             (PATH_ENV, "P2P"),
             (P2P_THRESHOLD_ENV, "4M"),
@@ -800,15 +817,15 @@ mod tests {
 
     #[test]
     fn builder_beats_environment_beats_defaults() {
-        let env = Env {
+        let env = Layer {
             p2p_threshold: Some(1000),
             timeout: Some(Duration::from_millis(5)),
             parallel_launch: Some(false),
-            ..Env::default()
+            ..Layer::default()
         };
-        let req = Requested {
+        let req = Layer {
             p2p_threshold: Some(7),
-            ..Requested::default()
+            ..Layer::default()
         };
         let s = Settings::resolve(&req, &env, 4).unwrap();
         assert_eq!(s.thresholds.p2p_max_bytes, 7);
@@ -819,25 +836,25 @@ mod tests {
         assert_eq!(s.timeouts.wait, Duration::from_millis(5));
         assert!(!s.parallel_launch);
         assert_eq!(s.path, BroadcastPath::Auto);
-        let d = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        let d = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
         assert_eq!(d.timeouts.wait, DEFAULT_TIMEOUT);
         assert!(d.parallel_launch);
-        let zero = Requested {
+        let zero = Layer {
             timeout: Some(Duration::ZERO),
-            ..Requested::default()
+            ..Layer::default()
         };
         assert!(matches!(
-            Settings::resolve(&zero, &Env::default(), 2),
+            Settings::resolve(&zero, &Layer::default(), 2),
             Err(Error::InvalidSetting {
                 name: "timeout",
                 ..
             })
         ));
-        let huge = Requested {
+        let huge = Layer {
             timeout: Some(Duration::MAX),
-            ..Requested::default()
+            ..Layer::default()
         };
-        let t = Settings::resolve(&huge, &Env::default(), 2)
+        let t = Settings::resolve(&huge, &Layer::default(), 2)
             .unwrap()
             .timeouts;
         // Every derived bound saturates instead of overflowing.
@@ -1127,19 +1144,19 @@ mod tests {
 
     #[test]
     fn graphs_take_the_copy_engines_later_unless_told() {
-        let two = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        let two = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
         assert_eq!(two.thresholds.copy_engine_min_bytes, COPY_ENGINE_MIN_2_GPUS);
         assert_eq!(
             two.graph_thresholds.copy_engine_min_bytes,
             COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS
         );
-        let set = Requested {
+        let set = Layer {
             copy_engine_threshold: Some(1 << 20),
-            ..Requested::default()
+            ..Layer::default()
         };
-        let two = Settings::resolve(&set, &Env::default(), 2).unwrap();
+        let two = Settings::resolve(&set, &Layer::default(), 2).unwrap();
         assert_eq!(two.graph_thresholds.copy_engine_min_bytes, 1 << 20);
-        let four = Settings::resolve(&Requested::default(), &Env::default(), 4).unwrap();
+        let four = Settings::resolve(&Layer::default(), &Layer::default(), 4).unwrap();
         assert_eq!(four.graph_thresholds, four.thresholds);
     }
 
@@ -1184,12 +1201,12 @@ mod tests {
         );
         // The threshold follows builder, environment and call, like the others.
         let env = env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "8M")]).unwrap();
-        let s = Settings::resolve(&Requested::default(), &env, 2).unwrap();
+        let s = Settings::resolve(&Layer::default(), &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 8 << 20);
         assert_eq!(s.graph_thresholds.p2p_chain_min_bytes, 8 << 20);
-        let req = Requested {
+        let req = Layer {
             p2p_chain_threshold: Some(1 << 20),
-            ..Requested::default()
+            ..Layer::default()
         };
         let s = Settings::resolve(&req, &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 1 << 20);

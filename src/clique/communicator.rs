@@ -7,7 +7,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
 use super::{setup, Capture, CliqueGraph, Core, GraphBuffers, RankBroadcast};
 use crate::config::{
-    BroadcastOptions, BroadcastPath, Env, Requested, Route, Settings, Thresholds,
+    BroadcastOptions, BroadcastPath, Layer, Route, Settings, Thresholds,
     DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;
@@ -34,7 +34,7 @@ pub struct CommunicatorBuilder {
     exchange: Option<Box<dyn Exchange + Send + Sync>>,
     init_timeout: Option<Duration>,
     shared_devices: bool,
-    requested: Requested,
+    requested: Layer,
 }
 
 impl std::fmt::Debug for CommunicatorBuilder {
@@ -260,7 +260,7 @@ impl Communicator {
             Some(j) => j,
             None => JobEnv::from_env()?,
         };
-        let env = Env::read()?;
+        let env = Layer::from_env()?;
         let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
         let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
         // What this machine can tell alone comes before waiting for peers that may never come;
@@ -522,7 +522,7 @@ impl RankBroadcast for Communicator {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Env, Requested};
+    use crate::config::Layer;
     use crate::rendezvous::RendezvousError;
 
     /// Rank 0 of a job whose other ranks send `others`.
@@ -545,11 +545,11 @@ mod tests {
     }
 
     fn settings(timeout_ms: u64) -> Settings {
-        let req = Requested {
+        let req = Layer {
             timeout: Some(Duration::from_millis(timeout_ms)),
-            ..Requested::default()
+            ..Layer::default()
         };
-        Settings::resolve(&req, &Env::default(), 1).unwrap()
+        Settings::resolve(&req, &Layer::default(), 1).unwrap()
     }
 
     #[test]

@@ -135,7 +135,7 @@ impl Core {
     ) -> Result<Route> {
         self.with_available(in_graph, |available| {
             crate::config::choose(
-                options.path.unwrap_or(self.path()),
+                self.engine.settings().path_for(options),
                 bytes,
                 available,
                 &self.engine.settings().thresholds_for(options, in_graph),
@@ -171,7 +171,7 @@ impl Core {
         self.with_available(in_graph, |available| {
             plan::plan(
                 bytes,
-                options.path.unwrap_or(self.path()),
+                self.engine.settings().path_for(options),
                 available,
                 &self.engine.settings().thresholds_for(options, in_graph),
                 self.world,

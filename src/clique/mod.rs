@@ -21,7 +21,7 @@ use std::time::Duration;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
-use crate::config::{BroadcastOptions, BroadcastPath, Requested, Route, Thresholds};
+use crate::config::{BroadcastOptions, BroadcastPath, Layer, Route, Thresholds};
 use crate::dtype::{DType, Element};
 #[allow(
     unused_imports,
@@ -71,7 +71,7 @@ mod sealed {
     }
 }
 
-/// The settings every builder shares (a field `requested: Requested`): path, thresholds and
+/// The settings every builder shares (a field `requested: Layer`): path, thresholds and
 /// timeout.
 macro_rules! settings_setters {
     () => {
@@ -130,7 +130,7 @@ pub struct CliqueBuilder {
     shared_devices: bool,
     devices: Option<Vec<usize>>,
     streams: Option<Vec<Arc<CudaStream>>>,
-    requested: Requested,
+    requested: Layer,
 }
 
 impl CliqueBuilder {
