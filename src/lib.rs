@@ -336,6 +336,7 @@ mod limits;
 mod nccl;
 mod p2p;
 mod plan;
+mod ranks;
 #[allow(
     unreachable_pub,
     reason = "the rendezvous is its own crate-to-be: its items are public for the nccl and p2p paths and for other users"

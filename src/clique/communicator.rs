@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
 use crate::plan::FusedReport;
+use crate::ranks::JobRank;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
@@ -315,7 +316,12 @@ impl Communicator {
             None
         };
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
-        let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, nccl, p2p)?;
+        let engine = Engine::new(
+            vec![Rank::new(JobRank(rank), ctx, None)?],
+            settings,
+            nccl,
+            p2p,
+        )?;
         let init_time = started.elapsed();
         tracing::info!(
             rank,
@@ -331,7 +337,7 @@ impl Communicator {
             core: Core::new(
                 engine,
                 super::core::Placement {
-                    globals: vec![rank],
+                    globals: vec![JobRank(rank)],
                     world,
                     copy_engine: Err(Error::CopyEngineUnavailable(
                         "the ranks are separate processes: a rank's copy engines cannot \
@@ -351,7 +357,7 @@ impl Communicator {
 
     /// This process's rank in the job.
     pub fn rank(&self) -> usize {
-        self.core.globals[0]
+        self.core.globals[0].0
     }
 
     /// Ranks in the job.

@@ -10,6 +10,7 @@ use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
 use crate::plan::{self, FusedReport, Step};
+use crate::ranks::{local_of, JobRank};
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 use super::RawBroadcast;
@@ -20,7 +21,7 @@ pub(crate) struct Core {
     /// Device and context of each local rank.
     pub(crate) places: Vec<Place>,
     /// The job rank of each local rank.
-    pub(crate) globals: Vec<usize>,
+    pub(crate) globals: Vec<JobRank>,
     /// Ranks in the job.
     pub(crate) world: usize,
     /// Whether the copy-engine route can run, or the error a forced call returns.
@@ -42,7 +43,7 @@ pub(crate) struct Core {
 /// `Core` ([`Core::new`]).
 pub(crate) struct Placement {
     /// The job rank of each local rank.
-    pub(crate) globals: Vec<usize>,
+    pub(crate) globals: Vec<JobRank>,
     /// Ranks in the job.
     pub(crate) world: usize,
     /// Whether the copy-engine route can run, or the error a forced call returns.
@@ -245,7 +246,7 @@ impl Core {
         // both source and destination, which every path handles.
         access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
-                root,
+                JobRank(root),
                 std::slice::from_ref(item),
                 std::slice::from_ref(&step),
             )
@@ -254,7 +255,7 @@ impl Core {
 
     /// The local rank that is job rank `rank` here, if this process holds it.
     pub(crate) fn local_of(&self, rank: usize) -> Option<usize> {
-        self.globals.iter().position(|&g| g == rank)
+        local_of(self.globals.iter().copied(), JobRank(rank))
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -299,7 +300,7 @@ impl Core {
             if ctx as usize != self.places[local].ctx {
                 return Err(Error::ForeignContext {
                     what: format!("stream {local}"),
-                    rank: self.globals[local],
+                    rank: self.globals[local].0,
                     ordinal: self.places[local].ordinal,
                 });
             }
@@ -319,7 +320,7 @@ impl Core {
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
         foreign.around(&mut engine, |e| unsafe {
-            e.run(b.root, &[item], std::slice::from_ref(&step))
+            e.run(JobRank(b.root), &[item], std::slice::from_ref(&step))
         })
     }
 
@@ -419,7 +420,7 @@ impl Core {
         // which also runs when the work fails or panics halfway) keep every buffer alive and
         // ordered for the queued work.
         access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
-            e.run(root, items, &steps)
+            e.run(JobRank(root), items, &steps)
         })?;
         Ok(report)
     }
@@ -515,7 +516,7 @@ impl Core {
                     .record_event(None)
                     .map_err(Error::cuda(format!(
                         "recording an event on rank {}",
-                        self.globals[local]
+                        self.globals[local].0
                     )))
             })
             .collect()
@@ -532,7 +533,7 @@ impl Core {
         for (local, s) in streams.iter().enumerate() {
             args::check_place(
                 &format!("stream {local}"),
-                self.globals[local],
+                self.globals[local].0,
                 self.places[local],
                 access::place_of(s),
             )?;
@@ -547,7 +548,7 @@ impl Core {
                     .alloc_zeros::<T>(len)
                     .map_err(Error::cuda(format!(
                         "allocating an output on rank {}",
-                        self.globals[local]
+                        self.globals[local].0
                     )))
             })
             .collect()

@@ -31,6 +31,7 @@ use crate::dtype::Element;
 use crate::engine::{EngineGuard, GraphExec, Item};
 use crate::error::{Error, Result};
 use crate::plan::FusedReport;
+use crate::ranks::JobRank;
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// The locked engine in capture mode.
@@ -109,7 +110,7 @@ impl<'c> Session<'c> {
         // A call that fails here may have recorded some steps: its buffers' ranges are noted
         // all the same (`Capture::queue`), and the engine
         // fails the whole capture, so no graph with such steps is ever launched.
-        unsafe { self.engine.run(root, &items, &steps) }?;
+        unsafe { self.engine.run(JobRank(root), &items, &steps) }?;
         Ok(report)
     }
 }

@@ -30,6 +30,7 @@ use crate::dtype::{DType, Element};
 use crate::error::Error;
 use crate::error::Result;
 use crate::plan::FusedReport;
+use crate::ranks::JobRank;
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 use crate::topology::Topology;
 pub(crate) use core::Core;
@@ -187,7 +188,7 @@ impl CliqueBuilder {
         let built = setup::create(devices, &self.requested, self.shared_devices)?;
         let n = built.engine.len();
         let job = core::Placement {
-            globals: (0..n).collect(),
+            globals: (0..n).map(JobRank).collect(),
             world: n,
             copy_engine: crate::copy::support(&built.topology),
             nccl_on: built.nccl_on,

@@ -13,6 +13,7 @@ use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl};
 use crate::p2p::P2p;
+use crate::ranks::JobRank;
 use crate::topology::{Link, Topology};
 
 const CUDA_HINT: &str =
@@ -147,14 +148,14 @@ pub(crate) fn create(devices: Devices, requested: &Layer, shared: bool) -> Resul
             for (rank, s) in streams.into_iter().enumerate() {
                 let ctx = s.context().clone();
                 require_primary(rank, &ctx)?;
-                ranks.push(Rank::new(rank, ctx, Some(s))?);
+                ranks.push(Rank::new(JobRank(rank), ctx, Some(s))?);
             }
         }
         _ => {
             for (rank, &o) in ordinals.iter().enumerate() {
                 let ctx = CudaContext::new(o)
                     .map_err(Error::cuda(format!("creating a context on device {o}")))?;
-                ranks.push(Rank::new(rank, ctx, None)?);
+                ranks.push(Rank::new(JobRank(rank), ctx, None)?);
             }
         }
     }

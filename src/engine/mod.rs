@@ -26,6 +26,7 @@ use crate::nccl::{self, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
 pub(crate) use crate::plan::Item;
 use crate::plan::Step;
+use crate::ranks::{local_of, JobRank};
 use graphs::Ended;
 pub(crate) use graphs::GraphExec;
 use streams::EngineStream;
@@ -33,7 +34,7 @@ use streams::EngineStream;
 /// One rank this process drives.
 pub(crate) struct Rank {
     /// Its rank in the job (its index in a clique).
-    pub global: usize,
+    pub global: JobRank,
     /// The device's primary context.
     pub ctx: Arc<CudaContext>,
     /// The stream every broadcast of this rank runs on.
@@ -56,7 +57,7 @@ pub(crate) struct Rank {
 impl Rank {
     /// Job rank `global` on `ctx` with `stream` (the caller's) or a new stream.
     pub(crate) fn new(
-        global: usize,
+        global: JobRank,
         ctx: Arc<CudaContext>,
         stream: Option<Arc<CudaStream>>,
     ) -> Result<Rank> {
@@ -576,7 +577,12 @@ impl EngineGuard<'_> {
     /// Every address of `items` is valid for its `count` elements of `dtype` on its rank's
     /// device (the root's `src` readable by every peer), and stays valid until the streams pass
     /// this point; `steps` name tensors of `items` only.
-    pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+    pub(crate) unsafe fn run(
+        &mut self,
+        root: JobRank,
+        items: &[Item],
+        steps: &[Step],
+    ) -> Result<()> {
         self.capture_failed()?;
         // SAFETY: per this function's contract.
         let ran = unsafe { self.run_steps(root, items, steps) };
@@ -595,7 +601,7 @@ impl EngineGuard<'_> {
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn run_steps(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+    unsafe fn run_steps(&mut self, root: JobRank, items: &[Item], steps: &[Step]) -> Result<()> {
         let n = self.n();
         let call = self.next_call();
         self.room_for(call)?;
@@ -612,7 +618,7 @@ impl EngineGuard<'_> {
                         unsafe {
                             e.p2p()?.launch(
                                 *protocol,
-                                root,
+                                root.0,
                                 it.src,
                                 it.bytes(),
                                 &it.dsts[..n],
@@ -636,7 +642,7 @@ impl EngineGuard<'_> {
                         .collect();
                     let r = self.spinning(|e, streams| {
                         // SAFETY: as for `P2pOne`.
-                        unsafe { e.p2p()?.launch_list(root, &copies, streams) }
+                        unsafe { e.p2p()?.launch_list(root.0, &copies, streams) }
                     });
                     self.note_p2p(r)?;
                     self.cut_capture()?;
@@ -678,7 +684,7 @@ impl EngineGuard<'_> {
                         .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
                     // SAFETY: per this function's contract.
                     let queued = unsafe {
-                        comms.broadcast_group(root, entries, self.engine.settings.timeouts.wait)
+                        comms.broadcast_group(root.0, entries, self.engine.settings.timeouts.wait)
                     };
                     if let Err(e) = queued {
                         // The calls queued before it lose their kernels to the abort too.
@@ -695,7 +701,7 @@ impl EngineGuard<'_> {
                         let what = watchdog::Watched::Broadcast {
                             tensors: tensors.len(),
                             bytes: tensors.iter().map(|&t| items[t].bytes()).sum(),
-                            root,
+                            root: root.0,
                         };
                         self.watch_nccl(w, begun, &own, call, what, id)?;
                     }
@@ -710,20 +716,21 @@ impl EngineGuard<'_> {
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn copy_engine(&mut self, root: usize, items: &[Item], tensors: &[usize]) -> Result<()> {
+    unsafe fn copy_engine(
+        &mut self,
+        root: JobRank,
+        items: &[Item],
+        tensors: &[usize],
+    ) -> Result<()> {
         let capturing = self.capturing();
         // Routes are chosen with this in mind (`Core`); a last line where they were not.
         if capturing {
             self.engine.copy_engine_in_graph()?;
         }
         let engine = self.engine;
-        let root = engine
-            .ranks
-            .iter()
-            .position(|r| r.global == root)
-            .ok_or_else(|| {
-                Error::CopyEngineUnavailable("the root is not a rank of this process".into())
-            })?;
+        let root = local_of(engine.ranks.iter().map(|r| r.global), root).ok_or_else(|| {
+            Error::CopyEngineUnavailable("the root is not a rank of this process".into())
+        })?;
         let call = copy::Call::plan(root, self.n(), items, tensors, capturing);
         self.state.ce.captured |= capturing;
         let lanes: Vec<copy::Lane<'_>> = engine
@@ -733,7 +740,7 @@ impl EngineGuard<'_> {
             .map(|(r, rank)| copy::Lane {
                 ctx: &rank.ctx,
                 stream: self.work_stream(r),
-                global: rank.global,
+                global: rank.global.0,
             })
             .collect();
         let local: Vec<&Item> = tensors
