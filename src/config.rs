@@ -173,7 +173,7 @@ pub struct Thresholds {
     /// `Auto` uses P2P for messages of at most this many bytes, NCCL above.
     pub p2p_max_bytes: usize,
     /// The P2P path uses the packet protocol up to this many bytes and the pull protocol above
-    /// (capped at [`PACKET_MAX_BYTES`]).
+    /// (capped at the packet inbox's capacity, 256 KiB).
     pub packet_max_bytes: usize,
     /// `Auto` uses the copy engines for messages of at least this many bytes, where they can
     /// run (ranks of one process); `usize::MAX` never.

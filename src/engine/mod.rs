@@ -5,6 +5,29 @@
 //!
 //! The engine works on raw device addresses ([`Item`]); turning typed buffers into addresses
 //! and ordering them with the streams they live on is `clique::access`'s job.
+//!
+//! # The sequence of a call
+//!
+//! Every broadcast, eager or captured, single or fused, takes the same steps, the first four
+//! before anything is queued (so a refused call changes nothing):
+//!
+//! 1. **check**: the buffers against the ranks (`clique::args`: count, device, context, type,
+//!    length, root); across processes, the call's card is posted to the call log
+//!    (`clique::calls`) and compared with the peers';
+//! 2. **route**: each tensor's path from the call's options over the settings
+//!    (`config::choose`: `Auto`'s thresholds, what can run here);
+//! 3. **plan**: the tensors grouped into launch steps ([`crate::plan`]: one P2P launch per
+//!    list, one NCCL group, the copy-engine chain);
+//! 4. **lock**: [`Engine::lock`] (bounded: `Error::Busy`), then the plan made again if the P2P
+//!    path closed meanwhile;
+//! 5. **order**: the buffers' pending work before the call (`clique::access::ordered`: cudarc's
+//!    read and write guards, and the foreign streams' events);
+//! 6. **run**: [`EngineGuard::run`] queues each step on the ranks' streams, or the capture
+//!    streams: the P2P kernel (`p2p`), an NCCL group handed to the watchdog (`nccl`,
+//!    `watchdog`), the copy-engine chain with the root's own copy forked and joined (`copy`);
+//!    a failed step inside a capture fails the whole capture;
+//! 7. **record**: the guards dropped after the work is queued, so that the buffers' later work
+//!    and frees, on any stream, come after the call, when it fails or panics halfway too.
 
 mod graphs;
 pub(crate) mod streams;
