@@ -102,35 +102,26 @@ impl<T: Element> DeviceTensorMut for CudaViewMut<'_, T> {
 impl<B: DeviceTensor + ?Sized> sealed::Sealed for &B {}
 impl<B: DeviceTensor + ?Sized> sealed::Sealed for &mut B {}
 
-impl<B: DeviceTensor + ?Sized> DeviceTensor for &B {
-    fn dtype(&self) -> DType {
-        (**self).dtype()
-    }
-    fn len(&self) -> usize {
-        (**self).len()
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        (**self).stream()
-    }
-    fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (**self).read_ptr(stream)
-    }
+macro_rules! by_reference {
+    ($($ty:ty),*) => {$(
+        impl<B: DeviceTensor + ?Sized> DeviceTensor for $ty {
+            fn dtype(&self) -> DType {
+                (**self).dtype()
+            }
+            fn len(&self) -> usize {
+                (**self).len()
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                (**self).stream()
+            }
+            fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+                (**self).read_ptr(stream)
+            }
+        }
+    )*};
 }
 
-impl<B: DeviceTensor + ?Sized> DeviceTensor for &mut B {
-    fn dtype(&self) -> DType {
-        (**self).dtype()
-    }
-    fn len(&self) -> usize {
-        (**self).len()
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        (**self).stream()
-    }
-    fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
-        (**self).read_ptr(stream)
-    }
-}
+by_reference!(&B, &mut B);
 
 impl<B: DeviceTensorMut + ?Sized> DeviceTensorMut for &mut B {
     fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {

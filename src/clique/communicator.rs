@@ -15,10 +15,8 @@ use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
-use crate::plan::FusedReport;
 use crate::ranks::JobRank;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
-use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// Longest a rank that cannot take part keeps trying to tell the others (in the background).
 const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
@@ -501,25 +499,9 @@ impl Communicator {
     }
 }
 
-impl super::sealed::Queue for Communicator {
-    fn queue_one(
-        &self,
-        root: usize,
-        input: Option<&dyn DeviceTensor>,
-        output: &mut [&mut dyn DeviceTensorMut],
-        options: Option<&BroadcastOptions>,
-    ) -> Result<()> {
-        self.core.broadcast(root, input, output, options)
-    }
-
-    fn queue_many<'a, 'b>(
-        &self,
-        root: usize,
-        inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
-        options: Option<&BroadcastOptions>,
-    ) -> Result<FusedReport> {
-        self.core.many(root, inputs, outputs, options)
+impl super::sealed::Eager for Communicator {
+    fn core(&self) -> &Core {
+        &self.core
     }
 }
 

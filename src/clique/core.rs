@@ -16,7 +16,7 @@ use crate::tensor::{DeviceTensor, DeviceTensorMut};
 use super::RawBroadcast;
 
 /// The engine of the local ranks and their place in the job.
-pub(crate) struct Core {
+pub struct Core {
     pub(crate) engine: Engine,
     /// Device and context of each local rank.
     pub(crate) places: Vec<Place>,

@@ -29,9 +29,7 @@ use crate::dtype::{DType, Element};
 )]
 use crate::error::Error;
 use crate::error::Result;
-use crate::plan::FusedReport;
 use crate::ranks::JobRank;
-use crate::tensor::{DeviceTensor, DeviceTensorMut};
 use crate::topology::Topology;
 pub(crate) use core::Core;
 
@@ -47,6 +45,35 @@ mod sealed {
     use crate::error::Result;
     use crate::plan::FusedReport;
     use crate::tensor::{DeviceTensor, DeviceTensorMut};
+
+    /// A receiver that queues its calls eagerly on a core of its own (a clique, a
+    /// communicator): its [`Queue`] is the core's.
+    pub trait Eager {
+        /// The core whose ranks run the calls.
+        fn core(&self) -> &super::Core;
+    }
+
+    impl<E: Eager> Queue for E {
+        fn queue_one(
+            &self,
+            root: usize,
+            input: Option<&dyn DeviceTensor>,
+            outputs: &mut [&mut dyn DeviceTensorMut],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<()> {
+            self.core().broadcast(root, input, outputs, options)
+        }
+
+        fn queue_many<'a, 'b>(
+            &self,
+            root: usize,
+            inputs: Option<&[&dyn DeviceTensor]>,
+            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<FusedReport> {
+            self.core().many(root, inputs, outputs, options)
+        }
+    }
 
     /// Queues one call: a single broadcast (`outputs[local rank]`) or a fused one
     /// (`outputs[local rank][tensor]`); `input`/`inputs` is `None` in place or where this
@@ -566,25 +593,9 @@ impl Clique {
     }
 }
 
-impl sealed::Queue for Clique {
-    fn queue_one(
-        &self,
-        root: usize,
-        input: Option<&dyn DeviceTensor>,
-        outputs: &mut [&mut dyn DeviceTensorMut],
-        options: Option<&BroadcastOptions>,
-    ) -> Result<()> {
-        self.core.broadcast(root, input, outputs, options)
-    }
-
-    fn queue_many<'a, 'b>(
-        &self,
-        root: usize,
-        inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
-        options: Option<&BroadcastOptions>,
-    ) -> Result<FusedReport> {
-        self.core.many(root, inputs, outputs, options)
+impl sealed::Eager for Clique {
+    fn core(&self) -> &Core {
+        &self.core
     }
 }
 
