@@ -13,11 +13,12 @@
 //!
 //! Options are given one way: `receiver.with(&options)` is a receiver that carries them.
 
-use super::sealed::Queue;
+use super::{Clique, Core};
 use crate::config::BroadcastOptions;
 use crate::error::Result;
 use crate::plan::FusedReport;
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
+use sealed::Queue;
 
 /// Broadcasts of a process that drives every rank of the call: each method takes one buffer
 /// (or one list of buffers) per rank, in rank order. Implemented by [`super::Clique`], by the
@@ -188,3 +189,72 @@ impl<R: Queue> Queue for WithOptions<'_, R> {
 
 impl<R: CliqueBroadcast> CliqueBroadcast for WithOptions<'_, R> {}
 impl<R: RankBroadcast> RankBroadcast for WithOptions<'_, R> {}
+
+/// The one hidden door of every broadcast receiver: the public methods of
+/// [`CliqueBroadcast`] and [`RankBroadcast`] are default methods over it.
+pub(super) mod sealed {
+    use crate::config::BroadcastOptions;
+    use crate::error::Result;
+    use crate::plan::FusedReport;
+    use crate::tensor::{DeviceTensor, DeviceTensorMut};
+
+    /// A receiver that queues its calls eagerly on a core of its own (a clique, a
+    /// communicator): its [`Queue`] is the core's.
+    pub trait Eager {
+        /// The core whose ranks run the calls.
+        fn core(&self) -> &super::Core;
+    }
+
+    impl<E: Eager> Queue for E {
+        fn queue_one(
+            &self,
+            root: usize,
+            input: Option<&dyn DeviceTensor>,
+            outputs: &mut [&mut dyn DeviceTensorMut],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<()> {
+            self.core().broadcast(root, input, outputs, options)
+        }
+
+        fn queue_many<'a, 'b>(
+            &self,
+            root: usize,
+            inputs: Option<&[&dyn DeviceTensor]>,
+            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<FusedReport> {
+            self.core().many(root, inputs, outputs, options)
+        }
+    }
+
+    /// Queues one call: a single broadcast (`outputs[local rank]`) or a fused one
+    /// (`outputs[local rank][tensor]`); `input`/`inputs` is `None` in place or where this
+    /// process does not hold the root; `options` is `None` for the receiver's defaults.
+    pub trait Queue {
+        /// A single broadcast.
+        fn queue_one(
+            &self,
+            root: usize,
+            input: Option<&dyn DeviceTensor>,
+            outputs: &mut [&mut dyn DeviceTensorMut],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<()>;
+
+        /// A fused broadcast of many tensors.
+        fn queue_many<'a, 'b>(
+            &self,
+            root: usize,
+            inputs: Option<&[&dyn DeviceTensor]>,
+            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<FusedReport>;
+    }
+}
+
+impl sealed::Eager for Clique {
+    fn core(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl CliqueBroadcast for Clique {}

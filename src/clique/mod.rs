@@ -33,71 +33,11 @@ use crate::ranks::JobRank;
 use crate::topology::Topology;
 pub(crate) use core::Core;
 
+use broadcast::sealed;
 pub use broadcast::{CliqueBroadcast, RankBroadcast, WithOptions};
 pub use communicator::{Communicator, CommunicatorBuilder, DEFAULT_INIT_TIMEOUT};
 pub use graph::{Capture, CliqueGraph, GraphBuffers};
 pub use setup::device_count;
-
-/// The one hidden door of every broadcast receiver: the public methods of
-/// [`CliqueBroadcast`] and [`RankBroadcast`] are default methods over it.
-mod sealed {
-    use crate::config::BroadcastOptions;
-    use crate::error::Result;
-    use crate::plan::FusedReport;
-    use crate::tensor::{DeviceTensor, DeviceTensorMut};
-
-    /// A receiver that queues its calls eagerly on a core of its own (a clique, a
-    /// communicator): its [`Queue`] is the core's.
-    pub trait Eager {
-        /// The core whose ranks run the calls.
-        fn core(&self) -> &super::Core;
-    }
-
-    impl<E: Eager> Queue for E {
-        fn queue_one(
-            &self,
-            root: usize,
-            input: Option<&dyn DeviceTensor>,
-            outputs: &mut [&mut dyn DeviceTensorMut],
-            options: Option<&BroadcastOptions>,
-        ) -> Result<()> {
-            self.core().broadcast(root, input, outputs, options)
-        }
-
-        fn queue_many<'a, 'b>(
-            &self,
-            root: usize,
-            inputs: Option<&[&dyn DeviceTensor]>,
-            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
-            options: Option<&BroadcastOptions>,
-        ) -> Result<FusedReport> {
-            self.core().many(root, inputs, outputs, options)
-        }
-    }
-
-    /// Queues one call: a single broadcast (`outputs[local rank]`) or a fused one
-    /// (`outputs[local rank][tensor]`); `input`/`inputs` is `None` in place or where this
-    /// process does not hold the root; `options` is `None` for the receiver's defaults.
-    pub trait Queue {
-        /// A single broadcast.
-        fn queue_one(
-            &self,
-            root: usize,
-            input: Option<&dyn DeviceTensor>,
-            outputs: &mut [&mut dyn DeviceTensorMut],
-            options: Option<&BroadcastOptions>,
-        ) -> Result<()>;
-
-        /// A fused broadcast of many tensors.
-        fn queue_many<'a, 'b>(
-            &self,
-            root: usize,
-            inputs: Option<&[&dyn DeviceTensor]>,
-            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
-            options: Option<&BroadcastOptions>,
-        ) -> Result<FusedReport>;
-    }
-}
 
 /// The settings every builder shares (a field `requested: Layer`): path, thresholds and
 /// timeout.
@@ -592,14 +532,6 @@ impl Clique {
         Ok(())
     }
 }
-
-impl sealed::Eager for Clique {
-    fn core(&self) -> &Core {
-        &self.core
-    }
-}
-
-impl CliqueBroadcast for Clique {}
 
 /// A broadcast of raw device addresses, for [`Clique::broadcast_raw`].
 #[derive(Debug, Clone, Copy)]
