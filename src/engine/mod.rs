@@ -43,7 +43,6 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 
 use crate::config::{Settings, MAX_GPUS};
 use crate::copy;
-use crate::driver::make_current;
 use crate::error::{Error, Result};
 use crate::nccl::{self, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
@@ -766,39 +765,24 @@ impl EngineGuard<'_> {
                 global: rank.global.0,
             })
             .collect();
-        let local: Vec<&Item> = tensors
-            .iter()
-            .map(|&t| &items[t])
-            .filter(|it| it.dsts[root] != it.src)
-            .collect();
-        if local.is_empty() {
-            // SAFETY: the lanes are the engine's ranks in order, their streams the ranks' own
-            // (or their capture streams); the buffers per this function's contract; and a
-            // copy-engine step is planned only where every pair has peer access
-            // (`copy::support`), so every buffer is reachable from every device.
-            return unsafe { self.state.ce.queue(&lanes, root, items, &call) };
+        let beside = copy::Beside {
+            ctx: &engine.ranks[root].ctx,
+            main: self.work_stream(root),
+            aux: self.aux_stream(root),
+            fork: self.state.aux_events[root].0.cu_event(),
+            join: self.state.aux_events[root].1.cu_event(),
+            global: engine.ranks[root].global.0,
+        };
+        // SAFETY: the lanes are the engine's ranks in order, their streams the ranks' own (or
+        // their capture streams); `beside` the root's streams and events, used only under the
+        // lock; the buffers per this function's contract; and a copy-engine step is planned
+        // only where every pair has peer access (`copy::support`), so every buffer is
+        // reachable from every device.
+        unsafe {
+            self.state
+                .ce
+                .broadcast(&lanes, root, items, tensors, &call, &beside)
         }
-        // The root's own copies on its second stream, between a fork after everything before
-        // the call on its stream and a join before anything after it.
-        let aux = self.fork_aux(root)?;
-        let mut queued = Ok(());
-        for it in local {
-            // SAFETY: per this function's contract: the root's input and output hold the
-            // tensor, and `aux`, a stream of the root's context, runs after the root's stream
-            // reached the call (fork).
-            queued = unsafe { copy::copy_on(&lanes[root], aux, it.dsts[root], it.src, it.bytes()) };
-            if queued.is_err() {
-                break;
-            }
-        }
-        if queued.is_ok() {
-            // SAFETY: as for the queueing without local copies above.
-            queued = unsafe { self.state.ce.queue(&lanes, root, items, &call) };
-        }
-        // Joined whatever failed above, so the root's stream never moves past work still
-        // queued on the side.
-        let joined = self.join_aux(root);
-        queued.and(joined)
     }
 
     /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
@@ -1014,15 +998,9 @@ impl EngineGuard<'_> {
         earlier: CUstream,
         later: CUstream,
     ) -> std::result::Result<(), result::DriverError> {
-        // Not `bind_to_thread`: an error cudarc stored from unrelated work must not stop this
-        // ordering (a buffer's stream would then move on before the call's work on the buffer).
-        make_current(&self.engine.ranks[rank].ctx)?;
-        // SAFETY: `event` and both streams per this function's contract; both calls only
-        // enqueue, and the event is reused only under the engine's lock (`&self` of a guard).
-        unsafe {
-            result::event::record(event, earlier)?;
-            result::stream::wait_event(later, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-        }
+        // SAFETY: `event` and both streams per this function's contract; the event is reused
+        // only under the engine's lock (`&self` of a guard).
+        unsafe { crate::driver::stream::order(&self.engine.ranks[rank].ctx, event, earlier, later) }
     }
 
     /// Blocks until every stream has finished, then reports a P2P timeout (after resetting the
