@@ -258,3 +258,70 @@ impl sealed::Eager for Clique {
 }
 
 impl CliqueBroadcast for Clique {}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use super::*;
+    use crate::config::BroadcastPath;
+
+    /// What a call passed: root, whether an input, how many outputs (lists), options.
+    type Call = (usize, bool, usize, Option<BroadcastOptions>);
+
+    /// A receiver that notes what each call passed.
+    #[derive(Default)]
+    struct Noted(RefCell<Vec<Call>>);
+
+    impl Queue for Noted {
+        fn queue_one(
+            &self,
+            root: usize,
+            input: Option<&dyn DeviceTensor>,
+            outputs: &mut [&mut dyn DeviceTensorMut],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<()> {
+            let call = (root, input.is_some(), outputs.len(), options.copied());
+            self.0.borrow_mut().push(call);
+            Ok(())
+        }
+
+        fn queue_many<'a, 'b>(
+            &self,
+            root: usize,
+            inputs: Option<&[&dyn DeviceTensor]>,
+            outputs: &mut [Vec<&'a mut (dyn DeviceTensorMut + 'b)>],
+            options: Option<&BroadcastOptions>,
+        ) -> Result<FusedReport> {
+            let call = (root, inputs.is_some(), outputs.len(), options.copied());
+            self.0.borrow_mut().push(call);
+            Ok(FusedReport::default())
+        }
+    }
+
+    impl CliqueBroadcast for Noted {}
+    impl RankBroadcast for Noted {}
+
+    #[test]
+    fn every_method_reaches_the_one_queue_with_the_options_of_the_last_view() {
+        let r = Noted::default();
+        let nccl = BroadcastOptions::path(BroadcastPath::Nccl);
+        let p2p = BroadcastOptions::path(BroadcastPath::P2p);
+        CliqueBroadcast::broadcast_many_in_place(&r, 1, &mut [Vec::new(), Vec::new()]).unwrap();
+        let view = CliqueBroadcast::with(&r, &nccl);
+        CliqueBroadcast::broadcast_many(&view, 0, &[], &mut [Vec::new()]).unwrap();
+        let last = CliqueBroadcast::with(&view, &p2p);
+        CliqueBroadcast::broadcast_many_in_place(&last, 2, &mut []).unwrap();
+        let rank = RankBroadcast::with(&r, &p2p);
+        RankBroadcast::broadcast_many(&rank, 3, None, Vec::new()).unwrap();
+        assert_eq!(
+            *r.0.borrow(),
+            vec![
+                (1, false, 2, None),
+                (0, true, 1, Some(nccl)),
+                (2, false, 0, Some(p2p)),
+                (3, false, 1, Some(p2p)),
+            ]
+        );
+    }
+}
