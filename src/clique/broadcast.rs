@@ -1,6 +1,6 @@
 //! The broadcast family, written once per argument shape.
 //!
-//! Every receiver (a [`Clique`](super::Clique), a [`Communicator`](super::Communicator), a
+//! Every receiver (a [`Clique`], a [`Communicator`](super::Communicator), a
 //! [`Capture`](super::Capture) of either, and the [`WithOptions`] view of any of them) queues a
 //! call through one hidden method of its own (`Queue`); the public methods are default methods
 //! of one trait per argument shape, as rsmpi writes each collective once for every

@@ -324,7 +324,7 @@ impl Core {
         })
     }
 
-    /// A fused call; see [`super::Clique::broadcast_many`]. `inputs` is `None` in place or on a
+    /// A fused call; see [`crate::CliqueBroadcast::broadcast_many`]. `inputs` is `None` in place or on a
     /// process without the root.
     pub(crate) fn many(
         &self,

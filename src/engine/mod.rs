@@ -23,15 +23,15 @@
 //! 5. **order**: the buffers' pending work before the call (`clique::access::ordered`: cudarc's
 //!    read and write guards, and the foreign streams' events);
 //! 6. **run**: [`EngineGuard::run`] queues each step on the ranks' streams, or the capture
-//!    streams: the P2P kernel (`p2p`), an NCCL group handed to the watchdog (`nccl`,
-//!    `watchdog`), the copy-engine chain with the root's own copy forked and joined (`copy`);
+//!    streams: the P2P kernel (`p2p`), an NCCL group handed to its watchdog (`nccl`,
+//!    `nccl::watchdog`), the copy-engine chain with the root's own copy forked and joined
+//!    (`copy::State::broadcast`);
 //!    a failed step inside a capture fails the whole capture;
 //! 7. **record**: the guards dropped after the work is queued, so that the buffers' later work
 //!    and frees, on any stream, come after the call, when it fails or panics halfway too.
 
 mod graphs;
 pub(crate) mod streams;
-mod watchdog;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -44,7 +44,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 use crate::config::{Settings, MAX_GPUS};
 use crate::copy;
 use crate::error::{Error, Result};
-use crate::nccl::{self, Comms, Nccl, RankOp};
+use crate::nccl::{self, watchdog, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
 pub(crate) use crate::plan::Item;
 use crate::plan::Step;
