@@ -3,6 +3,7 @@
 //! `cargo run --release --example broadcast` — on a machine without a GPU it exits with the
 //! library's error, which names what is missing and how to fix it.
 
+use gpucast::prelude::*;
 use gpucast::Clique;
 
 fn main() -> anyhow::Result<()> {

@@ -173,7 +173,7 @@ pub struct Thresholds {
     /// `Auto` uses P2P for messages of at most this many bytes, NCCL above.
     pub p2p_max_bytes: usize,
     /// The P2P path uses the packet protocol up to this many bytes and the pull protocol above
-    /// (capped at [`PACKET_MAX_BYTES`]).
+    /// (capped at the packet inbox's capacity, 256 KiB).
     pub packet_max_bytes: usize,
     /// `Auto` uses the copy engines for messages of at least this many bytes, where they can
     /// run (ranks of one process); `usize::MAX` never.
@@ -202,7 +202,7 @@ pub struct Thresholds {
 ///   N-1 peers, so its switch point drops with N. Above the P2P limit `Auto` takes NCCL: the
 ///   copy-engine chain never (`usize::MAX`) until a run on 3 or more GPUs shows where it wins
 ///   (on 2 GPUs it lost to the P2P kernel at every size up to 32 MiB, large/table.txt).
-pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
+pub(crate) const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
     (2, usize::MAX, PACKET_MAX_BYTES, COPY_ENGINE_MIN_2_GPUS),
     (3, 4 << 20, 64 << 10, usize::MAX),
     (4, 2 << 20, 64 << 10, usize::MAX),
@@ -220,21 +220,21 @@ pub const DEFAULT_THRESHOLDS: [(usize, usize, usize, usize); 7] = [
 /// at 128 MiB (384-388 against 379-381 us), and tied at 512 MiB. In place, or beside compute
 /// (no SM taken: 0.1% compute slowdown against 24% for NCCL and 24.9% for the P2P kernel,
 /// results/h200x2/interference), it is the better path anyway.
-pub const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
+pub(crate) const COPY_ENGINE_MIN_2_GPUS: usize = 64 << 20;
 
 /// The same switch inside CUDA graphs on 2 GPUs, where the chain waits on flags with stream
 /// memory operations. In the same two runs, the chain won at 128 MiB (386-390 against 415-418
 /// us for the P2P kernel), 256 MiB (739-745 against 794-799 us) and 1 GiB (2802-2842 against
 /// 2986-2993 us), and lost at 64 MiB (221-223 against 207-209 us) and, by 4-5%, at 512 MiB
 /// (1604-1613 against 1533-1535 us).
-pub const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
+pub(crate) const COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS: usize = 128 << 20;
 
 /// Where the P2P kernel switches from fan-out (every peer reads the root) to the chain on `n`
 /// GPUs, given `Auto`'s P2P limit there. With 2 GPUs both carry the message over the one link
 /// once, and fan-out needs no hand-off per piece: never. Beyond, fan-out makes the root's links
 /// carry the message N-1 times while the chain carries it once per link, so a call forced onto
 /// P2P chains above the limit where `Auto` leaves the P2P kernel (the cost model's crossover).
-pub fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
+pub(crate) fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
     if n <= 2 {
         usize::MAX
     } else {
@@ -246,17 +246,17 @@ pub fn chain_min_bytes(n: usize, p2p_max: usize) -> usize {
 /// Fixed cost of an eager NCCL broadcast beyond the P2P kernel's, in seconds: a model parameter,
 /// near the 2-GPU gap at <= 64 KiB in results/h200x2/table.txt (NCCL 14.1-20.2 us, P2P
 /// 5.3-6.1 us eager; aa6182f, host timer). Not measured on 3 or more GPUs.
-pub const MODEL_FIXED_GAP_S: f64 = 14e-6;
+pub(crate) const MODEL_FIXED_GAP_S: f64 = 14e-6;
 #[cfg(test)]
 /// Bandwidth of one GPU's NVLink egress, bytes per second: a model parameter, within the 2-GPU
 /// figures at 1 GiB in results/h200x2/table.txt (NCCL 361, P2P 369, copy engines 395 GB/s).
-pub const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
+pub(crate) const MODEL_LINK_BYTES_PER_S: f64 = 370e9;
 
 #[cfg(test)]
 /// The message size above which NCCL's ring beats P2P fan-out from the root on `n` GPUs, by the
 /// model `t_p2p = a + (n-1) S / B` against `t_nccl = a + gap + S / B`: `S* = gap B / (n - 2)`.
 /// `None` for 1 or 2 GPUs, where fan-out is never slower.
-pub fn model_crossover(n: usize) -> Option<usize> {
+pub(crate) fn model_crossover(n: usize) -> Option<usize> {
     if n <= 2 {
         return None;
     }
@@ -276,13 +276,13 @@ pub fn model_crossover(n: usize) -> Option<usize> {
 /// costs more than NCCL's lead in eager mode. Measured on 2 H200 (results/h200x2/procs/
 /// broadcast.csv, aa6182f, host timer): staged pull 11.3 and 13.4 us at 512 KiB and 1 MiB
 /// against 8.3 and 11.8 us for a raw `ncclBroadcast`.
-pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
+pub(crate) const DEFAULT_P2P_MAX_ACROSS_PROCESSES: usize = PACKET_MAX_BYTES;
 
 /// The same limit inside CUDA graphs, where the staging copy costs no launch: the staged pull
 /// beat a raw `ncclBroadcast` from 1 to 8 MiB (10.4 against 11.1 us at 1 MiB, 33.1 against
 /// 35.7 us at 8 MiB), tied at 16 MiB and lost at 64 MiB (224.8 against 199.6 us) on 2 H200
 /// (results/h200x2/procs/broadcast.csv, aa6182f, host timer).
-pub const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
+pub(crate) const DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS: usize = 8 << 20;
 
 impl Thresholds {
     /// These thresholds for ranks in separate processes of one host: the P2P limit is capped
@@ -434,30 +434,34 @@ pub(crate) fn choose(
 
 // ---------------------------------------------------------------------------------------------
 // Environment variables. Every GPUCAST_* variable the library reads is named here and read by
-// `Env::read`, once per clique; README.md's table lists the same set (a test checks it).
+// `Layer::from_env`, once per clique; README.md's table lists the same set (a test checks it).
 
 /// `Auto`'s P2P limit (bytes; `K`, `M`, `G` suffixes, powers of 1024).
-pub const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
+pub(crate) const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
 /// The packet/pull switch point (bytes, suffixes allowed).
-pub const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
+pub(crate) const PACKET_THRESHOLD_ENV: &str = "GPUCAST_PACKET_THRESHOLD";
 /// `Auto`'s copy-engine start (bytes, suffixes allowed).
-pub const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
+pub(crate) const COPY_ENGINE_THRESHOLD_ENV: &str = "GPUCAST_COPY_ENGINE_THRESHOLD";
 /// Where a P2P broadcast of more than two ranks goes along the chain (bytes, suffixes allowed).
-pub const P2P_CHAIN_THRESHOLD_ENV: &str = "GPUCAST_P2P_CHAIN_THRESHOLD";
+pub(crate) const P2P_CHAIN_THRESHOLD_ENV: &str = "GPUCAST_P2P_CHAIN_THRESHOLD";
 /// Bound on every wait, in milliseconds (a positive integer).
-pub const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
+pub(crate) const TIMEOUT_ENV: &str = "GPUCAST_TIMEOUT_MS";
 /// `1`/`0` (also `on`/`off`, `true`/`false`): launch the P2P kernel from one thread per GPU.
-pub const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
+pub(crate) const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
 /// Default path of new cliques: `auto`, `nccl`, `p2p` or `copy-engine`.
-pub const PATH_ENV: &str = "GPUCAST_PATH";
+pub(crate) const PATH_ENV: &str = "GPUCAST_PATH";
 /// The NCCL library file to load instead of searching `libnccl.so.2` and `libnccl.so`.
-pub const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
+pub(crate) const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
 /// Read by the NVRTC test only: `1` makes a missing libnvrtc a failure instead of a skip.
-pub const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
-pub use crate::rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+#[cfg(test)]
+pub(crate) const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
+#[cfg(test)]
+use crate::rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
 
-/// Every variable above with a one-line description, for documentation and error messages.
-pub const ENV_VARS: [(&str, &str); 13] = [
+/// Every variable above with a one-line description: the README's table "Environment variables"
+/// documents each (checked by a test).
+#[cfg(test)]
+pub(crate) const ENV_VARS: [(&str, &str); 13] = [
     (PATH_ENV, "default path: auto, nccl, p2p or copy-engine"),
     (
         P2P_THRESHOLD_ENV,
@@ -503,9 +507,12 @@ pub const ENV_VARS: [(&str, &str); 13] = [
     ),
 ];
 
-/// The settings found in the environment; `None` where a variable is unset.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Env {
+/// One layer of settings: what the builder asked for, or what the environment sets (`None`
+/// where unset); a call's [`BroadcastOptions`] is the layer above both. Layers resolve, once
+/// per clique or communicator, into [`Settings`]: call over builder over environment over
+/// defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Layer {
     pub path: Option<BroadcastPath>,
     pub p2p_threshold: Option<usize>,
     pub packet_threshold: Option<usize>,
@@ -515,14 +522,68 @@ pub(crate) struct Env {
     pub parallel_launch: Option<bool>,
 }
 
-impl Env {
-    /// Reads the process environment.
-    pub(crate) fn read() -> Result<Env> {
-        Env::parse(|name| std::env::var_os(name))
+impl Layer {
+    /// The layer the process environment sets.
+    pub(crate) fn from_env() -> Result<Layer> {
+        Layer::parse(|name| std::env::var_os(name))
+    }
+
+    /// The layer of a call's options.
+    fn of_call(o: &BroadcastOptions) -> Layer {
+        Layer {
+            path: o.path,
+            p2p_threshold: o.p2p_threshold,
+            packet_threshold: o.packet_threshold,
+            copy_engine_threshold: o.copy_engine_threshold,
+            p2p_chain_threshold: o.p2p_chain_threshold,
+            ..Layer::default()
+        }
+    }
+
+    /// This layer over `lower`: each setting from the first layer that sets it.
+    pub(crate) fn over(&self, lower: &Layer) -> Layer {
+        Layer {
+            path: self.path.or(lower.path),
+            p2p_threshold: self.p2p_threshold.or(lower.p2p_threshold),
+            packet_threshold: self.packet_threshold.or(lower.packet_threshold),
+            copy_engine_threshold: self.copy_engine_threshold.or(lower.copy_engine_threshold),
+            p2p_chain_threshold: self.p2p_chain_threshold.or(lower.p2p_chain_threshold),
+            timeout: self.timeout.or(lower.timeout),
+            parallel_launch: self.parallel_launch.or(lower.parallel_launch),
+        }
+    }
+
+    /// The thresholds this layer sets, over `t`.
+    fn thresholds_over(&self, mut t: Thresholds) -> Thresholds {
+        if let Some(b) = self.p2p_threshold {
+            t.p2p_max_bytes = b;
+        }
+        if let Some(b) = self.packet_threshold {
+            t.packet_max_bytes = b;
+        }
+        if let Some(b) = self.copy_engine_threshold {
+            t.copy_engine_min_bytes = b;
+        }
+        if let Some(b) = self.p2p_chain_threshold {
+            t.p2p_chain_min_bytes = b;
+        }
+        t
+    }
+
+    /// Rejects what no number of GPUs makes valid (a zero timeout): checked before anything
+    /// touches the driver.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.timeout.is_some_and(|t| t.is_zero()) {
+            return Err(invalid(
+                "timeout",
+                "must be longer than zero (every wait would fail at once)".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Parses the variables through `lookup`; a set but malformed variable is an error.
-    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Env> {
+    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Layer> {
         let text = |name: &'static str| -> Result<Option<String>> {
             match lookup(name) {
                 None => Ok(None),
@@ -573,7 +634,7 @@ impl Env {
                 })
             })
             .transpose()?;
-        Ok(Env {
+        Ok(Layer {
             path,
             p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
             packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
@@ -657,80 +718,40 @@ pub(crate) struct Settings {
     pub parallel_launch: bool,
 }
 
-/// What a builder asked for; `None` defers to the environment, then to the defaults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Requested {
-    pub path: Option<BroadcastPath>,
-    pub p2p_threshold: Option<usize>,
-    pub packet_threshold: Option<usize>,
-    pub copy_engine_threshold: Option<usize>,
-    pub p2p_chain_threshold: Option<usize>,
-    pub timeout: Option<Duration>,
-    pub parallel_launch: Option<bool>,
-}
-
 impl Settings {
-    /// Resolves a clique's settings for `gpus` GPUs; rejects a zero timeout.
-    pub(crate) fn resolve(req: &Requested, env: &Env, gpus: usize) -> Result<Settings> {
-        let mut thresholds = Thresholds::for_gpus(gpus);
-        if let Some(t) = req.p2p_threshold.or(env.p2p_threshold) {
-            thresholds.p2p_max_bytes = t;
-        }
-        if let Some(t) = req.packet_threshold.or(env.packet_threshold) {
-            thresholds.packet_max_bytes = t;
-        }
-        if let Some(t) = req.copy_engine_threshold.or(env.copy_engine_threshold) {
-            thresholds.copy_engine_min_bytes = t;
-        }
-        if let Some(t) = req.p2p_chain_threshold.or(env.p2p_chain_threshold) {
-            thresholds.p2p_chain_min_bytes = t;
-        }
-        let timeout = req.timeout.or(env.timeout).unwrap_or(DEFAULT_TIMEOUT);
-        if timeout.is_zero() {
-            return Err(invalid(
-                "timeout",
-                "must be longer than zero (every wait would fail at once)".into(),
-            ));
-        }
+    /// Resolves the settings of a clique or communicator of `gpus` GPUs (on this host), from
+    /// the builder's layer over the environment's over the defaults; rejects a zero timeout.
+    pub(crate) fn resolve(builder: &Layer, env: &Layer, gpus: usize) -> Result<Settings> {
+        let layer = builder.over(env);
+        layer.check()?;
+        let thresholds = layer.thresholds_over(Thresholds::for_gpus(gpus));
         let mut graph_thresholds = thresholds;
-        if gpus <= 2
-            && req
-                .copy_engine_threshold
-                .or(env.copy_engine_threshold)
-                .is_none()
-        {
+        if gpus <= 2 && layer.copy_engine_threshold.is_none() {
             graph_thresholds.copy_engine_min_bytes = COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS;
         }
         Ok(Settings {
-            path: req.path.or(env.path).unwrap_or_default(),
+            path: layer.path.unwrap_or_default(),
             thresholds,
             graph_thresholds,
-            timeouts: Timeouts::new(timeout),
-            parallel_launch: req.parallel_launch.or(env.parallel_launch).unwrap_or(true),
+            timeouts: Timeouts::new(layer.timeout.unwrap_or(DEFAULT_TIMEOUT)),
+            parallel_launch: layer.parallel_launch.unwrap_or(true),
         })
     }
 
-    /// The thresholds of one call (queued inside a capture when `in_graph`), overridden by
-    /// `options`.
+    /// The thresholds of one call (queued inside a capture when `in_graph`): the call's layer
+    /// over these settings.
     pub(crate) fn thresholds_for(&self, options: &BroadcastOptions, in_graph: bool) -> Thresholds {
-        let mut t = if in_graph {
+        let settled = if in_graph {
             self.graph_thresholds
         } else {
             self.thresholds
         };
-        if let Some(p) = options.p2p_threshold {
-            t.p2p_max_bytes = p;
-        }
-        if let Some(p) = options.packet_threshold {
-            t.packet_max_bytes = p;
-        }
-        if let Some(p) = options.copy_engine_threshold {
-            t.copy_engine_min_bytes = p;
-        }
-        if let Some(p) = options.p2p_chain_threshold {
-            t.p2p_chain_min_bytes = p;
-        }
-        t
+        Layer::of_call(options).thresholds_over(settled)
+    }
+
+    /// The path of one call: its own, else these settings'.
+    pub(crate) fn path_for(&self, options: &BroadcastOptions) -> BroadcastPath {
+        options.path.unwrap_or(self.path)
     }
 }
 
@@ -739,17 +760,17 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env_of(pairs: &[(&str, &str)]) -> Result<Env> {
+    fn env_of(pairs: &[(&str, &str)]) -> Result<Layer> {
         let map: HashMap<String, OsString> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), OsString::from(v)))
             .collect();
-        Env::parse(|k| map.get(k).cloned())
+        Layer::parse(|k| map.get(k).cloned())
     }
 
     #[test]
     fn environment_values_parse_or_fail_loudly() {
-        assert_eq!(env_of(&[]).unwrap(), Env::default());
+        assert_eq!(env_of(&[]).unwrap(), Layer::default());
         let e = env_of(&[
             (PATH_ENV, "P2P"),
             (P2P_THRESHOLD_ENV, "4M"),
@@ -796,15 +817,15 @@ mod tests {
 
     #[test]
     fn builder_beats_environment_beats_defaults() {
-        let env = Env {
+        let env = Layer {
             p2p_threshold: Some(1000),
             timeout: Some(Duration::from_millis(5)),
             parallel_launch: Some(false),
-            ..Env::default()
+            ..Layer::default()
         };
-        let req = Requested {
+        let req = Layer {
             p2p_threshold: Some(7),
-            ..Requested::default()
+            ..Layer::default()
         };
         let s = Settings::resolve(&req, &env, 4).unwrap();
         assert_eq!(s.thresholds.p2p_max_bytes, 7);
@@ -815,25 +836,25 @@ mod tests {
         assert_eq!(s.timeouts.wait, Duration::from_millis(5));
         assert!(!s.parallel_launch);
         assert_eq!(s.path, BroadcastPath::Auto);
-        let d = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        let d = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
         assert_eq!(d.timeouts.wait, DEFAULT_TIMEOUT);
         assert!(d.parallel_launch);
-        let zero = Requested {
+        let zero = Layer {
             timeout: Some(Duration::ZERO),
-            ..Requested::default()
+            ..Layer::default()
         };
         assert!(matches!(
-            Settings::resolve(&zero, &Env::default(), 2),
+            Settings::resolve(&zero, &Layer::default(), 2),
             Err(Error::InvalidSetting {
                 name: "timeout",
                 ..
             })
         ));
-        let huge = Requested {
+        let huge = Layer {
             timeout: Some(Duration::MAX),
-            ..Requested::default()
+            ..Layer::default()
         };
-        let t = Settings::resolve(&huge, &Env::default(), 2)
+        let t = Settings::resolve(&huge, &Layer::default(), 2)
             .unwrap()
             .timeouts;
         // Every derived bound saturates instead of overflowing.
@@ -1123,19 +1144,19 @@ mod tests {
 
     #[test]
     fn graphs_take_the_copy_engines_later_unless_told() {
-        let two = Settings::resolve(&Requested::default(), &Env::default(), 2).unwrap();
+        let two = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
         assert_eq!(two.thresholds.copy_engine_min_bytes, COPY_ENGINE_MIN_2_GPUS);
         assert_eq!(
             two.graph_thresholds.copy_engine_min_bytes,
             COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS
         );
-        let set = Requested {
+        let set = Layer {
             copy_engine_threshold: Some(1 << 20),
-            ..Requested::default()
+            ..Layer::default()
         };
-        let two = Settings::resolve(&set, &Env::default(), 2).unwrap();
+        let two = Settings::resolve(&set, &Layer::default(), 2).unwrap();
         assert_eq!(two.graph_thresholds.copy_engine_min_bytes, 1 << 20);
-        let four = Settings::resolve(&Requested::default(), &Env::default(), 4).unwrap();
+        let four = Settings::resolve(&Layer::default(), &Layer::default(), 4).unwrap();
         assert_eq!(four.graph_thresholds, four.thresholds);
     }
 
@@ -1180,12 +1201,12 @@ mod tests {
         );
         // The threshold follows builder, environment and call, like the others.
         let env = env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "8M")]).unwrap();
-        let s = Settings::resolve(&Requested::default(), &env, 2).unwrap();
+        let s = Settings::resolve(&Layer::default(), &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 8 << 20);
         assert_eq!(s.graph_thresholds.p2p_chain_min_bytes, 8 << 20);
-        let req = Requested {
+        let req = Layer {
             p2p_chain_threshold: Some(1 << 20),
-            ..Requested::default()
+            ..Layer::default()
         };
         let s = Settings::resolve(&req, &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 1 << 20);

@@ -41,6 +41,7 @@
 //! ## Example
 //!
 //! ```no_run
+//! use gpucast::prelude::*;
 //! use gpucast::{Clique, BroadcastPath, BroadcastOptions};
 //!
 //! let clique = Clique::new(&[0, 1])?;
@@ -50,7 +51,7 @@
 //! let mut outputs = clique.alloc_outputs::<f32>(n)?;
 //! clique.broadcast(0, &input, &mut outputs)?;
 //! // Or force a path for one call:
-//! clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(BroadcastPath::Nccl))?;
+//! clique.with(&BroadcastOptions::path(BroadcastPath::Nccl)).broadcast(0, &input, &mut outputs)?;
 //! clique.synchronize()?;
 //! assert_eq!(clique.stream(1).clone_dtoh(&outputs[1])?, vec![1.5f32; n]);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -70,7 +71,8 @@
 //! create a clique; `libnvrtc` to compile the P2P kernel (once per architecture per process).
 //! Each missing library is an [`Error::LibraryMissing`] naming it and the fix; without NVRTC,
 //! `Auto` falls back to NCCL with a warning and a forced P2P path returns that error.
-//! `GPUCAST_NCCL_LIBRARY` names the NCCL file to load; [`ENV_VARS`] lists every variable.
+//! `GPUCAST_NCCL_LIBRARY` names the NCCL file to load; the README's table "Environment variables"
+//! lists every variable.
 //!
 //! ## Buffers, ordering and threads
 //!
@@ -84,6 +86,7 @@
 //! ## One process per GPU (torchrun, Slurm, MPI)
 //!
 //! ```no_run
+//! # use gpucast::prelude::*;
 //! # let weights = vec![0.5f32; 1 << 20];
 //! let comm = gpucast::Communicator::from_env()?;   // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
 //! let mut buf = comm.alloc::<f32>(1 << 20)?;        // on GPU LOCAL_RANK, on comm.stream()
@@ -119,9 +122,10 @@
 //!   initialisation). Each name means what it means on a clique: `broadcast(root, Some(&input) on
 //!   the root / None elsewhere, &mut out)` is out of place, `broadcast_in_place(root, &mut buf)` in
 //!   place; `broadcast_many(root, inputs, outputs)` and `broadcast_many_in_place(root, buffers)`
-//!   broadcast many tensors in one call, one buffer per tensor on every rank; `capture` works as on
-//!   a clique. Every call has a `_with` form that takes `BroadcastOptions`. A clique (one process
-//!   holding several GPUs) stays the way to drive several GPUs from one process.
+//!   broadcast many tensors in one call, one buffer per tensor on every rank (the methods of
+//!   [`RankBroadcast`]); `capture` works as on a clique. `comm.with(&options)` makes any call
+//!   with `BroadcastOptions`. A clique (one process holding several GPUs) stays the way to drive
+//!   several GPUs from one process.
 //! - After a P2P timeout across processes the communicator's P2P path closes (every process would
 //!   have to reset its signal area at the same point); NCCL keeps working.
 //!
@@ -193,7 +197,7 @@
 //! more with tracking on than with it off; on a 1-GPU clique's NCCL path, 1.16 us
 //! (`budget-nccl.md` beside it). Two ways to go without it:
 //!
-//! - CUDA graphs: [`Clique::capture`] (or [`Clique::capture_owned`]) records the calls once; a
+//! - CUDA graphs: [`Clique::capture`] records the calls once; a
 //!   replay queues no per-buffer event at all.
 //! - cudarc's own switch, `unsafe { ctx.disable_event_tracking() }` on the contexts
 //!   ([`Clique::context`]): calls then record and wait for nothing, and ordering buffers across
@@ -330,6 +334,7 @@
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
+#![warn(unreachable_pub)]
 
 mod clique;
 mod config;
@@ -342,6 +347,7 @@ mod limits;
 mod nccl;
 mod p2p;
 mod plan;
+mod ranks;
 /// The rendezvous: the crate `gpucast-rendezvous`, which uses nothing of gpucast. The rest of
 /// gpucast sees it through [`rendezvous::Exchange`].
 pub use gpucast_rendezvous as rendezvous;
@@ -351,16 +357,30 @@ mod util;
 mod wait;
 
 pub use clique::{
-    device_count, Capture, Clique, CliqueBuilder, CliqueGraph, Communicator, CommunicatorBuilder,
-    GraphBuffers, OutputLists, OwnedCapture, OwnedGraph, RawBroadcast, UncheckedCapture,
+    device_count, Capture, Clique, CliqueBroadcast, CliqueBuilder, CliqueGraph, Communicator,
+    CommunicatorBuilder, GraphBuffers, RankBroadcast, RawBroadcast, WithOptions,
     DEFAULT_INIT_TIMEOUT,
 };
+
+/// The broadcast traits, whose methods every receiver (a clique, a communicator, a capture,
+/// and their `with(&options)` views) shares: `use gpucast::prelude::*;`.
+pub mod prelude {
+    pub use crate::clique::{CliqueBroadcast, RankBroadcast};
+}
 #[doc(hidden)]
 pub use config::parse_bytes;
-pub use config::{BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT, ENV_VARS};
+pub use config::{BroadcastOptions, BroadcastPath, Route, Thresholds, DEFAULT_TIMEOUT};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use limits::{MAX_GPUS, PACKET_MAX_BYTES};
+pub use limits::MAX_GPUS;
+
+/// Limits that the tests and the benchmark probe (the `testing` feature): not part of the API.
+#[cfg(feature = "testing")]
+#[doc(hidden)]
+pub mod testing {
+    /// Largest message the P2P kernel's packet protocol carries.
+    pub const PACKET_MAX_BYTES: usize = crate::limits::PACKET_MAX_BYTES;
+}
 pub use nccl::nccl_version;
 pub use plan::FusedReport;
 pub use tensor::{DeviceTensor, DeviceTensorMut, ExternalSlice};

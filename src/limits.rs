@@ -13,7 +13,7 @@ pub(crate) const PACKET_MAX_BLOCKS: u32 = 32;
 pub(crate) const PACKET_REGION_BYTES: u32 = 8192;
 
 /// Largest message the P2P kernel's packet protocol can carry (its inbox capacity).
-pub const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BYTES) as usize;
+pub(crate) const PACKET_MAX_BYTES: usize = (PACKET_MAX_BLOCKS * PACKET_REGION_BYTES) as usize;
 
 /// Most copies in one fused P2P launch (the table travels in the kernel's 4 KiB parameter
 /// space).

@@ -13,8 +13,10 @@ mod sealed {
 }
 
 /// A device buffer of any [`Element`] type that a broadcast can read: cudarc's `CudaSlice<T>`,
-/// `CudaView<T>` and `CudaViewMut<T>`, and [`ExternalSlice<T>`]. Used as `&dyn DeviceTensor` in
-/// [`crate::Clique::broadcast_many`] and in graph captures.
+/// `CudaView<T>` and `CudaViewMut<T>`, [`ExternalSlice<T>`], and references to them. The one
+/// buffer trait of every call, eager or captured; used as `&dyn DeviceTensor` in
+/// [`crate::CliqueBroadcast::broadcast_many`]. Element types and lengths are checked at run
+/// time, before anything is queued.
 pub trait DeviceTensor: sealed::Sealed + Send + Sync {
     /// Element type.
     fn dtype(&self) -> DType;
@@ -92,6 +94,38 @@ impl<T: Element> DeviceTensorMut for ExternalSlice<T> {
 impl<T: Element> DeviceTensorMut for CudaViewMut<'_, T> {
     fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
         self.device_ptr_mut(stream)
+    }
+}
+
+// A reference passes for its buffer, so that a list of `&mut` buffers (or the buffers a graph
+// lends out) can be passed where buffers are.
+impl<B: DeviceTensor + ?Sized> sealed::Sealed for &B {}
+impl<B: DeviceTensor + ?Sized> sealed::Sealed for &mut B {}
+
+macro_rules! by_reference {
+    ($($ty:ty),*) => {$(
+        impl<B: DeviceTensor + ?Sized> DeviceTensor for $ty {
+            fn dtype(&self) -> DType {
+                (**self).dtype()
+            }
+            fn len(&self) -> usize {
+                (**self).len()
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                (**self).stream()
+            }
+            fn read_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+                (**self).read_ptr(stream)
+            }
+        }
+    )*};
+}
+
+by_reference!(&B, &mut B);
+
+impl<B: DeviceTensorMut + ?Sized> DeviceTensorMut for &mut B {
+    fn write_ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (**self).write_ptr(stream)
     }
 }
 

@@ -11,6 +11,7 @@ mod common;
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
+use gpucast::prelude::*;
 use gpucast::{BroadcastOptions, BroadcastPath, Clique, Element};
 use rand::RngCore;
 
@@ -41,7 +42,8 @@ fn check_with<T: Element>(
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<T>(clique, n, rng);
     clique
-        .broadcast_with(root, &input, &mut outputs, options)
+        .with(options)
+        .broadcast(root, &input, &mut outputs)
         .unwrap_or_else(|e| panic!("{} n={n} root={root} {options:?}: {e}", T::DTYPE));
     drop(input);
     clique.synchronize().unwrap();
@@ -127,7 +129,8 @@ fn chain_in_place_and_fused() {
         let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
         let (ins, mut outs) = as_tensors(&inputs, &mut lists);
         let report = clique
-            .broadcast_many_with(2, &ins, &mut outs, &BroadcastOptions::path(path))
+            .with(&BroadcastOptions::path(path))
+            .broadcast_many(2, &ins, &mut outs)
             .unwrap();
         match path {
             BroadcastPath::CopyEngine => assert_eq!(report.copy_engine_tensors, 4),
@@ -177,12 +180,8 @@ fn p2p_chain_back_to_back_from_every_root() {
     clique.synchronize().unwrap();
     for (i, (input, outs)) in inputs.iter().zip(outputs.iter_mut()).enumerate() {
         clique
-            .broadcast_with(
-                i % 4,
-                input,
-                outs,
-                &BroadcastOptions::path(BroadcastPath::P2p),
-            )
+            .with(&BroadcastOptions::path(BroadcastPath::P2p))
+            .broadcast(i % 4, input, outs)
             .unwrap();
     }
     // The same outputs twice in a row from different roots: the second call's data wins.
@@ -192,20 +191,12 @@ fn p2p_chain_back_to_back_from_every_root() {
     let a = clique.stream(1).clone_htod(&first).unwrap();
     let b = clique.stream(3).clone_htod(&second).unwrap();
     clique
-        .broadcast_with(
-            1,
-            &a,
-            &mut shared_outs,
-            &BroadcastOptions::path(BroadcastPath::P2p),
-        )
+        .with(&BroadcastOptions::path(BroadcastPath::P2p))
+        .broadcast(1, &a, &mut shared_outs)
         .unwrap();
     clique
-        .broadcast_with(
-            3,
-            &b,
-            &mut shared_outs,
-            &BroadcastOptions::path(BroadcastPath::P2p),
-        )
+        .with(&BroadcastOptions::path(BroadcastPath::P2p))
+        .broadcast(3, &b, &mut shared_outs)
         .unwrap();
     drop((a, b));
     clique.synchronize().unwrap();
@@ -280,7 +271,8 @@ fn captured_replays(clique: &Clique, path: BroadcastPath, rng: &mut impl RngCore
     let mut graph = unsafe {
         clique.capture_unchecked(|c| {
             for (input, (outs, &(root, _))) in inputs.iter().zip(outputs.iter_mut().zip(&cases)) {
-                c.broadcast_with(root, input, outs, &BroadcastOptions::path(path))?;
+                c.with(&BroadcastOptions::path(path))
+                    .broadcast(root, input, outs)?;
             }
             Ok(())
         })
@@ -325,7 +317,9 @@ fn a_graph_of_many_copy_engine_broadcasts() {
     let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
     let ce = BroadcastOptions::path(BroadcastPath::CopyEngine);
     if shares_a_gpu(&clique) {
-        let refused = clique.capture(|c| c.broadcast_with(0, &input, &mut outputs, &ce));
+        let refused = clique.capture((&mut input, &mut outputs), |c, (input, outputs)| {
+            c.with(&ce).broadcast(0, input, outputs)
+        });
         assert!(
             matches!(refused, Err(gpucast::Error::CopyEngineUnavailable(ref m)) if m.contains("graph")),
             "a copy-engine capture on a shared GPU: {:?}",
@@ -341,13 +335,13 @@ fn a_graph_of_many_copy_engine_broadcasts() {
         );
         clique.stream(0).memcpy_htod(&data, &mut input).unwrap();
         let mut graph = clique
-            .capture(|c| {
+            .capture((&mut input, &mut outputs), |c, (input, outputs)| {
                 let route = c.route(n, &auto)?;
                 assert!(
                     route.is_p2p(),
                     "Auto in a graph on a shared GPU took {route:?}"
                 );
-                c.broadcast_with(0, &input, &mut outputs, &auto)
+                c.with(&auto).broadcast(0, input, outputs)
             })
             .unwrap();
         graph.launch().unwrap();
@@ -362,7 +356,7 @@ fn a_graph_of_many_copy_engine_broadcasts() {
         }
         let fresh: Vec<u8> = random_vec(n, &mut rng);
         clique.stream(0).memcpy_htod(&fresh, &mut input).unwrap();
-        clique.broadcast_with(0, &input, &mut outputs, &ce).unwrap();
+        clique.with(&ce).broadcast(0, &input, &mut outputs).unwrap();
         for (rank, out) in outputs.iter().enumerate() {
             assert_bytes_eq(
                 clique.stream(rank),
@@ -378,12 +372,8 @@ fn a_graph_of_many_copy_engine_broadcasts() {
     let mut graph = unsafe {
         clique.capture_unchecked(|c| {
             for _ in 0..1000 {
-                c.broadcast_with(
-                    0,
-                    &input,
-                    &mut outputs,
-                    &BroadcastOptions::path(BroadcastPath::CopyEngine),
-                )?;
+                c.with(&BroadcastOptions::path(BroadcastPath::CopyEngine))
+                    .broadcast(0, &input, &mut outputs)?;
             }
             Ok(())
         })

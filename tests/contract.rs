@@ -13,6 +13,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 
 use common::*;
@@ -113,7 +114,8 @@ fn single_cases(
     stall_stream(&streams[root], HOLD_MS);
     fill(&streams[root], &mut input, 0x6B);
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     sync_all(clique, &streams);
     for r in 0..clique.len() {
@@ -136,7 +138,8 @@ fn single_cases(
         fill(&streams[r], &mut outputs[r], 0x2D);
     }
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     sync_all(clique, &streams);
     for r in 0..clique.len() {
@@ -156,7 +159,8 @@ fn single_cases(
     let old = address(&streams[root], &mut input);
     hold_back(clique);
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     drop(input);
     // SAFETY: zeroed right below.
@@ -181,7 +185,8 @@ fn single_cases(
     sync_all(clique, &streams);
     hold_back(clique);
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     fill(&streams[root], &mut input, 0x5A);
     sync_all(clique, &streams);
@@ -201,7 +206,8 @@ fn single_cases(
     sync_all(clique, &streams);
     hold_back(clique);
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     for r in 0..clique.len() {
         fill(&streams[r], &mut outputs[r], 0xC3);
@@ -225,7 +231,8 @@ fn single_cases(
     sync_all(clique, &streams);
     hold_back(clique);
     clique
-        .broadcast_with(root, &input, &mut outputs, &opts)
+        .with(&opts)
+        .broadcast(root, &input, &mut outputs)
         .unwrap();
     drop(outputs);
     let mut next: Vec<CudaSlice<u32>> = streams
@@ -255,7 +262,8 @@ fn single_cases(
     sync_all(clique, &streams);
     hold_back(clique);
     clique
-        .broadcast_in_place_with(root, &mut bufs, &opts)
+        .with(&opts)
+        .broadcast_in_place(root, &mut bufs)
         .unwrap();
     fill(&streams[root], &mut bufs[root], 0x77);
     sync_all(clique, &streams);
@@ -319,7 +327,8 @@ fn fused_cases(clique: &Clique, source: Source, path: BroadcastPath, rng: &mut i
             })
             .collect();
         clique
-            .broadcast_many_with(root, &ins, &mut outs, &opts)
+            .with(&opts)
+            .broadcast_many(root, &ins, &mut outs)
             .unwrap();
     }
     drop(inputs);
@@ -373,7 +382,8 @@ fn fused_cases(clique: &Clique, source: Source, path: BroadcastPath, rng: &mut i
             })
             .collect();
         clique
-            .broadcast_many_in_place_with(root, &mut lists, &opts)
+            .with(&opts)
+            .broadcast_many_in_place(root, &mut lists)
             .unwrap();
     }
     for b in &mut bufs[root] {
@@ -446,12 +456,13 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
         ) {
             let n = 1 << 20;
             let data: Vec<u32> = random_vec(n, &mut rng);
-            let input = upload(&streams[0], &data);
+            let mut input = upload(&streams[0], &data);
             let mut outputs = poisoned(&streams, n);
             sync_all(&clique, &streams);
             let mut graph = clique
-                .capture(|c| {
-                    c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                .capture((&mut input, &mut outputs), |c, (input, outputs)| {
+                    c.with(&BroadcastOptions::path(path))
+                        .broadcast(0, input, outputs)
                 })
                 .unwrap();
             for _ in 0..3 {
@@ -470,8 +481,9 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
             }
             hold_back(&clique);
             let mut graph = clique
-                .capture(|c| {
-                    c.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                .capture((&mut input, &mut outputs), |c, (input, outputs)| {
+                    c.with(&BroadcastOptions::path(path))
+                        .broadcast(0, input, outputs)
                 })
                 .unwrap();
             graph.launch().unwrap();
@@ -507,12 +519,12 @@ fn graph_buffers_may_be_dropped_right_after_the_graph() {
 fn a_call_inside_the_capture_closure_is_an_error() {
     let clique = two_ranks();
     let mut rng = rng();
-    let input = clique.stream(0).clone_htod(&[1u32; 64]).unwrap();
+    let mut input = clique.stream(0).clone_htod(&[1u32; 64]).unwrap();
     let mut outputs = clique.alloc_outputs::<u32>(64).unwrap();
     let mut inner = None;
-    let r = clique.capture(|c| {
+    let r = clique.capture((&mut input, &mut outputs), |c, (input, outputs)| {
         inner = Some(clique.synchronize());
-        c.broadcast(0, &input, &mut outputs)
+        c.broadcast(0, input, outputs)
     });
     assert!(
         matches!(inner, Some(Err(Error::CaptureInProgress))),
@@ -529,7 +541,9 @@ fn a_call_inside_the_capture_closure_is_an_error() {
         "after the capture",
     );
     // An error returned by the closure discards the capture and leaves the streams usable.
-    let failed = clique.capture(|c| c.broadcast(0, &input, &mut outputs[..1]));
+    let failed = clique.capture((&mut input, &mut outputs), |c, (input, outputs)| {
+        c.broadcast(0, &input, &mut outputs[..1])
+    });
     assert!(matches!(failed, Err(Error::OutputCount { .. })));
     let data: Vec<u32> = random_vec(999, &mut rng);
     let input = clique.stream(1).clone_htod(&data).unwrap();
@@ -579,17 +593,13 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                     for round in 0..20 {
                         let n = 1000 + round * 777;
                         let data: Vec<u32> = random_vec(n, &mut rng);
-                        let input = clique.stream(1).clone_htod(&data).unwrap();
+                        let mut input = clique.stream(1).clone_htod(&data).unwrap();
                         let mut outputs = poisoned_outputs::<u32>(clique, n, &mut rng);
                         let path = capture_paths[round % capture_paths.len()];
                         let mut graph = clique
-                            .capture(|c| {
-                                c.broadcast_with(
-                                    1,
-                                    &input,
-                                    &mut outputs,
-                                    &BroadcastOptions::path(path),
-                                )
+                            .capture((&mut input, &mut outputs), |c, (input, outputs)| {
+                                c.with(&BroadcastOptions::path(path))
+                                    .broadcast(1, &input, outputs)
                             })
                             .unwrap();
                         graph.launch().unwrap();
@@ -616,7 +626,8 @@ fn threads_share_a_clique_and_captures_swallow_nothing() {
                     let mut outputs = poisoned(&streams, n);
                     let path = eager_paths[i % eager_paths.len()];
                     clique
-                        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+                        .with(&BroadcastOptions::path(path))
+                        .broadcast(root, &input, &mut outputs)
                         .unwrap();
                     pending.push((data, outputs));
                 }
@@ -767,23 +778,16 @@ fn a_failed_nccl_group_aborts_instead_of_hanging() {
         let first =
             unsafe { clique.broadcast_raw(&b, &BroadcastOptions::path(BroadcastPath::Nccl)) };
         assert!(matches!(first, Err(Error::Nccl { .. })), "{first:?}");
-        let second = clique.broadcast_with(
-            0,
-            &input,
-            &mut outputs,
-            &BroadcastOptions::path(BroadcastPath::Nccl),
-        );
+        let second = clique
+            .with(&BroadcastOptions::path(BroadcastPath::Nccl))
+            .broadcast(0, &input, &mut outputs);
         assert!(
             matches!(second, Err(Error::CommunicatorsAborted { .. })),
             "{second:?}"
         );
         clique
-            .broadcast_with(
-                0,
-                &input,
-                &mut outputs,
-                &BroadcastOptions::path(BroadcastPath::P2p),
-            )
+            .with(&BroadcastOptions::path(BroadcastPath::P2p))
+            .broadcast(0, &input, &mut outputs)
             .unwrap();
         clique.synchronize().unwrap();
         assert_bytes_eq(

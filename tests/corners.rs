@@ -9,6 +9,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,7 +30,8 @@ fn broadcast_and_check(clique: &Clique, path: BroadcastPath, n: usize, what: &st
     let input = clique.stream(0).clone_htod(&data).unwrap();
     let mut outputs: Vec<CudaSlice<u8>> = poisoned_outputs(clique, n, &mut rng);
     clique
-        .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+        .with(&BroadcastOptions::path(path))
+        .broadcast(0, &input, &mut outputs)
         .unwrap_or_else(|e| panic!("{what}: {path:?}: {e}"));
     clique
         .synchronize()
@@ -76,7 +78,9 @@ fn call_during_callers_capture(
     clique.synchronize().unwrap();
     let stream = clique.stream(0).clone();
     stream.begin_capture(mode).unwrap();
-    let r = clique.broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path));
+    let r = clique
+        .with(&BroadcastOptions::path(path))
+        .broadcast(0, &input, &mut outputs);
     // The capture ends (a graph, or none where it was invalidated) before anything else.
     let _ = stream.end_capture(
         gpucast::cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -140,11 +144,11 @@ fn a_captured_call_that_failed_fails_the_whole_capture() {
         let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
         let outputs = clique.alloc_outputs::<u8>(n).unwrap();
         let mut inner = Vec::new();
-        let graph = clique.capture_owned((input, outputs), |c, (input, outputs)| {
+        let graph = clique.capture((input, outputs), |c, (input, outputs)| {
             // Two calls: the second may fail after the first was recorded. Their errors are
             // ignored, as a careless closure would.
             for _ in 0..2 {
-                let r = c.broadcast_with(0, input, outputs, &p2p);
+                let r = c.with(&p2p).broadcast(0, input, outputs);
                 if let Err(e) = &r {
                     eprintln!("attempt {attempt}: a captured call failed: {e}");
                 }
@@ -189,7 +193,7 @@ fn nccl_calls_queued_behind_a_stream_that_does_not_move_end_within_the_bound() {
         let mut calls = 0;
         for _ in 0..5000 {
             calls += 1;
-            if let Err(e) = c.broadcast_with(0, &input, &mut outputs, &nccl) {
+            if let Err(e) = c.with(&nccl).broadcast(0, &input, &mut outputs) {
                 first_error = Some((e, start.elapsed()));
                 break;
             }
@@ -237,7 +241,7 @@ fn a_capture_closure_that_waits_for_a_thread_calling_the_clique_ends() {
         "a capture closure that joins a thread calling the clique",
         move || {
             let mut seen = None;
-            let graph = c.capture(|_| {
+            let graph = c.capture((), |_, ()| {
                 let other = c.clone();
                 seen = Some(
                     std::thread::spawn(move || other.synchronize())

@@ -7,6 +7,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 
 use common::*;
@@ -89,7 +90,8 @@ fn external_memory_on_a_stream_of_its_own_is_ordered_both_ways() {
         // must wait for the broadcast.
         stall(&clique, clique.len() - 1, 200);
         clique
-            .broadcast_with(0, &input_buf, &mut out_bufs, &BroadcastOptions::path(path))
+            .with(&BroadcastOptions::path(path))
+            .broadcast(0, &input_buf, &mut out_bufs)
             .unwrap();
         for (r, o) in out_bufs.iter().enumerate() {
             assert_bytes_eq(&streams[r], o, &data, &format!("{path:?} {n} rank {r}"));

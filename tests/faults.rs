@@ -12,6 +12,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -43,7 +44,8 @@ fn check_with(
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<u8>(clique, n, rng);
     clique
-        .broadcast_with(root, &input, &mut outputs, options)
+        .with(options)
+        .broadcast(root, &input, &mut outputs)
         .unwrap_or_else(|e| panic!("after recovery, {path:?} {n} B: {e}"));
     clique.synchronize().unwrap();
     for (rank, out) in outputs.iter().enumerate() {
@@ -93,7 +95,8 @@ fn held_back_with(
     stall(clique, held, u64::try_from(hold.as_millis()).unwrap());
     let t0 = Instant::now();
     clique
-        .broadcast_with(0, &input, &mut outputs, options)
+        .with(options)
+        .broadcast(0, &input, &mut outputs)
         .unwrap();
     let r = clique.synchronize();
     (r, t0.elapsed())
@@ -162,15 +165,11 @@ fn stalled_ranks_are_detected_and_recovered_from() {
         // A graph replay with rank 1 held back.
         let n = 50_000;
         let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
-        let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
+        let outputs = clique.alloc_outputs::<u8>(n).unwrap();
         let mut graph = clique
-            .capture(|c| {
-                c.broadcast_with(
-                    0,
-                    &input,
-                    &mut outputs,
-                    &BroadcastOptions::path(BroadcastPath::P2p),
-                )
+            .capture((input, outputs), |c, (input, outputs)| {
+                c.with(&BroadcastOptions::path(BroadcastPath::P2p))
+                    .broadcast(0, input, outputs)
             })
             .unwrap();
         graph.launch().unwrap();

@@ -12,6 +12,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::time::Duration;
 
 use common::*;
@@ -54,7 +55,8 @@ fn check_broadcast<T: Element>(
     let input = clique.stream(root).clone_htod(&data).unwrap();
     let mut outputs = poisoned_outputs::<T>(clique, n, rng);
     clique
-        .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+        .with(&BroadcastOptions::path(path))
+        .broadcast(root, &input, &mut outputs)
         .unwrap_or_else(|e| panic!("{} n={n} root={root} {path:?}: {e}", T::DTYPE));
     clique.synchronize().unwrap();
     for (rank, out) in outputs.iter().enumerate() {
@@ -109,7 +111,8 @@ fn large<T: Element>(clique: &Clique, paths: &[BroadcastPath], rng: &mut impl Rn
                 .unwrap();
             }
             clique
-                .broadcast_with(root, &input, &mut outputs, &BroadcastOptions::path(path))
+                .with(&BroadcastOptions::path(path))
+                .broadcast(root, &input, &mut outputs)
                 .unwrap();
             clique.synchronize().unwrap();
             for (rank, out) in outputs.iter().enumerate() {
@@ -172,7 +175,7 @@ fn views_at_any_alignment_write_exactly_their_bytes() {
                         .iter_mut()
                         .map(|o| o.slice_mut(dst_off..dst_off + len))
                         .collect();
-                    clique.broadcast_with(0, &view, &mut views, opts).unwrap();
+                    clique.with(opts).broadcast(0, &view, &mut views).unwrap();
                 }
                 clique.synchronize().unwrap();
                 for (rank, out) in outs.iter().enumerate() {
@@ -331,7 +334,8 @@ fn hundred_thousand_mixed_small_broadcasts() {
         let input = inputs[root][k].slice(..len);
         let mut outs: Vec<_> = ring[slot].iter_mut().map(|o| o.slice_mut(..len)).collect();
         clique
-            .broadcast_with(root, &input, &mut outs, &opts)
+            .with(&opts)
+            .broadcast(root, &input, &mut outs)
             .unwrap();
         drop(outs);
         expect[slot] = Some((root, k, len));
@@ -399,7 +403,8 @@ fn graph_capture_replays_correctly() {
             for ((input, outs), &(root, _, path)) in
                 inputs.iter().zip(outputs.iter_mut()).zip(&cases)
             {
-                c.broadcast_with(root, input, outs, &BroadcastOptions::path(path))?;
+                c.with(&BroadcastOptions::path(path))
+                    .broadcast(root, input, outs)?;
             }
             Ok(())
         })
@@ -436,8 +441,8 @@ fn graph_capture_replays_correctly() {
     check_broadcast::<u8>(&clique, 0, 200_000, BroadcastPath::P2p, &mut rng);
 }
 
-/// The safe capture: the graph borrows its buffers; replays interleave with eager calls, and
-/// the outputs are right once the graph is dropped.
+/// The safe capture: the graph owns its buffers; replays interleave with eager calls, and
+/// the outputs are right once the graph hands them back.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn safe_graph_with_mixed_paths_and_fused_lists() {
@@ -459,19 +464,16 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
         .iter()
         .map(|d| clique.stream(1).clone_htod(d).unwrap())
         .collect();
-    let mut single = poisoned_outputs::<u8>(&clique, sizes[2], &mut rng);
-    let mut lists = poisoned_lists(&clique, &sizes, &mut rng);
+    let single = poisoned_outputs::<u8>(&clique, sizes[2], &mut rng);
+    let lists = poisoned_lists(&clique, &sizes, &mut rng);
+    let buffers = (inputs, single, lists);
     let mut graph = clique
-        .capture(|c| {
-            c.broadcast_with(
-                1,
-                &inputs[2],
-                &mut single,
-                &BroadcastOptions::path(single_path),
-            )?;
+        .capture(buffers, |c, (inputs, single, lists)| {
+            c.with(&BroadcastOptions::path(single_path))
+                .broadcast(1, &inputs[2], single)?;
             let ins: Vec<&dyn DeviceTensor> =
                 inputs.iter().map(|t| t as &dyn DeviceTensor).collect();
-            let outs: Vec<Vec<&mut dyn DeviceTensorMut>> = lists
+            let mut outs: Vec<Vec<&mut dyn DeviceTensorMut>> = lists
                 .iter_mut()
                 .map(|row| {
                     row.iter_mut()
@@ -479,8 +481,9 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
                         .collect()
                 })
                 .collect();
-            let report =
-                c.broadcast_many_with(1, &ins, outs, &BroadcastOptions::path(BroadcastPath::P2p))?;
+            let report = c
+                .with(&BroadcastOptions::path(BroadcastPath::P2p))
+                .broadcast_many(1, &ins, &mut outs)?;
             assert_eq!((report.p2p_tensors, report.p2p_launches), (3, 1));
             Ok(())
         })
@@ -489,7 +492,7 @@ fn safe_graph_with_mixed_paths_and_fused_lists() {
         graph.launch().unwrap();
         check_broadcast::<u32>(&clique, 0, 4096, BroadcastPath::P2p, &mut rng);
     }
-    drop(graph);
+    let (_inputs, single, lists) = graph.into_buffers();
     clique.synchronize().unwrap();
     for rank in 0..2 {
         assert_bytes_eq(clique.stream(rank), &single[rank], &datas[2], "single");
@@ -563,7 +566,8 @@ fn pool_and_plain_allocations() {
             let mut outputs = poisoned_outputs::<u8>(&clique, n, &mut rng);
             for &path in &paths {
                 clique
-                    .broadcast_with(0, &input, &mut outputs, &BroadcastOptions::path(path))
+                    .with(&BroadcastOptions::path(path))
+                    .broadcast(0, &input, &mut outputs)
                     .unwrap();
                 clique.synchronize().unwrap();
                 for rank in 0..2 {
@@ -734,13 +738,15 @@ fn fused_mixed_types_and_sizes() {
                         .collect();
                     if in_place {
                         clique
-                            .broadcast_many_in_place_with(root, &mut lists, &opts)
+                            .with(&opts)
+                            .broadcast_many_in_place(root, &mut lists)
                             .unwrap()
                     } else {
                         let ins: Vec<&dyn DeviceTensor> =
                             inputs.iter().map(Tensor::as_ref).collect();
                         clique
-                            .broadcast_many_with(root, &ins, &mut lists, &opts)
+                            .with(&opts)
+                            .broadcast_many(root, &ins, &mut lists)
                             .unwrap()
                     }
                 };

@@ -13,6 +13,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,7 +93,7 @@ fn late_readers(ranks: usize, options: &BroadcastOptions, route: Route, stalls: 
         if stall_ms > 0 {
             stall(&clique, 1, stall_ms);
         }
-        let queued = clique.broadcast_in_place_with(0, &mut bufs, options);
+        let queued = clique.with(options).broadcast_in_place(0, &mut bufs);
         // The caller reuses the root's buffer as soon as the call returns, on the root's
         // stream: ordered after the broadcast there, as the contract promises.
         clique

@@ -11,6 +11,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Once;
 use std::time::Duration;
 
@@ -65,8 +66,8 @@ fn graph_replays_beside_eager_calls_on_one_hardware_queue() {
                 let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
                 let outputs = clique.alloc_outputs::<u8>(n).unwrap();
                 let mut graph = clique
-                    .capture_owned((input, outputs), |c, (input, outputs)| {
-                        c.broadcast_with(0, input, outputs, p2p)
+                    .capture((input, outputs), |c, (input, outputs)| {
+                        c.with(p2p).broadcast(0, input, outputs)
                     })
                     .unwrap();
                 for step in 0..100 {
@@ -111,9 +112,9 @@ fn graphs_of_several_broadcasts_on_one_hardware_queue() {
                 .map(|&(_, n)| clique.alloc_outputs::<u8>(n).unwrap())
                 .collect();
             let mut graph = clique
-                .capture_owned((inputs, outputs), |c, (inputs, outputs)| {
+                .capture((inputs, outputs), |c, (inputs, outputs)| {
                     for (i, &(root, _)) in cases.iter().enumerate() {
-                        c.broadcast_with(root, &inputs[i], &mut outputs[i], p2p)?;
+                        c.with(p2p).broadcast(root, &inputs[i], &mut outputs[i])?;
                     }
                     Ok(())
                 })

@@ -1,4 +1,4 @@
-//! Graphs that own their buffers (`Clique::capture_owned`): inputs rewritten and outputs read
+//! Graphs that own their buffers (`Clique::capture`): inputs rewritten and outputs read
 //! between replays from safe code, on other streams than the clique's; a buffer replaced while
 //! lent out, and a buffer the graph does not own, are errors before anything is queued.
 
@@ -6,6 +6,7 @@ mod common;
 
 use common::*;
 use gpucast::cudarc::driver::CudaSlice;
+use gpucast::prelude::*;
 use gpucast::{BroadcastOptions, BroadcastPath, Clique, Error};
 
 /// Bytes per broadcast: above the packet limit, and odd.
@@ -42,8 +43,8 @@ fn an_owned_graph_lends_its_buffers_between_replays() {
         let input: CudaSlice<u8> = user.alloc_zeros(N).unwrap();
         let outputs = clique.alloc_outputs::<u8>(N).unwrap();
         let mut graph = clique
-            .capture_owned((input, outputs), |c, (input, outputs)| {
-                c.broadcast_with(0, input, outputs, &opts)
+            .capture((input, outputs), |c, (input, outputs)| {
+                c.with(&opts).broadcast(0, input, outputs)
             })
             .unwrap_or_else(|e| panic!("{path:?}: capture: {e}"));
         for step in 0..3 {
@@ -100,7 +101,7 @@ fn owned_graphs_of_in_place_and_fused_calls_replay_what_was_written() {
         })
         .collect();
     let mut graph = clique
-        .capture_owned((first, inputs, outputs), |c, (first, inputs, outputs)| {
+        .capture((first, inputs, outputs), |c, (first, inputs, outputs)| {
             c.broadcast_in_place(1, first)?;
             let ins: Vec<&dyn gpucast::DeviceTensor> = inputs
                 .iter()
@@ -156,7 +157,7 @@ fn a_buffer_replaced_while_lent_out_makes_the_launch_an_error() {
     let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(N).unwrap();
     let outputs = clique.alloc_outputs::<u8>(N).unwrap();
     let mut graph = clique
-        .capture_owned((input, outputs), |c, (input, outputs)| {
+        .capture((input, outputs), |c, (input, outputs)| {
             c.broadcast(0, input, outputs)
         })
         .unwrap();
@@ -187,7 +188,7 @@ fn a_buffer_the_graph_does_not_own_is_refused_at_capture() {
     let clique = two_ranks();
     let outside: CudaSlice<u8> = clique.stream(0).alloc_zeros(N).unwrap();
     let outputs = clique.alloc_outputs::<u8>(N).unwrap();
-    let captured = clique.capture_owned(outputs, |c, outputs| c.broadcast(0, &outside, outputs));
+    let captured = clique.capture(outputs, |c, outputs| c.broadcast(0, &outside, outputs));
     match captured {
         Err(Error::InvalidArgument(why)) => assert!(why.contains("not inside"), "{why}"),
         Err(e) => panic!("expected InvalidArgument, got {e}"),

@@ -10,6 +10,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -124,7 +125,8 @@ fn child() {
         // NCCL is off: a forced NCCL call says so, and the cases below leave NCCL out.
         let mut b = comm.alloc::<u8>(16).unwrap();
         let e = comm
-            .broadcast_in_place_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::Nccl))
+            .with(&BroadcastOptions::path(BroadcastPath::Nccl))
+            .broadcast_in_place(0, &mut b)
             .expect_err("NCCL is off where ranks share a GPU");
         assert!(matches!(e, Error::NcclUnavailable(_)), "{e}");
     }
@@ -175,7 +177,7 @@ fn mismatch(comm: &Communicator) {
     let mut b = comm.alloc::<f32>(n).unwrap();
     let start = Instant::now();
     let p2p = BroadcastOptions::path(BroadcastPath::P2p);
-    let err = match comm.broadcast_in_place_with(0, &mut b, &p2p) {
+    let err = match comm.with(&p2p).broadcast_in_place(0, &mut b) {
         Err(e) => e,
         Ok(()) => comm
             .synchronize()
@@ -253,11 +255,13 @@ fn one<T: Element>(
         if comm.rank() == root {
             s.memcpy_htod(&data, &mut out).unwrap();
         }
-        comm.broadcast_in_place_with(root, &mut out, &opts)
+        comm.with(&opts)
+            .broadcast_in_place(root, &mut out)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     } else {
         let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
-        comm.broadcast_with(root, input.as_ref(), &mut out, &opts)
+        comm.with(&opts)
+            .broadcast(root, input.as_ref(), &mut out)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
     assert_bytes_eq(s, &out, &data, &what);
@@ -324,13 +328,9 @@ fn many_small(comm: &Communicator, seed: u64) {
         let data: Vec<u8> = random_vec(len, &mut rng);
         let slot = i % RING;
         let input = (comm.rank() == root).then(|| s.clone_htod(&data).unwrap());
-        comm.broadcast_with(
-            root,
-            input.as_ref(),
-            &mut ring[slot].slice_mut(..len),
-            &BroadcastOptions::path(path),
-        )
-        .unwrap_or_else(|e| panic!("op {i}: {e}"));
+        comm.with(&BroadcastOptions::path(path))
+            .broadcast(root, input.as_ref(), &mut ring[slot].slice_mut(..len))
+            .unwrap_or_else(|e| panic!("op {i}: {e}"));
         inputs.extend(input);
         if inputs.len() > 32 {
             inputs.clear();
@@ -377,7 +377,8 @@ fn fused(comm: &Communicator, seed: u64) {
                 .map(|b| b as &mut dyn DeviceTensorMut)
                 .collect();
             let report = comm
-                .broadcast_many_in_place_with(root, list, &BroadcastOptions::path(path))
+                .with(&BroadcastOptions::path(path))
+                .broadcast_many_in_place(root, list)
                 .unwrap();
             assert_eq!(report.tensors, sizes.len());
             for (t, d) in datas.iter().enumerate() {
@@ -393,7 +394,7 @@ fn fused(comm: &Communicator, seed: u64) {
 }
 
 /// Graph capture in each process: static buffers rewritten between replays, then a safe
-/// capture whose graph borrows its buffer.
+/// capture whose graph borrows (is lent) its buffer.
 fn graphs(comm: &Communicator, seed: u64) {
     let s = comm.stream();
     for path in paths_here(&[BroadcastPath::P2p, BroadcastPath::Nccl]) {
@@ -402,11 +403,8 @@ fn graphs(comm: &Communicator, seed: u64) {
             // SAFETY: `buf` outlives the graph and is only written on this rank's stream.
             let mut graph = unsafe {
                 comm.capture_unchecked(|c| {
-                    c.broadcast_in_place_with(
-                        1,
-                        std::slice::from_mut(&mut buf),
-                        &BroadcastOptions::path(path),
-                    )
+                    c.with(&BroadcastOptions::path(path))
+                        .broadcast_in_place(1, &mut buf)
                 })
             }
             .unwrap();
@@ -434,7 +432,7 @@ fn graphs(comm: &Communicator, seed: u64) {
         poison(s, 5000, comm.rank())
     };
     let mut graph = comm
-        .capture(|c| c.broadcast_in_place(0, std::slice::from_mut(&mut buf)))
+        .capture(&mut buf, |c, buf| c.broadcast_in_place(0, buf))
         .unwrap();
     graph.launch().unwrap();
     graph.launch().unwrap();
@@ -462,7 +460,8 @@ fn nodes(comm: &Communicator, seed: u64) {
     }
     let mut b = comm.alloc::<u8>(10).unwrap();
     assert!(matches!(
-        comm.broadcast_in_place_with(0, &mut b, &BroadcastOptions::path(BroadcastPath::P2p)),
+        comm.with(&BroadcastOptions::path(BroadcastPath::P2p))
+            .broadcast_in_place(0, &mut b),
         Err(Error::P2pUnavailable(_))
     ));
 }
@@ -499,7 +498,8 @@ fn late_reader(comm: Communicator, seed: u64) {
     let mut first_error = None;
     for i in 0..calls {
         let r = if me == 0 {
-            comm.broadcast_with(0, Some(&inputs[i % 3]), &mut out, &p2p)
+            comm.with(&p2p)
+                .broadcast(0, Some(&inputs[i % 3]), &mut out)
                 .and_then(|()| {
                     if i % 16 == 15 {
                         comm.synchronize()
@@ -509,7 +509,8 @@ fn late_reader(comm: Communicator, seed: u64) {
                 })
         } else {
             s.memset_zeros(&mut out).unwrap();
-            comm.broadcast_with(0, None::<&CudaSlice<u8>>, &mut out, &p2p)
+            comm.with(&p2p)
+                .broadcast(0, None::<&CudaSlice<u8>>, &mut out)
                 .and_then(|()| comm.synchronize())
         };
         if let Err(e) = r {
@@ -565,7 +566,8 @@ fn alternating(comm: &Communicator, seed: u64) {
                 for (phase, calls) in [("warm-up", 500), ("loop", 2000)] {
                     let t0 = Instant::now();
                     for _ in 0..calls {
-                        comm.broadcast_with(0, input.as_ref(), &mut out, &opts)
+                        comm.with(&opts)
+                            .broadcast(0, input.as_ref(), &mut out)
                             .unwrap_or_else(|e| {
                                 panic!("rank {me} call {total} ({n} B, {path:?}): {e}")
                             });
@@ -624,7 +626,8 @@ fn faulty(comm: Communicator) {
         }
         let t0 = Instant::now();
         let r = comm
-            .broadcast_in_place_with(i % 2, &mut buf, &opts)
+            .with(&opts)
+            .broadcast_in_place(i % 2, &mut buf)
             .and_then(|()| comm.synchronize());
         if let Err(e) = r {
             let took = t0.elapsed();

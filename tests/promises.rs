@@ -11,6 +11,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -101,7 +102,8 @@ fn the_default_and_per_thread_streams_are_ordered_with_every_path() {
                 }
                 let opts = BroadcastOptions::path(path);
                 clique
-                    .broadcast_with(0, &input, &mut outputs, &opts)
+                    .with(&opts)
+                    .broadcast(0, &input, &mut outputs)
                     .unwrap();
                 let out_stream = named(clique.context(last), which);
                 let in_stream = named(clique.context(0), which);
@@ -182,7 +184,8 @@ fn allocations_on_two_ranks_streams_never_hold_a_broadcast() {
         let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
         let outcome = (0..2000).try_for_each(|call| {
             clique
-                .broadcast_with(0, &input, &mut outputs, &pull)
+                .with(&pull)
+                .broadcast(0, &input, &mut outputs)
                 .and_then(|()| {
                     if call % 100 == 99 {
                         clique.synchronize()
@@ -233,15 +236,15 @@ fn allocations_and_call_counts_inside_a_capture_closure() {
             let mut rng = rng();
             let n = 100_000;
             let data: Vec<u8> = random_vec(n, &mut rng);
-            let input = clique.stream(0).clone_htod(&data).unwrap();
+            let mut input = clique.stream(0).clone_htod(&data).unwrap();
             let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
             let mut made = None;
             let mut counted = None;
             let graph = clique
-                .capture(|cap| {
+                .capture((&mut input, &mut outputs), |cap, (input, outputs)| {
                     made = Some(clique.alloc_outputs::<u8>(n)?);
                     counted = Some(clique.calls());
-                    cap.broadcast(0, &input, &mut outputs)
+                    cap.broadcast(0, input, outputs)
                 })
                 .unwrap();
             assert!(counted.is_some());
@@ -266,21 +269,26 @@ fn a_swapped_capture_keeps_its_graph_with_its_own_clique() {
     let n = 1 << 20;
     let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
     let data: Vec<u8> = random_vec(n, &mut rng);
-    let input = a.stream(0).clone_htod(&data).unwrap();
+    let mut input = a.stream(0).clone_htod(&data).unwrap();
     let mut outs_b = b.alloc_outputs::<u8>(n).unwrap();
     std::thread::scope(|s| {
         let (a, b) = (&a, &b);
-        let (input, outs_b, pull) = (&input, &mut outs_b, &pull);
+        let (input, outs_b, pull) = (&mut input, &mut outs_b, &pull);
         let replays = s.spawn(move || {
             let mut inner = None;
             let mut outer = a
-                .capture(|ca| {
-                    inner = Some(b.capture(|cb| {
-                        std::mem::swap(ca, cb);
-                        Ok(())
-                    })?);
+                .capture((input, outs_b), |ca, (input, outs_b)| {
+                    // SAFETY: the unchecked capture, swapped into `ca`, records the call of
+                    // `input` and `outs_b`, which the outer graph holds until it is dropped,
+                    // after its replays and the inner graph's (empty) ones.
+                    inner = Some(unsafe {
+                        b.capture_unchecked(|cb| {
+                            std::mem::swap(ca, cb);
+                            Ok(())
+                        })
+                    }?);
                     // `ca` now records on `b`'s streams.
-                    ca.broadcast_with(0, input, outs_b, pull)
+                    ca.with(pull).broadcast(0, input, outs_b)
                 })
                 .unwrap();
             let mut inner = inner.unwrap();
@@ -294,7 +302,8 @@ fn a_swapped_capture_keeps_its_graph_with_its_own_clique() {
         let other: Vec<u8> = random_vec(n, &mut rng);
         let from = b.stream(0).clone_htod(&other).unwrap();
         for call in 0..200 {
-            b.broadcast_with(0, &from, &mut outs, pull)
+            b.with(pull)
+                .broadcast(0, &from, &mut outs)
                 .unwrap_or_else(|e| panic!("b's call {call}: {e}"));
         }
         b.synchronize().unwrap();
@@ -327,7 +336,8 @@ fn late_reader(options: &BroadcastOptions, what: &str) {
     clique.synchronize().unwrap();
     stall(&clique, 1, 1500);
     clique
-        .broadcast_with(0, &input, &mut outputs, options)
+        .with(options)
+        .broadcast(0, &input, &mut outputs)
         .unwrap();
     // The root's call has ended (it gave up) long before rank 1 starts: the input is the
     // caller's again.
@@ -409,10 +419,12 @@ fn forgetting_a_graph_never_hangs_the_clique_s_drop() {
         within(Duration::from_secs(60), what, move || {
             let n = 1 << 16;
             let input = c.stream(0).clone_htod(&vec![7u8; n]).unwrap();
-            let mut outputs = c.alloc_outputs::<u8>(n).unwrap();
+            let outputs = c.alloc_outputs::<u8>(n).unwrap();
             let opts = BroadcastOptions::path(path);
             let mut graph = c
-                .capture(|cap| cap.broadcast_with(0, &input, &mut outputs, &opts))
+                .capture((input, outputs), |cap, (input, outputs)| {
+                    cap.with(&opts).broadcast(0, input, outputs)
+                })
                 .unwrap();
             graph.launch().unwrap();
             std::mem::forget(graph);
@@ -470,7 +482,7 @@ fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
         .expect("P2P between the two ranks of this test");
     let mut rng = rng();
     let p2p = BroadcastOptions::path(BroadcastPath::P2p);
-    let max = gpucast::PACKET_MAX_BYTES;
+    let max = gpucast::testing::PACKET_MAX_BYTES;
     for round in 0..3u32 {
         // The first op is u32::MAX - round: the wrap falls within the first four.
         clique
@@ -505,7 +517,7 @@ fn packet_ops_keep_their_back_pressure_across_the_counters_wrap() {
         // Rank 1 starts 50 ms late: rank 0, root of the first ten calls, fills its ring.
         stall(&clique, 1, 50);
         for (((root, _), src), outs) in inputs.iter().zip(&sources).zip(&mut outputs) {
-            clique.broadcast_with(*root, src, outs, &p2p).unwrap();
+            clique.with(&p2p).broadcast(*root, src, outs).unwrap();
         }
         clique
             .synchronize()
@@ -547,9 +559,9 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
         .expect("P2P between the two ranks of this test");
     let mut rng = rng();
     // Packets at every size of the graph (the limit is the inbox's).
-    let p2p =
-        BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES);
-    let sizes = [3000usize, gpucast::PACKET_MAX_BYTES - 5];
+    let p2p = BroadcastOptions::path(BroadcastPath::P2p)
+        .packet_threshold(gpucast::testing::PACKET_MAX_BYTES);
+    let sizes = [3000usize, gpucast::testing::PACKET_MAX_BYTES - 5];
     let roots = [0usize, 0];
     let inputs: Vec<CudaSlice<u8>> = sizes
         .iter()
@@ -561,9 +573,9 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
         .map(|&n| clique.alloc_outputs::<u8>(n).unwrap())
         .collect();
     let mut graph = clique
-        .capture_owned((inputs, outputs), |c, (inputs, outputs)| {
+        .capture((inputs, outputs), |c, (inputs, outputs)| {
             for ((input, outs), root) in inputs.iter().zip(outputs.iter_mut()).zip(roots) {
-                c.broadcast_with(root, input, outs, &p2p)?;
+                c.with(&p2p).broadcast(root, input, outs)?;
             }
             Ok(())
         })
@@ -571,34 +583,35 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
     // One part per rank on two GPUs; where ranks share a GPU, one per P2P step (and a last
     // one where anything follows the last step).
     let parts = if shares_a_gpu(&clique) { 2 } else { 1 };
-    let replay =
-        |graph: &mut gpucast::OwnedGraph<'_, Buffers>, rng: &mut rand::rngs::StdRng, what: &str| {
-            let data: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
-            let (inputs, outputs) = graph.buffers_mut();
-            for ((input, d), root) in inputs.iter_mut().zip(&data).zip(roots) {
-                clique.stream(root).memcpy_htod(d, input).unwrap();
+    let replay = |graph: &mut gpucast::CliqueGraph<'_, Buffers>,
+                  rng: &mut rand::rngs::StdRng,
+                  what: &str| {
+        let data: Vec<Vec<u8>> = sizes.iter().map(|&n| random_vec(n, rng)).collect();
+        let (inputs, outputs) = graph.buffers_mut();
+        for ((input, d), root) in inputs.iter_mut().zip(&data).zip(roots) {
+            clique.stream(root).memcpy_htod(d, input).unwrap();
+        }
+        for outs in outputs.iter_mut() {
+            for (rank, out) in outs.iter_mut().enumerate() {
+                clique.stream(rank).memset_zeros(out).unwrap();
             }
-            for outs in outputs.iter_mut() {
-                for (rank, out) in outs.iter_mut().enumerate() {
-                    clique.stream(rank).memset_zeros(out).unwrap();
-                }
+        }
+        graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
+        clique
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (_, outputs) = graph.buffers();
+        for (t, (outs, d)) in outputs.iter().zip(&data).enumerate() {
+            for (rank, out) in outs.iter().enumerate() {
+                assert_bytes_eq(
+                    clique.stream(rank),
+                    out,
+                    d,
+                    &format!("{what}: tensor {t}, rank {rank}"),
+                );
             }
-            graph.launch().unwrap_or_else(|e| panic!("{what}: {e}"));
-            clique
-                .synchronize()
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let (_, outputs) = graph.buffers();
-            for (t, (outs, d)) in outputs.iter().zip(&data).enumerate() {
-                for (rank, out) in outs.iter().enumerate() {
-                    assert_bytes_eq(
-                        clique.stream(rank),
-                        out,
-                        d,
-                        &format!("{what}: tensor {t}, rank {rank}"),
-                    );
-                }
-            }
-        };
+        }
+    };
     replay(&mut graph, &mut rng, "the first replay");
     let mut cases = vec![(1, 0), (0, 0)];
     if parts > 1 {
@@ -629,7 +642,8 @@ fn a_graph_launch_that_reaches_some_ranks_only_is_recovered_from() {
         let input = clique.stream(1).clone_htod(&data).unwrap();
         let mut outs = poisoned_outputs::<u8>(&clique, n, &mut rng);
         clique
-            .broadcast_with(1, &input, &mut outs, &p2p)
+            .with(&p2p)
+            .broadcast(1, &input, &mut outs)
             .unwrap_or_else(|e| panic!("{what}: eager call: {e}"));
         clique
             .synchronize()
@@ -671,7 +685,7 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
     let n = (1 << 16) + 3;
     type Bufs = (CudaSlice<u8>, Vec<CudaSlice<u8>>);
     let check =
-        |graph: &mut gpucast::OwnedGraph<'_, Bufs>, rng: &mut rand::rngs::StdRng, what: &str| {
+        |graph: &mut gpucast::CliqueGraph<'_, Bufs>, rng: &mut rand::rngs::StdRng, what: &str| {
             let data: Vec<u8> = random_vec(n, rng);
             let (input, outputs) = graph.buffers_mut();
             clique.stream(0).memcpy_htod(&data, input).unwrap();
@@ -693,8 +707,8 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
         let input = clique.stream(0).alloc_zeros::<u8>(n).unwrap();
         let outputs = clique.alloc_outputs::<u8>(n).unwrap();
         clique
-            .capture_owned((input, outputs), |c, (input, outputs)| {
-                c.broadcast_with(0, input, outputs, &nccl)
+            .capture((input, outputs), |c, (input, outputs)| {
+                c.with(&nccl).broadcast(0, input, outputs)
             })
             .unwrap()
     };
@@ -707,14 +721,14 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
         &format!("an NCCL abort beside a live graph ({ranks} rank(s))"),
         move || c.abort_nccl_for_test().unwrap(),
     );
-    let refused = |graph: &mut gpucast::OwnedGraph<'_, Bufs>, what: &str| match graph.launch() {
+    let refused = |graph: &mut gpucast::CliqueGraph<'_, Bufs>, what: &str| match graph.launch() {
         Err(Error::CommunicatorsAborted { .. }) => {}
         other => panic!("{what}: a graph of aborted communicators launched: {other:?}"),
     };
     refused(&mut graph, "after the abort");
     let input = clique.stream(0).clone_htod(&vec![5u8; n]).unwrap();
     let mut outs = clique.alloc_outputs::<u8>(n).unwrap();
-    match clique.broadcast_with(0, &input, &mut outs, &nccl) {
+    match clique.with(&nccl).broadcast(0, &input, &mut outs) {
         Err(Error::CommunicatorsAborted { .. }) => {}
         other => panic!("an eager NCCL call after the abort: {other:?}"),
     }
@@ -728,7 +742,7 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
     let data: Vec<u8> = random_vec(n, &mut rng);
     let input = clique.stream(0).clone_htod(&data).unwrap();
     let mut outs = poisoned_outputs::<u8>(&clique, n, &mut rng);
-    clique.broadcast_with(0, &input, &mut outs, &nccl).unwrap();
+    clique.with(&nccl).broadcast(0, &input, &mut outs).unwrap();
     clique.synchronize().unwrap();
     for (rank, out) in outs.iter().enumerate() {
         assert_bytes_eq(

@@ -7,6 +7,7 @@
 
 mod common;
 
+use gpucast::prelude::*;
 use std::time::Instant;
 
 use common::*;
@@ -38,7 +39,8 @@ fn small_broadcasts_alternating_sizes_pass_two_to_the_seventeen_ops() {
                     let t0 = Instant::now();
                     for _ in 0..calls {
                         clique
-                            .broadcast_with(0, &input, &mut outputs, &opts)
+                            .with(&opts)
+                            .broadcast(0, &input, &mut outputs)
                             .unwrap_or_else(|e| panic!("call {total} ({n} B, {path:?}): {e}"));
                         total += 1;
                     }

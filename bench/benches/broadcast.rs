@@ -29,6 +29,7 @@ mod procs;
 mod report;
 mod timer;
 
+use gpucast::prelude::*;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -814,9 +815,8 @@ impl EmptyKernel {
 /// kernel's protocol).
 fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
-        "p2p-packet" => {
-            BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(gpucast::PACKET_MAX_BYTES)
-        }
+        "p2p-packet" => BroadcastOptions::path(BroadcastPath::P2p)
+            .packet_threshold(gpucast::testing::PACKET_MAX_BYTES),
         "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
         "nccl-nowatch" | "nccl-untracked" | "nccl-untracked-nowatch" => {
             BroadcastOptions::path(BroadcastPath::Nccl)
@@ -898,7 +898,7 @@ fn run_op(
             if nowatch {
                 clique.set_watchdog(false);
             }
-            let r = clique.broadcast_with(root, &input, &mut outs, &opts);
+            let r = clique.with(&opts).broadcast(root, &input, &mut outs);
             if nowatch {
                 clique.set_watchdog(true);
             }
@@ -919,7 +919,7 @@ fn run_op(
 
 /// One op of `path` on rotating set `set`, queued into a capture.
 fn graph_op(
-    c: &mut gpucast::UncheckedCapture<'_>,
+    c: &mut gpucast::Capture<'_, gpucast::Clique>,
     pools: &mut Pools,
     path: &str,
     root: usize,
@@ -930,8 +930,10 @@ fn graph_op(
     let off = set * bytes;
     match path {
         "launch-floor" => {
+            // SAFETY: the capture is the unchecked one (`capture_unchecked`, whose contract the
+            // caller keeps); the empty kernel touches no memory.
             let streams: Vec<_> = (0..floor.funcs.len())
-                .map(|r| c.stream(r).clone())
+                .map(|r| unsafe { c.stream(r) }.clone())
                 .collect();
             floor
                 .launch_on(&streams)
@@ -948,7 +950,10 @@ fn graph_op(
                 .context("nccl-raw was not set up")
                 .map_err(in_capture)?;
             let dsts: Vec<u64> = pools.output_ptrs.iter().map(|p| p + off as u64).collect();
-            let streams: Vec<_> = (0..dsts.len()).map(|r| c.stream(r).cu_stream()).collect();
+            // SAFETY: the capture is the unchecked one, and the pools outlive the graph (below).
+            let streams: Vec<_> = (0..dsts.len())
+                .map(|r| unsafe { c.stream(r) }.cu_stream())
+                .collect();
             // SAFETY: as in `run_op`; the capture streams record the calls into the graph,
             // which replays them on the clique's streams, and the pools outlive the graph.
             unsafe { raw.broadcast(root, pools.input_ptr + off as u64, &dsts, bytes, &streams) }
@@ -962,7 +967,7 @@ fn graph_op(
                 .iter_mut()
                 .map(|o| o.slice_mut(off..off + bytes))
                 .collect();
-            c.broadcast_with(root, &input, &mut outs, &opts)
+            c.with(&opts).broadcast(root, &input, &mut outs)
         }
     }
 }
@@ -1042,7 +1047,7 @@ struct Timer<'c> {
     route: String,
     iters: usize,
     sets: usize,
-    graph: Option<gpucast::CliqueGraph<'c, 'static>>,
+    graph: Option<gpucast::CliqueGraph<'c>>,
     /// Graph mode: launches of the graph per repeat (each replays `iters` broadcasts).
     launches: usize,
 }
@@ -1071,7 +1076,7 @@ fn prepare<'c>(
         Ok(opts) => clique.route(bytes, &opts)?.name().to_string(),
         Err(_) => "-".to_string(),
     };
-    if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
+    if path == "p2p-packet" && bytes > gpucast::testing::PACKET_MAX_BYTES {
         return Ok(None);
     }
     // Switches around a call (events off, watchdog off) have no meaning inside a capture.

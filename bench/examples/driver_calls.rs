@@ -9,6 +9,7 @@
 //!
 //! `cargo run --release -p gpucast-bench --example driver_calls`
 
+use gpucast::prelude::*;
 use std::time::Instant;
 
 use anyhow::Result;
@@ -155,7 +156,7 @@ fn main() -> Result<()> {
     for on in [false, true] {
         clique.set_watchdog(on);
         let t = median_ns(
-            || paced(&mut || Ok(clique.broadcast_with(0, &input, &mut outputs, &nccl)?)),
+            || paced(&mut || Ok(clique.with(&nccl).broadcast(0, &input, &mut outputs)?)),
             csync,
         )?;
         rows.push((

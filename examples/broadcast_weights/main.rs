@@ -28,6 +28,7 @@
 mod job;
 mod model;
 
+use gpucast::prelude::*;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -193,7 +194,7 @@ impl GpuTensor {
                         _ => Err(anyhow::anyhow!("output type differs from the input's")),
                     })
                     .collect::<Result<_>>()?;
-                clique.broadcast_with(root, $src, &mut dst, opts)?;
+                clique.with(opts).broadcast(root, $src, &mut dst)?;
             }};
         }
         match self {
@@ -310,7 +311,9 @@ fn main() -> Result<()> {
             .collect();
         clique.synchronize()?;
         let t0 = Instant::now();
-        let report = clique.broadcast_many_with(args.root, &ins, &mut outs, &opts)?;
+        let report = clique
+            .with(&opts)
+            .broadcast_many(args.root, &ins, &mut outs)?;
         clique.synchronize()?;
         Ok((t0.elapsed().as_secs_f64(), report))
     };
@@ -505,7 +508,7 @@ fn run_rank(args: &Args, opts: &BroadcastOptions) -> Result<()> {
     let fused = |bufs: &mut Vec<GpuTensor>| -> Result<FusedReport> {
         let list: Vec<&mut dyn DeviceTensorMut> =
             bufs.iter_mut().map(GpuTensor::as_dyn_mut).collect();
-        Ok(comm.broadcast_many_in_place_with(root, list, opts)?)
+        Ok(comm.with(opts).broadcast_many_in_place(root, list)?)
     };
     let first = fused(&mut bufs).and_then(|r| {
         comm.synchronize()?;

@@ -146,7 +146,7 @@ def run_clique(args):
         n = size // 4
         x = torch.randn(n, device=f"cuda:{devices[0]}")
         outs = [torch.empty(n, device=f"cuda:{d}") for d in devices]
-        # The same call made from Rust (`Clique::broadcast_with` on the same tensors, wrapped
+        # The same call made from Rust (`clique.with(&options).broadcast` on the same tensors, wrapped
         # once, RUST_LOOP calls back to back per Python call): the first two columns' gap is
         # the cost of the Python door (argument parsing, reading the tensors, the streams,
         # the GIL, keeping the tensors alive).

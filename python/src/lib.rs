@@ -7,6 +7,7 @@ mod errors;
 mod pending;
 mod tensors;
 
+use gpucast::prelude::*;
 use std::mem::ManuallyDrop;
 use std::time::Duration;
 
@@ -472,12 +473,8 @@ impl PyCommunicator {
         stream: Option<u64>,
     ) -> PyResult<()> {
         // As in `broadcast_many`: a call refused here still takes its number in the call log.
-        let posted = self.inner.calls_posted();
-        let result = self.one_kept(py, tensor, src, path, stream);
-        if result.is_err() && self.inner.calls_posted() == posted {
-            self.inner.post_failed_call();
-        }
-        result
+        self.inner
+            .as_one_call(|| self.one_kept(py, tensor, src, path, stream))
     }
 
     /// Broadcasts many tensors, in place, in one fused call: every rank passes the same list
@@ -493,12 +490,8 @@ impl PyCommunicator {
     ) -> PyResult<()> {
         // A call refused here, before gpucast saw it, still takes its number in the call log
         // (the peers made it and wait for this rank's card).
-        let posted = self.inner.calls_posted();
-        let result = self.many_kept(py, tensors, src, path, stream);
-        if result.is_err() && self.inner.calls_posted() == posted {
-            self.inner.post_failed_call();
-        }
-        result
+        self.inner
+            .as_one_call(|| self.many_kept(py, tensors, src, path, stream))
     }
     /// Waits (bounded) until this rank's broadcasts so far have finished, and reports any
     /// failure of them.
@@ -600,7 +593,7 @@ impl PyCommunicator {
         })
     }
 
-    /// `broadcast` itself: one typed buffer through `Communicator::broadcast_in_place_with`,
+    /// `broadcast` itself: one typed buffer through `comm.with(&options).broadcast_in_place`,
     /// the call a Rust program makes.
     fn one_kept(
         &self,
@@ -624,7 +617,7 @@ impl PyCommunicator {
                 // stream is the tensor's (torch's current stream, or the caller's).
                 let mut buf =
                     unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(&ctx, d.stream)) }?;
-                comm.broadcast_in_place_with(src, &mut buf, &options)
+                comm.with(&options).broadcast_in_place(src, &mut buf)
             })
         })
     }
@@ -661,7 +654,8 @@ impl PyCommunicator {
                 .iter_mut()
                 .map(|b| -> &mut dyn DeviceTensorMut { &mut **b })
                 .collect();
-            comm.broadcast_many_in_place_with(src, list, &options)
+            comm.with(&options)
+                .broadcast_many_in_place(src, list)
                 .map(|_| ())
         })
     }
@@ -911,7 +905,7 @@ impl PyClique {
     }
 
     /// Runs `iters` broadcasts of `tensor` into `outputs` back to back from Rust, as a Rust
-    /// program calls `Clique::broadcast_with` (the buffers wrapped once): the bench's
+    /// program calls `clique.with(&options).broadcast` (the buffers wrapped once): the bench's
     /// reference for the cost of the Python door.
     #[pyo3(signature = (src, tensor, outputs, iters, *, path=None))]
     fn _rust_loop(
@@ -962,7 +956,8 @@ impl PyClique {
             // SAFETY: as in `broadcast`.
             let mut bufs = unsafe { self.buffers(lists) }?;
             self.inner
-                .broadcast_many_in_place_with(root, &mut lend(&mut bufs), &options)
+                .with(&options)
+                .broadcast_many_in_place(root, &mut lend(&mut bufs))
                 .map(|_| ())
         })
     }
@@ -997,7 +992,8 @@ impl PyClique {
             let mut out = unsafe { self.buffers(outs) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             self.inner
-                .broadcast_many_with(root, &inputs, &mut lend(&mut out), &options)
+                .with(&options)
+                .broadcast_many(root, &inputs, &mut lend(&mut out))
                 .map(|_| ())
         })
     }
@@ -1023,7 +1019,8 @@ impl PyClique {
             // SAFETY: as in `broadcast`.
             let mut bufs = unsafe { self.buffers(lists) }?;
             self.inner
-                .broadcast_many_in_place_with(root, &mut lend(&mut bufs), &options)
+                .with(&options)
+                .broadcast_many_in_place(root, &mut lend(&mut bufs))
                 .map(|_| ())
         })
     }
@@ -1101,7 +1098,7 @@ impl PyClique {
         Ok((i, o))
     }
 
-    /// One broadcast of one tensor through `Clique::broadcast_with`, the call a Rust program
+    /// One broadcast of one tensor through `clique.with(&options).broadcast`, the call a Rust program
     /// makes (tensors of different types go through the fused call, which names the error).
     ///
     /// # Safety
@@ -1137,14 +1134,15 @@ impl PyClique {
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             return self
                 .inner
-                .broadcast_many_with(root, &inputs, &mut lend(&mut out), options)
+                .with(options)
+                .broadcast_many(root, &inputs, &mut lend(&mut out))
                 .map(|_| ());
         }
         typed!(input.dtype, T => {
             // SAFETY: per this function's contract.
             let (i, mut o) = unsafe { self.typed::<T>(root, input, outs) }?;
             for _ in 0..iters {
-                self.inner.broadcast_with(root, &i, &mut o, options)?;
+                self.inner.with(options).broadcast(root, &i, &mut o)?;
             }
             Ok(())
         })

@@ -21,10 +21,10 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
-use cudarc::driver::{CudaStream, DeviceSlice};
+use cudarc::driver::CudaStream;
 
 use super::args::{BufferInfo, Place};
-use crate::dtype::{DType, Element};
+use crate::dtype::DType;
 use crate::engine::{EngineGuard, Item};
 use crate::error::Result;
 use crate::tensor::DeviceTensor;
@@ -34,15 +34,6 @@ pub(crate) fn place_of(stream: &CudaStream) -> Place {
     Place {
         ordinal: stream.context().ordinal(),
         ctx: stream.context().cu_ctx() as usize,
-    }
-}
-
-/// A typed buffer as validation sees it.
-pub(crate) fn info_of<T: Element, S: DeviceSlice<T>>(s: &S) -> BufferInfo {
-    BufferInfo {
-        place: place_of(s.stream()),
-        len: s.len(),
-        dtype: T::DTYPE,
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::config::MAX_GPUS;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ranks::{local_of, JobRank};
 
 /// Checks a device list without touching the driver: 1 to 8 distinct ordinals.
 pub(crate) fn check_device_list(ordinals: &[usize], shared: bool) -> Result<()> {
@@ -53,7 +54,7 @@ pub(crate) struct Ranks<'a> {
     /// Device and context of each local rank.
     pub places: &'a [Place],
     /// The job rank of each local rank.
-    pub globals: &'a [usize],
+    pub globals: &'a [JobRank],
     /// Ranks in the job.
     pub world: usize,
 }
@@ -106,7 +107,7 @@ pub(crate) fn check_broadcast(
             got: 0,
         });
     }
-    let root_local = ranks.globals.iter().position(|&g| g == root);
+    let root_local = local_of(ranks.globals.iter().copied(), JobRank(root));
     let reference = match (input, root_local) {
         (Some(inp), Some(local)) => {
             check_place(&label("input"), root, ranks.places[local], inp.place)?;
@@ -122,7 +123,7 @@ pub(crate) fn check_broadcast(
         (None, None) => outputs[0],
     };
     for (local, out) in outputs.iter().enumerate() {
-        let rank = ranks.globals[local];
+        let rank = ranks.globals[local].0;
         let what = || {
             label(&if input.is_some() {
                 format!("output {rank}")
@@ -207,7 +208,7 @@ pub(crate) fn check_many(
             got: outputs.len(),
         });
     }
-    let root_local = ranks.globals.iter().position(|&g| g == root);
+    let root_local = local_of(ranks.globals.iter().copied(), JobRank(root));
     let count = inputs.map_or(outputs[root_local.unwrap_or(0)].len(), <[_]>::len);
     for (rank, list) in outputs.iter().enumerate() {
         if list.len() != count {
@@ -276,11 +277,22 @@ mod tests {
         ctx: 50,
     };
 
+    const JOB: [JobRank; 8] = [
+        JobRank(0),
+        JobRank(1),
+        JobRank(2),
+        JobRank(3),
+        JobRank(4),
+        JobRank(5),
+        JobRank(6),
+        JobRank(7),
+    ];
+
     /// All ranks local, as in a clique.
     fn clique(places: &[Place]) -> Ranks<'_> {
         Ranks {
             places,
-            globals: &[0, 1, 2, 3, 4, 5, 6, 7][..places.len()],
+            globals: &JOB[..places.len()],
             world: places.len(),
         }
     }
@@ -424,7 +436,7 @@ mod tests {
         let places = [B];
         let me = Ranks {
             places: &places,
-            globals: &[2],
+            globals: &[JobRank(2)],
             world: 4,
         };
         // In place from a remote root: the buffer is the reference.

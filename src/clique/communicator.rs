@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
-use super::{setup, CliqueGraph, Core, UncheckedCapture};
+use super::{setup, Capture, CliqueGraph, Core, GraphBuffers, RankBroadcast};
 use crate::config::{
-    BroadcastOptions, BroadcastPath, Env, Requested, Route, Settings, Thresholds,
+    BroadcastOptions, BroadcastPath, Layer, Route, Settings, Thresholds,
     DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;
@@ -15,9 +15,8 @@ use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
-use crate::plan::FusedReport;
+use crate::ranks::JobRank;
 use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
-use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// Longest a rank that cannot take part keeps trying to tell the others (in the background).
 const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
@@ -34,7 +33,7 @@ pub struct CommunicatorBuilder {
     exchange: Option<Box<dyn Exchange + Send + Sync>>,
     init_timeout: Option<Duration>,
     shared_devices: bool,
-    requested: Requested,
+    requested: Layer,
 }
 
 impl std::fmt::Debug for CommunicatorBuilder {
@@ -260,7 +259,7 @@ impl Communicator {
             Some(j) => j,
             None => JobEnv::from_env()?,
         };
-        let env = Env::read()?;
+        let env = Layer::from_env()?;
         let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
         let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
         // What this machine can tell alone comes before waiting for peers that may never come;
@@ -315,7 +314,12 @@ impl Communicator {
             None
         };
         let status = p2p.as_ref().map(|_| ()).map_err(Clone::clone);
-        let engine = Engine::new(vec![Rank::new(rank, ctx, None)?], settings, nccl, p2p)?;
+        let engine = Engine::new(
+            vec![Rank::new(JobRank(rank), ctx, None)?],
+            settings,
+            nccl,
+            p2p,
+        )?;
         let init_time = started.elapsed();
         tracing::info!(
             rank,
@@ -331,7 +335,7 @@ impl Communicator {
             core: Core::new(
                 engine,
                 super::core::Placement {
-                    globals: vec![rank],
+                    globals: vec![JobRank(rank)],
                     world,
                     copy_engine: Err(Error::CopyEngineUnavailable(
                         "the ranks are separate processes: a rank's copy engines cannot \
@@ -351,7 +355,7 @@ impl Communicator {
 
     /// This process's rank in the job.
     pub fn rank(&self) -> usize {
-        self.core.globals[0]
+        self.core.globals[0].0
     }
 
     /// Ranks in the job.
@@ -423,139 +427,43 @@ impl Communicator {
         self.core.engine.set_watchdog(on);
     }
 
-    /// Broadcasts out of place, as [`super::Clique::broadcast`] does: the root passes
-    /// `Some(input)` and receives a copy in `output` too; every other rank passes `None` and
-    /// receives into `output`. (`None` on the root broadcasts its `output` in place.)
-    pub fn broadcast<T, I, O>(&self, root: usize, input: Option<&I>, output: &mut O) -> Result<()>
+    /// Captures the broadcasts that `f` queues into a CUDA graph that owns `buffers` (see
+    /// [`super::Clique::capture`]); inside, `c.broadcast_in_place(root, buffer)` as eagerly.
+    pub fn capture<'c, B, F>(&'c self, buffers: B, f: F) -> Result<CliqueGraph<'c, B>>
     where
-        T: Element,
-        I: DevicePtr<T>,
-        O: DevicePtrMut<T>,
+        B: GraphBuffers,
+        F: FnOnce(&mut Capture<'c, Communicator>, &mut B) -> Result<()>,
     {
-        self.broadcast_with(root, input, output, &BroadcastOptions::default())
+        self.core.capture(buffers, f)
     }
 
-    /// [`Communicator::broadcast`] with per-call options.
-    pub fn broadcast_with<T, I, O>(
-        &self,
-        root: usize,
-        input: Option<&I>,
-        output: &mut O,
-        options: &BroadcastOptions,
-    ) -> Result<()>
-    where
-        T: Element,
-        I: DevicePtr<T>,
-        O: DevicePtrMut<T>,
-    {
-        self.core
-            .broadcast(root, input, std::slice::from_mut(output), options)
-    }
-
-    /// Broadcasts, in place, rank `root`'s `buffer` into every other rank's `buffer` (as
-    /// [`super::Clique::broadcast_in_place`] does, and `torch.distributed.broadcast`).
-    pub fn broadcast_in_place<T: Element, B: DevicePtrMut<T>>(
-        &self,
-        root: usize,
-        buffer: &mut B,
-    ) -> Result<()> {
-        self.broadcast_in_place_with(root, buffer, &BroadcastOptions::default())
-    }
-
-    /// [`Communicator::broadcast_in_place`] with per-call options.
-    pub fn broadcast_in_place_with<T: Element, B: DevicePtrMut<T>>(
-        &self,
-        root: usize,
-        buffer: &mut B,
-        options: &BroadcastOptions,
-    ) -> Result<()> {
-        self.core.broadcast(
-            root,
-            None::<&CudaSlice<T>>,
-            std::slice::from_mut(buffer),
-            options,
-        )
-    }
-
-    /// Many tensors out of place in one call, as [`super::Clique::broadcast_many`] does: the
-    /// root passes `Some(inputs)` (tensor `t` is `inputs[t]`), every other rank `None`; every
-    /// rank receives tensor `t` into `outputs[t]`. Every rank passes the same list of lengths
-    /// and types.
-    pub fn broadcast_many(
-        &self,
-        root: usize,
-        inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: Vec<&mut dyn DeviceTensorMut>,
-    ) -> Result<FusedReport> {
-        self.broadcast_many_with(root, inputs, outputs, &BroadcastOptions::default())
-    }
-
-    /// [`Communicator::broadcast_many`] with per-call options.
-    pub fn broadcast_many_with(
-        &self,
-        root: usize,
-        inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: Vec<&mut dyn DeviceTensorMut>,
-        options: &BroadcastOptions,
-    ) -> Result<FusedReport> {
-        self.core.many(root, inputs, &mut [outputs], options)
-    }
-
-    /// Many tensors in place in one call (as [`Communicator::broadcast_in_place`] is in
-    /// place): `buffers[t]` is tensor `t` (the root's are the sources). Every rank passes the
-    /// same list of lengths and types.
-    pub fn broadcast_many_in_place(
-        &self,
-        root: usize,
-        buffers: Vec<&mut dyn DeviceTensorMut>,
-    ) -> Result<FusedReport> {
-        self.broadcast_many_in_place_with(root, buffers, &BroadcastOptions::default())
-    }
-
-    /// [`Communicator::broadcast_many_in_place`] with per-call options.
-    pub fn broadcast_many_in_place_with(
-        &self,
-        root: usize,
-        buffers: Vec<&mut dyn DeviceTensorMut>,
-        options: &BroadcastOptions,
-    ) -> Result<FusedReport> {
-        self.core.many(root, None, &mut [buffers], options)
-    }
-
-    /// Captures broadcasts into a CUDA graph (see [`super::Clique::capture`]); inside, use
-    /// `c.broadcast_in_place(root, std::slice::from_mut(&mut buffer))`.
-    pub fn capture<'c, 'buf, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'buf>>
-    where
-        F: FnOnce(&mut super::Capture<'c, 'buf>) -> Result<()>,
-    {
-        self.core.capture(f)
-    }
-
-    /// [`Communicator::capture`] without tying the graph to the buffers.
+    /// [`Communicator::capture`] of buffers that the caller keeps alive and orders itself.
     ///
     /// # Safety
     /// As for [`super::Clique::capture_unchecked`].
-    pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c, 'static>>
+    pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c>>
     where
-        F: FnOnce(&mut UncheckedCapture<'c>) -> Result<()>,
+        F: FnOnce(&mut Capture<'c, Communicator>) -> Result<()>,
     {
         // SAFETY: the same contract.
         unsafe { self.core.capture_unchecked(f) }
     }
 
-    /// For bindings that check arguments of their own before a call (the Python package): the
-    /// number of calls this rank has posted to its call log so far, and, when a call failed
-    /// those checks before reaching gpucast, [`Communicator::post_failed_call`], so that the
-    /// call still takes its number and the peers, which made it, get `CallMismatch`.
-    #[doc(hidden)]
-    pub fn calls_posted(&self) -> u64 {
-        self.core.calls_posted()
-    }
-
-    /// See [`Communicator::calls_posted`].
-    #[doc(hidden)]
-    pub fn post_failed_call(&self) {
-        self.core.post_failed_call();
+    /// Runs `f`: checks of a binding's own (the Python package's) and then one broadcast of
+    /// this communicator. When `f` fails before its broadcast reached gpucast, the call still
+    /// takes its number in the call log, as a failed call: the peers on this host, which made
+    /// it, get [`Error::CallMismatch`] instead of a timeout, and this rank's later calls keep
+    /// their numbers. A Rust program that calls gpucast directly needs none of this.
+    pub fn as_one_call<R, E>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        let posted = self.core.calls_posted();
+        let result = f();
+        if result.is_err() && self.core.calls_posted() == posted {
+            self.core.post_failed_call();
+        }
+        result
     }
 
     /// A zeroed buffer of `len` elements on this rank's stream.
@@ -591,10 +499,18 @@ impl Communicator {
     }
 }
 
+impl super::sealed::Eager for Communicator {
+    fn core(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl RankBroadcast for Communicator {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Env, Requested};
+    use crate::config::Layer;
     use crate::rendezvous::RendezvousError;
 
     /// Rank 0 of a job whose other ranks send `others`.
@@ -617,11 +533,11 @@ mod tests {
     }
 
     fn settings(timeout_ms: u64) -> Settings {
-        let req = Requested {
+        let req = Layer {
             timeout: Some(Duration::from_millis(timeout_ms)),
-            ..Requested::default()
+            ..Layer::default()
         };
-        Settings::resolve(&req, &Env::default(), 1).unwrap()
+        Settings::resolve(&req, &Layer::default(), 1).unwrap()
     }
 
     #[test]

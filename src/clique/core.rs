@@ -1,7 +1,7 @@
 //! What a clique and a one-rank-per-process communicator share: an engine over the ranks this
 //! process drives, where those ranks sit in the job, and the broadcasts themselves.
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
@@ -10,18 +10,18 @@ use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
 use crate::plan::{self, FusedReport, Step};
-use crate::tensor::DeviceTensor;
+use crate::ranks::{local_of, JobRank};
+use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
-use super::fused::OutputLists;
 use super::RawBroadcast;
 
 /// The engine of the local ranks and their place in the job.
-pub(crate) struct Core {
+pub struct Core {
     pub(crate) engine: Engine,
     /// Device and context of each local rank.
     pub(crate) places: Vec<Place>,
     /// The job rank of each local rank.
-    pub(crate) globals: Vec<usize>,
+    pub(crate) globals: Vec<JobRank>,
     /// Ranks in the job.
     pub(crate) world: usize,
     /// Whether the copy-engine route can run, or the error a forced call returns.
@@ -43,7 +43,7 @@ pub(crate) struct Core {
 /// `Core` ([`Core::new`]).
 pub(crate) struct Placement {
     /// The job rank of each local rank.
-    pub(crate) globals: Vec<usize>,
+    pub(crate) globals: Vec<JobRank>,
     /// Ranks in the job.
     pub(crate) world: usize,
     /// Whether the copy-engine route can run, or the error a forced call returns.
@@ -136,7 +136,7 @@ impl Core {
     ) -> Result<Route> {
         self.with_available(in_graph, |available| {
             crate::config::choose(
-                options.path.unwrap_or(self.path()),
+                self.engine.settings().path_for(options),
                 bytes,
                 available,
                 &self.engine.settings().thresholds_for(options, in_graph),
@@ -172,7 +172,7 @@ impl Core {
         self.with_available(in_graph, |available| {
             plan::plan(
                 bytes,
-                options.path.unwrap_or(self.path()),
+                self.engine.settings().path_for(options),
                 available,
                 &self.engine.settings().thresholds_for(options, in_graph),
                 self.world,
@@ -183,21 +183,19 @@ impl Core {
 
     /// One broadcast: `input` is the root's source when the root is a local rank and the call
     /// is out of place, `None` in place (the root's entry of `outputs` is the source) or on a
-    /// process without the root; `outputs` holds one buffer per local rank.
-    pub(crate) fn broadcast<T, I, O>(
+    /// process without the root; `outputs` holds one buffer per local rank; `options` is
+    /// `None` for the defaults.
+    pub(crate) fn broadcast(
         &self,
         root: usize,
-        input: Option<&I>,
-        outputs: &mut [O],
-        options: &BroadcastOptions,
-    ) -> Result<()>
-    where
-        T: Element,
-        I: DevicePtr<T>,
-        O: DevicePtrMut<T>,
-    {
-        let infos: Vec<_> = outputs.iter().map(access::info_of::<T, O>).collect();
-        let input_info = input.map(access::info_of::<T, I>);
+        input: Option<&dyn DeviceTensor>,
+        outputs: &mut [&mut dyn DeviceTensorMut],
+        options: Option<&BroadcastOptions>,
+    ) -> Result<()> {
+        let default = BroadcastOptions::default();
+        let options = options.unwrap_or(&default);
+        let infos: Vec<_> = outputs.iter().map(|o| access::info_of_dyn(&**o)).collect();
+        let input_info = input.map(access::info_of_dyn);
         let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
             .and_then(|shape| Ok((self.route(shape.bytes, options)?, shape)));
         let (route, shape) = self.failed_call_posted(checked)?;
@@ -205,7 +203,7 @@ impl Core {
         let Some(step) = plan::single(0, route) else {
             return Ok(());
         };
-        let root_local = self.globals.iter().position(|&g| g == root);
+        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
         let step = self.replan_single(step, shape.bytes, options)?;
         let in_stream = input.map(|i| i.stream().clone());
@@ -221,13 +219,13 @@ impl Core {
             // Moved out of the closure: the guards borrow the outputs for the whole call.
             let outputs = outputs;
             let read = match (input, in_stream) {
-                (Some(i), Some(s)) => Some(i.device_ptr(s)),
+                (Some(i), Some(s)) => Some(i.read_ptr(s)),
                 _ => None,
             };
             let mut dsts = [0u64; MAX_GPUS];
             let mut writes = Vec::with_capacity(outputs.len());
             for (local, (out, s)) in outputs.iter_mut().zip(out_streams).enumerate() {
-                let (ptr, w) = out.device_ptr_mut(s);
+                let (ptr, w) = out.write_ptr(s);
                 dsts[local] = ptr;
                 writes.push(w);
             }
@@ -248,11 +246,16 @@ impl Core {
         // both source and destination, which every path handles.
         access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
-                root,
+                JobRank(root),
                 std::slice::from_ref(item),
                 std::slice::from_ref(&step),
             )
         })
+    }
+
+    /// The local rank that is job rank `rank` here, if this process holds it.
+    pub(crate) fn local_of(&self, rank: usize) -> Option<usize> {
+        local_of(self.globals.iter().copied(), JobRank(rank))
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -297,7 +300,7 @@ impl Core {
             if ctx as usize != self.places[local].ctx {
                 return Err(Error::ForeignContext {
                     what: format!("stream {local}"),
-                    rank: self.globals[local],
+                    rank: self.globals[local].0,
                     ordinal: self.places[local].ordinal,
                 });
             }
@@ -317,19 +320,21 @@ impl Core {
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
         foreign.around(&mut engine, |e| unsafe {
-            e.run(b.root, &[item], std::slice::from_ref(&step))
+            e.run(JobRank(b.root), &[item], std::slice::from_ref(&step))
         })
     }
 
-    /// A fused call; see [`super::Clique::broadcast_many`]. `inputs` is `None` in place or on a
+    /// A fused call; see [`crate::CliqueBroadcast::broadcast_many`]. `inputs` is `None` in place or on a
     /// process without the root.
     pub(crate) fn many(
         &self,
         root: usize,
         inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: &mut OutputLists<'_, '_>,
-        options: &BroadcastOptions,
+        outputs: &mut [Vec<&mut (dyn DeviceTensorMut + '_)>],
+        options: Option<&BroadcastOptions>,
     ) -> Result<FusedReport> {
+        let default = BroadcastOptions::default();
+        let options = options.unwrap_or(&default);
         let shapes = self.failed_call_posted(self.check_lists(root, inputs, outputs, false))?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         if self.calls.is_some() {
@@ -344,7 +349,7 @@ impl Core {
         if steps.is_empty() {
             return Ok(report);
         }
-        let root_local = self.globals.iter().position(|&g| g == root);
+        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
         // As in `replan_single`: the P2P path may have closed while this call waited.
         if steps.iter().any(Step::is_p2p) && self.p2p_available().is_err() {
@@ -415,7 +420,7 @@ impl Core {
         // which also runs when the work fails or panics halfway) keep every buffer alive and
         // ordered for the queued work.
         access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
-            e.run(root, items, &steps)
+            e.run(JobRank(root), items, &steps)
         })?;
         Ok(report)
     }
@@ -426,7 +431,7 @@ impl Core {
         &self,
         root: usize,
         inputs: Option<&[&dyn DeviceTensor]>,
-        outputs: &OutputLists<'_, '_>,
+        outputs: &[Vec<&mut (dyn DeviceTensorMut + '_)>],
         single: bool,
     ) -> Result<Vec<args::Shape>> {
         let in_infos: Option<Vec<_>> =
@@ -511,7 +516,7 @@ impl Core {
                     .record_event(None)
                     .map_err(Error::cuda(format!(
                         "recording an event on rank {}",
-                        self.globals[local]
+                        self.globals[local].0
                     )))
             })
             .collect()
@@ -528,7 +533,7 @@ impl Core {
         for (local, s) in streams.iter().enumerate() {
             args::check_place(
                 &format!("stream {local}"),
-                self.globals[local],
+                self.globals[local].0,
                 self.places[local],
                 access::place_of(s),
             )?;
@@ -543,7 +548,7 @@ impl Core {
                     .alloc_zeros::<T>(len)
                     .map_err(Error::cuda(format!(
                         "allocating an output on rank {}",
-                        self.globals[local]
+                        self.globals[local].0
                     )))
             })
             .collect()

@@ -3,25 +3,25 @@
 //! - `setup`: driver checks, contexts and streams, peer access, topology;
 //! - `args`: argument checks (pure);
 //! - `access`: buffers to addresses, and their ordering with the streams they live on;
-//! - `fused`: many tensors in one call; `graph`: CUDA graph capture and replay.
+//! - `broadcast`: the broadcast family, one trait per argument shape; `graph`: CUDA graph
+//!   capture and replay.
 
 mod access;
 pub(crate) mod args;
+mod broadcast;
 mod calls;
 mod communicator;
 mod core;
-mod fused;
 mod graph;
-mod owned;
 mod setup;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
-use crate::config::{BroadcastOptions, BroadcastPath, Requested, Route, Thresholds};
+use crate::config::{BroadcastOptions, BroadcastPath, Layer, Route, Thresholds};
 use crate::dtype::{DType, Element};
 #[allow(
     unused_imports,
@@ -29,16 +29,17 @@ use crate::dtype::{DType, Element};
 )]
 use crate::error::Error;
 use crate::error::Result;
+use crate::ranks::JobRank;
 use crate::topology::Topology;
 pub(crate) use core::Core;
 
+use broadcast::sealed;
+pub use broadcast::{CliqueBroadcast, RankBroadcast, WithOptions};
 pub use communicator::{Communicator, CommunicatorBuilder, DEFAULT_INIT_TIMEOUT};
-pub use fused::OutputLists;
-pub use graph::{Capture, CliqueGraph, UncheckedCapture};
-pub use owned::{GraphBuffers, OwnedCapture, OwnedGraph};
+pub use graph::{Capture, CliqueGraph, GraphBuffers};
 pub use setup::device_count;
 
-/// The settings every builder shares (a field `requested: Requested`): path, thresholds and
+/// The settings every builder shares (a field `requested: Layer`): path, thresholds and
 /// timeout.
 macro_rules! settings_setters {
     () => {
@@ -97,7 +98,7 @@ pub struct CliqueBuilder {
     shared_devices: bool,
     devices: Option<Vec<usize>>,
     streams: Option<Vec<Arc<CudaStream>>>,
-    requested: Requested,
+    requested: Layer,
 }
 
 impl CliqueBuilder {
@@ -154,7 +155,7 @@ impl CliqueBuilder {
         let built = setup::create(devices, &self.requested, self.shared_devices)?;
         let n = built.engine.len();
         let job = core::Placement {
-            globals: (0..n).collect(),
+            globals: (0..n).map(JobRank).collect(),
             world: n,
             copy_engine: crate::copy::support(&built.topology),
             nccl_on: built.nccl_on,
@@ -366,64 +367,57 @@ impl Clique {
         self.core.route(bytes, options)
     }
 
-    /// Broadcasts `input` (on the root's GPU) into `outputs[i]` on every rank `i`, the root's
-    /// own output included.
+    /// Captures the broadcasts that `f` queues through its [`Capture`] into one CUDA graph per
+    /// GPU, to be replayed with [`CliqueGraph::launch`]. The graph owns `buffers` and lends
+    /// them out between replays ([`CliqueGraph::buffers_mut`]): an input may be rewritten or
+    /// an output read between replays, on any stream. `f` gets the capture and the buffers;
+    /// every buffer a captured call takes must lie inside them. The P2P kernel keeps its
+    /// counters on the device, so every replay runs the protocol afresh, and eager calls may
+    /// be mixed with replays.
     ///
-    /// `root` is a clique rank (an index into [`Clique::ordinals`]), not a device ordinal.
-    /// `outputs` holds one buffer per rank, in rank order, each as long as `input`. Arguments
-    /// are checked before anything is queued; a zero-length broadcast does nothing.
+    /// ```no_run
+    /// use gpucast::prelude::*;
+    /// let clique = gpucast::Clique::new(&[0, 1])?;
+    /// let input = clique.stream(0).clone_htod(&[1u8; 4096]).unwrap();
+    /// let outputs = clique.alloc_outputs::<u8>(4096)?;
+    /// let mut graph = clique.capture((input, outputs), |c, (input, outputs)| {
+    ///     c.broadcast(0, input, outputs)
+    /// })?;
+    /// for _ in 0..10 {
+    ///     graph.launch()?;
+    /// }
+    /// let (_input, outputs) = graph.into_buffers();
+    /// clique.synchronize()?;
+    /// # Ok::<(), gpucast::Error>(())
+    /// ```
+    pub fn capture<'c, B, F>(&'c self, buffers: B, f: F) -> Result<CliqueGraph<'c, B>>
+    where
+        B: GraphBuffers,
+        F: FnOnce(&mut Capture<'c, Clique>, &mut B) -> Result<()>,
+    {
+        self.core.capture(buffers, f)
+    }
+
+    /// [`Clique::capture`] of buffers that the caller keeps alive and orders itself (static
+    /// graph inputs and outputs): the graph holds no buffers, and launches do no per-buffer
+    /// ordering.
     ///
-    /// The copy runs asynchronously on the clique's streams; every buffer may be dropped or
-    /// reused as soon as this returns (see the type's "Ordering" section). The path is the
-    /// clique's default ([`BroadcastPath::Auto`] unless the builder set another).
-    pub fn broadcast<T, I, O>(&self, root: usize, input: &I, outputs: &mut [O]) -> Result<()>
+    /// # Safety
+    /// Every buffer passed to the capture, or touched by work queued on its streams
+    /// ([`Capture::stream`]; neither a stream nor a clone of it may be used once the closure
+    /// has returned, since it records every later capture of the clique), must stay allocated,
+    /// and must not be freed (even by a stream-ordered free on another stream) while any replay
+    /// of the graph may still run; work that produces its inputs or reads its outputs must be
+    /// ordered with the clique's streams (run it on them, or use [`Clique::wait_for`] /
+    /// [`Clique::record`]). The contract covers every call made through this closure's
+    /// [`Capture`], also after it was swapped (`std::mem::swap`) into another capture's closure:
+    /// an unchecked capture checks nothing, wherever it ends up.
+    pub unsafe fn capture_unchecked<'c, F>(&'c self, f: F) -> Result<CliqueGraph<'c>>
     where
-        T: Element,
-        I: DevicePtr<T>,
-        O: DevicePtrMut<T>,
+        F: FnOnce(&mut Capture<'c, Clique>) -> Result<()>,
     {
-        self.broadcast_with(root, input, outputs, &BroadcastOptions::default())
-    }
-
-    /// [`Clique::broadcast`] with per-call options (path, thresholds).
-    pub fn broadcast_with<T, I, O>(
-        &self,
-        root: usize,
-        input: &I,
-        outputs: &mut [O],
-        options: &BroadcastOptions,
-    ) -> Result<()>
-    where
-        T: Element,
-        I: DevicePtr<T>,
-        O: DevicePtrMut<T>,
-    {
-        self.core.broadcast(root, Some(input), outputs, options)
-    }
-
-    /// In-place broadcast: `buffers[root]` is the source and every other rank's buffer
-    /// receives it. One buffer per rank, in rank order, all of one length.
-    pub fn broadcast_in_place<T, B>(&self, root: usize, buffers: &mut [B]) -> Result<()>
-    where
-        T: Element,
-        B: DevicePtrMut<T>,
-    {
-        self.broadcast_in_place_with(root, buffers, &BroadcastOptions::default())
-    }
-
-    /// [`Clique::broadcast_in_place`] with per-call options.
-    pub fn broadcast_in_place_with<T, B>(
-        &self,
-        root: usize,
-        buffers: &mut [B],
-        options: &BroadcastOptions,
-    ) -> Result<()>
-    where
-        T: Element,
-        B: DevicePtrMut<T>,
-    {
-        self.core
-            .broadcast(root, None::<&CudaSlice<T>>, buffers, options)
+        // SAFETY: the same contract.
+        unsafe { self.core.capture_unchecked(f) }
     }
 
     /// Broadcasts raw device addresses: for code that keeps its own `CUdeviceptr`s and streams

@@ -7,12 +7,13 @@ use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
 
 use super::args;
-use crate::config::{Env, Requested, Settings, MAX_GPUS};
+use crate::config::{Layer, Settings, MAX_GPUS};
 use crate::driver;
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl};
 use crate::p2p::P2p;
+use crate::ranks::JobRank;
 use crate::topology::{Link, Topology};
 
 const CUDA_HINT: &str =
@@ -102,7 +103,7 @@ pub(crate) struct Built {
 }
 
 /// Creates the contexts, streams, peer access and engine of a clique.
-pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> Result<Built> {
+pub(crate) fn create(devices: Devices, requested: &Layer, shared: bool) -> Result<Built> {
     // Checks that need no driver come first.
     let listed: Option<Vec<usize>> = match &devices {
         Devices::All => None,
@@ -122,9 +123,10 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
             }
         }
     }
-    let env = Env::read()?;
-    // Reject bad settings before touching the driver (the thresholds are settled below).
-    Settings::resolve(requested, &env, listed.as_ref().map_or(2, Vec::len))?;
+    let env = Layer::from_env()?;
+    // Reject bad settings before touching the driver (they resolve below, once the number of
+    // GPUs is known).
+    requested.over(&env).check()?;
 
     let available = device_count()?;
     let ordinals = match listed {
@@ -146,14 +148,14 @@ pub(crate) fn create(devices: Devices, requested: &Requested, shared: bool) -> R
             for (rank, s) in streams.into_iter().enumerate() {
                 let ctx = s.context().clone();
                 require_primary(rank, &ctx)?;
-                ranks.push(Rank::new(rank, ctx, Some(s))?);
+                ranks.push(Rank::new(JobRank(rank), ctx, Some(s))?);
             }
         }
         _ => {
             for (rank, &o) in ordinals.iter().enumerate() {
                 let ctx = CudaContext::new(o)
                     .map_err(Error::cuda(format!("creating a context on device {o}")))?;
-                ranks.push(Rank::new(rank, ctx, None)?);
+                ranks.push(Rank::new(JobRank(rank), ctx, None)?);
             }
         }
     }

@@ -269,7 +269,78 @@ pub(crate) unsafe fn copy_on(
     )))
 }
 
+/// The root's second stream, for its own copy out of place: forked from the root's stream
+/// after everything queued there before the call, joined back before anything after it (the
+/// engine's stream and events, used under its lock).
+pub(crate) struct Beside<'a> {
+    /// The root's context.
+    pub ctx: &'a CudaContext,
+    /// The stream the root's part of the call runs on.
+    pub main: CUstream,
+    /// The second stream.
+    pub aux: CUstream,
+    /// The event of the fork, the root's own.
+    pub fork: sys::CUevent,
+    /// The event of the join, the root's own.
+    pub join: sys::CUevent,
+    /// The root's job rank, for errors.
+    pub global: usize,
+}
+
 impl State {
+    /// The copy-engine broadcast of `tensors` of `items` from local rank `root`: the root's own
+    /// copies (where out of place) on `beside`'s second stream, between its fork and its join,
+    /// beside the chain ([`State::queue`]) on every lane.
+    ///
+    /// # Safety
+    /// As for [`State::queue`]; `beside` holds live streams of the root's context and events of
+    /// it that nothing else records meanwhile.
+    pub(crate) unsafe fn broadcast(
+        &mut self,
+        lanes: &[Lane<'_>],
+        root: usize,
+        items: &[Item],
+        tensors: &[usize],
+        call: &Call,
+        beside: &Beside<'_>,
+    ) -> Result<()> {
+        let own: Vec<&Item> = tensors
+            .iter()
+            .map(|&t| &items[t])
+            .filter(|it| it.dsts[root] != it.src)
+            .collect();
+        if own.is_empty() {
+            // SAFETY: per this function's contract.
+            return unsafe { self.queue(lanes, root, items, call) };
+        }
+        let g = beside.global;
+        // SAFETY: the fork's event is the root's, both streams of its context (contract).
+        unsafe { driver::stream::order(beside.ctx, beside.fork, beside.main, beside.aux) }
+            .map_err(Error::cuda(format!("forking rank {g}'s second stream")))?;
+        let mut queued = Ok(());
+        for it in own {
+            // SAFETY: per this function's contract: the root's input and output hold the
+            // tensor, and `aux`, a stream of the root's context, runs after the root's stream
+            // reached the call (the fork).
+            queued =
+                unsafe { copy_on(&lanes[root], beside.aux, it.dsts[root], it.src, it.bytes()) };
+            if queued.is_err() {
+                break;
+            }
+        }
+        if queued.is_ok() {
+            // SAFETY: per this function's contract.
+            queued = unsafe { self.queue(lanes, root, items, call) };
+        }
+        // Joined whatever failed above, so the root's stream never moves past work still
+        // queued on the side.
+        // SAFETY: as for the fork.
+        let joined =
+            unsafe { driver::stream::order(beside.ctx, beside.join, beside.aux, beside.main) }
+                .map_err(Error::cuda(format!("joining rank {g}'s second stream")));
+        queued.and(joined)
+    }
+
     /// Queues `call` over `items` on `lanes` (one per local rank, in order), `root` being the
     /// chain's first rank.
     ///

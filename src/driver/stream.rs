@@ -4,6 +4,33 @@
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::{self, CUcontext, CUdeviceptr, CUstream};
 
+/// Orders `later` after the work queued so far on `earlier`: `event` is recorded on `earlier`
+/// and `later` waits for it. `ctx`, the event's context, is made current without cudarc's
+/// `bind_to_thread`: an error cudarc stored from unrelated work must not stop this ordering (a
+/// buffer's stream would then move on before a call's work on the buffer).
+///
+/// # Safety
+/// `event` is an event of `ctx` that nothing records concurrently, `earlier` is a live stream
+/// of `ctx`, and `later` is a live stream of any context of the process (`cuStreamWaitEvent`
+/// takes an event of another context and device).
+pub(crate) unsafe fn order(
+    ctx: &cudarc::driver::CudaContext,
+    event: sys::CUevent,
+    earlier: CUstream,
+    later: CUstream,
+) -> Result<(), DriverError> {
+    super::make_current(ctx)?;
+    // SAFETY: `event` and both streams per this function's contract; both calls only enqueue.
+    unsafe {
+        cudarc::driver::result::event::record(event, earlier)?;
+        cudarc::driver::result::stream::wait_event(
+            later,
+            event,
+            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+        )
+    }
+}
+
 /// Whether `stream` has finished all the work queued on it (`cuStreamQuery`): `Ok(false)`
 /// where the driver reports `CUDA_ERROR_NOT_READY`, any other failure as the error. A stream
 /// in error is never idle here.

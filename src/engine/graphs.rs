@@ -7,9 +7,10 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUstream};
 use cudarc::driver::{result, CudaContext, CudaStream};
 
-use super::{watchdog, EngineGuard, Rank};
+use super::{EngineGuard, Rank};
 use crate::driver::make_current;
 use crate::error::{Error, Result};
+use crate::nccl::watchdog;
 
 impl EngineGuard<'_> {
     /// Starts capturing every rank's stream into a graph (relaxed mode: the P2P launch threads

@@ -5,10 +5,33 @@
 //!
 //! The engine works on raw device addresses ([`Item`]); turning typed buffers into addresses
 //! and ordering them with the streams they live on is `clique::access`'s job.
+//!
+//! # The sequence of a call
+//!
+//! Every broadcast, eager or captured, single or fused, takes the same steps, the first four
+//! before anything is queued (so a refused call changes nothing):
+//!
+//! 1. **check**: the buffers against the ranks (`clique::args`: count, device, context, type,
+//!    length, root); across processes, the call's card is posted to the call log
+//!    (`clique::calls`) and compared with the peers';
+//! 2. **route**: each tensor's path from the call's options over the settings
+//!    (`config::choose`: `Auto`'s thresholds, what can run here);
+//! 3. **plan**: the tensors grouped into launch steps ([`crate::plan`]: one P2P launch per
+//!    list, one NCCL group, the copy-engine chain);
+//! 4. **lock**: [`Engine::lock`] (bounded: `Error::Busy`), then the plan made again if the P2P
+//!    path closed meanwhile;
+//! 5. **order**: the buffers' pending work before the call (`clique::access::ordered`: cudarc's
+//!    read and write guards, and the foreign streams' events);
+//! 6. **run**: [`EngineGuard::run`] queues each step on the ranks' streams, or the capture
+//!    streams: the P2P kernel (`p2p`), an NCCL group handed to its watchdog (`nccl`,
+//!    `nccl::watchdog`), the copy-engine chain with the root's own copy forked and joined
+//!    (`copy::State::broadcast`);
+//!    a failed step inside a capture fails the whole capture;
+//! 7. **record**: the guards dropped after the work is queued, so that the buffers' later work
+//!    and frees, on any stream, come after the call, when it fails or panics halfway too.
 
 mod graphs;
 pub(crate) mod streams;
-mod watchdog;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -20,12 +43,12 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 
 use crate::config::{Settings, MAX_GPUS};
 use crate::copy;
-use crate::driver::make_current;
 use crate::error::{Error, Result};
-use crate::nccl::{self, Comms, Nccl, RankOp};
+use crate::nccl::{self, watchdog, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
 pub(crate) use crate::plan::Item;
 use crate::plan::Step;
+use crate::ranks::{local_of, JobRank};
 use graphs::Ended;
 pub(crate) use graphs::GraphExec;
 use streams::EngineStream;
@@ -33,7 +56,7 @@ use streams::EngineStream;
 /// One rank this process drives.
 pub(crate) struct Rank {
     /// Its rank in the job (its index in a clique).
-    pub global: usize,
+    pub global: JobRank,
     /// The device's primary context.
     pub ctx: Arc<CudaContext>,
     /// The stream every broadcast of this rank runs on.
@@ -56,7 +79,7 @@ pub(crate) struct Rank {
 impl Rank {
     /// Job rank `global` on `ctx` with `stream` (the caller's) or a new stream.
     pub(crate) fn new(
-        global: usize,
+        global: JobRank,
         ctx: Arc<CudaContext>,
         stream: Option<Arc<CudaStream>>,
     ) -> Result<Rank> {
@@ -576,7 +599,12 @@ impl EngineGuard<'_> {
     /// Every address of `items` is valid for its `count` elements of `dtype` on its rank's
     /// device (the root's `src` readable by every peer), and stays valid until the streams pass
     /// this point; `steps` name tensors of `items` only.
-    pub(crate) unsafe fn run(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+    pub(crate) unsafe fn run(
+        &mut self,
+        root: JobRank,
+        items: &[Item],
+        steps: &[Step],
+    ) -> Result<()> {
         self.capture_failed()?;
         // SAFETY: per this function's contract.
         let ran = unsafe { self.run_steps(root, items, steps) };
@@ -595,7 +623,7 @@ impl EngineGuard<'_> {
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn run_steps(&mut self, root: usize, items: &[Item], steps: &[Step]) -> Result<()> {
+    unsafe fn run_steps(&mut self, root: JobRank, items: &[Item], steps: &[Step]) -> Result<()> {
         let n = self.n();
         let call = self.next_call();
         self.room_for(call)?;
@@ -612,7 +640,7 @@ impl EngineGuard<'_> {
                         unsafe {
                             e.p2p()?.launch(
                                 *protocol,
-                                root,
+                                root.0,
                                 it.src,
                                 it.bytes(),
                                 &it.dsts[..n],
@@ -636,7 +664,7 @@ impl EngineGuard<'_> {
                         .collect();
                     let r = self.spinning(|e, streams| {
                         // SAFETY: as for `P2pOne`.
-                        unsafe { e.p2p()?.launch_list(root, &copies, streams) }
+                        unsafe { e.p2p()?.launch_list(root.0, &copies, streams) }
                     });
                     self.note_p2p(r)?;
                     self.cut_capture()?;
@@ -678,7 +706,7 @@ impl EngineGuard<'_> {
                         .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
                     // SAFETY: per this function's contract.
                     let queued = unsafe {
-                        comms.broadcast_group(root, entries, self.engine.settings.timeouts.wait)
+                        comms.broadcast_group(root.0, entries, self.engine.settings.timeouts.wait)
                     };
                     if let Err(e) = queued {
                         // The calls queued before it lose their kernels to the abort too.
@@ -695,7 +723,7 @@ impl EngineGuard<'_> {
                         let what = watchdog::Watched::Broadcast {
                             tensors: tensors.len(),
                             bytes: tensors.iter().map(|&t| items[t].bytes()).sum(),
-                            root,
+                            root: root.0,
                         };
                         self.watch_nccl(w, begun, &own, call, what, id)?;
                     }
@@ -710,20 +738,21 @@ impl EngineGuard<'_> {
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn copy_engine(&mut self, root: usize, items: &[Item], tensors: &[usize]) -> Result<()> {
+    unsafe fn copy_engine(
+        &mut self,
+        root: JobRank,
+        items: &[Item],
+        tensors: &[usize],
+    ) -> Result<()> {
         let capturing = self.capturing();
         // Routes are chosen with this in mind (`Core`); a last line where they were not.
         if capturing {
             self.engine.copy_engine_in_graph()?;
         }
         let engine = self.engine;
-        let root = engine
-            .ranks
-            .iter()
-            .position(|r| r.global == root)
-            .ok_or_else(|| {
-                Error::CopyEngineUnavailable("the root is not a rank of this process".into())
-            })?;
+        let root = local_of(engine.ranks.iter().map(|r| r.global), root).ok_or_else(|| {
+            Error::CopyEngineUnavailable("the root is not a rank of this process".into())
+        })?;
         let call = copy::Call::plan(root, self.n(), items, tensors, capturing);
         self.state.ce.captured |= capturing;
         let lanes: Vec<copy::Lane<'_>> = engine
@@ -733,42 +762,27 @@ impl EngineGuard<'_> {
             .map(|(r, rank)| copy::Lane {
                 ctx: &rank.ctx,
                 stream: self.work_stream(r),
-                global: rank.global,
+                global: rank.global.0,
             })
             .collect();
-        let local: Vec<&Item> = tensors
-            .iter()
-            .map(|&t| &items[t])
-            .filter(|it| it.dsts[root] != it.src)
-            .collect();
-        if local.is_empty() {
-            // SAFETY: the lanes are the engine's ranks in order, their streams the ranks' own
-            // (or their capture streams); the buffers per this function's contract; and a
-            // copy-engine step is planned only where every pair has peer access
-            // (`copy::support`), so every buffer is reachable from every device.
-            return unsafe { self.state.ce.queue(&lanes, root, items, &call) };
+        let beside = copy::Beside {
+            ctx: &engine.ranks[root].ctx,
+            main: self.work_stream(root),
+            aux: self.aux_stream(root),
+            fork: self.state.aux_events[root].0.cu_event(),
+            join: self.state.aux_events[root].1.cu_event(),
+            global: engine.ranks[root].global.0,
+        };
+        // SAFETY: the lanes are the engine's ranks in order, their streams the ranks' own (or
+        // their capture streams); `beside` the root's streams and events, used only under the
+        // lock; the buffers per this function's contract; and a copy-engine step is planned
+        // only where every pair has peer access (`copy::support`), so every buffer is
+        // reachable from every device.
+        unsafe {
+            self.state
+                .ce
+                .broadcast(&lanes, root, items, tensors, &call, &beside)
         }
-        // The root's own copies on its second stream, between a fork after everything before
-        // the call on its stream and a join before anything after it.
-        let aux = self.fork_aux(root)?;
-        let mut queued = Ok(());
-        for it in local {
-            // SAFETY: per this function's contract: the root's input and output hold the
-            // tensor, and `aux`, a stream of the root's context, runs after the root's stream
-            // reached the call (fork).
-            queued = unsafe { copy::copy_on(&lanes[root], aux, it.dsts[root], it.src, it.bytes()) };
-            if queued.is_err() {
-                break;
-            }
-        }
-        if queued.is_ok() {
-            // SAFETY: as for the queueing without local copies above.
-            queued = unsafe { self.state.ce.queue(&lanes, root, items, &call) };
-        }
-        // Joined whatever failed above, so the root's stream never moves past work still
-        // queued on the side.
-        let joined = self.join_aux(root);
-        queued.and(joined)
     }
 
     /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
@@ -984,15 +998,9 @@ impl EngineGuard<'_> {
         earlier: CUstream,
         later: CUstream,
     ) -> std::result::Result<(), result::DriverError> {
-        // Not `bind_to_thread`: an error cudarc stored from unrelated work must not stop this
-        // ordering (a buffer's stream would then move on before the call's work on the buffer).
-        make_current(&self.engine.ranks[rank].ctx)?;
-        // SAFETY: `event` and both streams per this function's contract; both calls only
-        // enqueue, and the event is reused only under the engine's lock (`&self` of a guard).
-        unsafe {
-            result::event::record(event, earlier)?;
-            result::stream::wait_event(later, event, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-        }
+        // SAFETY: `event` and both streams per this function's contract; the event is reused
+        // only under the engine's lock (`&self` of a guard).
+        unsafe { crate::driver::stream::order(&self.engine.ranks[rank].ctx, event, earlier, later) }
     }
 
     /// Blocks until every stream has finished, then reports a P2P timeout (after resetting the

@@ -1,6 +1,7 @@
 //! The NCCL path: communicators, grouped broadcasts, and abort.
 
 mod lib;
+pub(crate) mod watchdog;
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};

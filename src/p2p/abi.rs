@@ -182,42 +182,42 @@ pub(crate) mod layout {
     use super::{MAX_BLOCKS, MAX_GPUS, PACKET_MAX_BLOCKS, PACKET_REGION_BYTES, PACKET_SLOTS};
     const B: usize = MAX_BLOCKS as usize;
     /// `[block]`: this GPU's packet-op counter (written by itself).
-    pub const PACKET_SEQ: usize = 0;
+    pub(crate) const PACKET_SEQ: usize = 0;
     /// `[block]`: this GPU's pull-op counter (written by itself).
-    pub const PULL_SEQ: usize = PACKET_SEQ + B;
+    pub(crate) const PULL_SEQ: usize = PACKET_SEQ + B;
     /// `[block][gpu]`: last packet op GPU `gpu` finished (written by `gpu`).
-    pub const PACKET_ACK: usize = PULL_SEQ + B;
+    pub(crate) const PACKET_ACK: usize = PULL_SEQ + B;
     /// `[block][root]`: pull op the root `root` has reached (written by `root`).
-    pub const ARRIVE: usize = PACKET_ACK + B * MAX_GPUS;
+    pub(crate) const ARRIVE: usize = PACKET_ACK + B * MAX_GPUS;
     /// `[block][peer]`: pull op `peer` finished reading (written by `peer`).
-    pub const DONE: usize = ARRIVE + B * MAX_GPUS;
+    pub(crate) const DONE: usize = ARRIVE + B * MAX_GPUS;
     /// `[block]`: pieces this GPU's block has passed along chains so far (written by itself).
-    pub const CHAIN_SEQ: usize = DONE + B * MAX_GPUS;
+    pub(crate) const CHAIN_SEQ: usize = DONE + B * MAX_GPUS;
     /// `[block][pred]`: pieces the predecessor `pred` has made readable (written by `pred`).
-    pub const CHAIN_READY: usize = CHAIN_SEQ + B;
+    pub(crate) const CHAIN_READY: usize = CHAIN_SEQ + B;
     /// `[block][succ]`: pieces the successor `succ` has finished reading (written by `succ`).
-    pub const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
+    pub(crate) const CHAIN_DONE: usize = CHAIN_READY + B * MAX_GPUS;
     /// Words of one block's lease: claim, release and op count, then one cancel per owner,
     /// then one expiry per owner, 64-bit each.
-    pub const LEASE_WORDS: usize = 2 * (3 + 2 * MAX_GPUS);
+    pub(crate) const LEASE_WORDS: usize = 2 * (3 + 2 * MAX_GPUS);
     /// `[block][LEASE_WORDS]`, 8-byte aligned: this GPU's lease on the root's buffer in a pull
     /// op: the op it claimed (before its first read) and released (after its last), its count
     /// of pull ops, per root the last op that root gave up waiting for (written by the root),
     /// and per root the last op that root stopped waiting for this reader's release on (written
     /// by the root, after [`super::lease_bound_ns`]). See the kernel's "Leases": an owner's
     /// kernel does not end while a reader that claimed its buffer reads it, within that bound.
-    pub const PULL_LEASE: usize = (CHAIN_DONE + B * MAX_GPUS).next_multiple_of(2);
+    pub(crate) const PULL_LEASE: usize = (CHAIN_DONE + B * MAX_GPUS).next_multiple_of(2);
     /// `[block][LEASE_WORDS]`: the same lease on the predecessor's buffer in a chain op.
-    pub const CHAIN_LEASE: usize = PULL_LEASE + LEASE_WORDS * B;
+    pub(crate) const CHAIN_LEASE: usize = PULL_LEASE + LEASE_WORDS * B;
     /// Words of flags.
-    pub const SIGNAL_WORDS: usize = CHAIN_LEASE + LEASE_WORDS * B;
+    pub(crate) const SIGNAL_WORDS: usize = CHAIN_LEASE + LEASE_WORDS * B;
     /// Byte offset of the packet inbox, after the flags.
-    pub const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
+    pub(crate) const INBOX_OFFSET: usize = (SIGNAL_WORDS * 4).next_multiple_of(4096);
     /// Bytes of inbox: a ring of slots per block, each twice a block's data region.
-    pub const INBOX_BYTES: usize =
+    pub(crate) const INBOX_BYTES: usize =
         PACKET_MAX_BLOCKS as usize * PACKET_SLOTS as usize * PACKET_REGION_BYTES as usize * 2;
     /// Bytes to allocate per GPU.
-    pub const TOTAL_BYTES: usize = INBOX_OFFSET + INBOX_BYTES;
+    pub(crate) const TOTAL_BYTES: usize = INBOX_OFFSET + INBOX_BYTES;
 }
 
 /// The `#define`s the kernel source needs, from the constants above.

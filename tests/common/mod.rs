@@ -3,6 +3,7 @@
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
 use gpucast::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use gpucast::prelude::*;
 use gpucast::{Clique, Element};
 use rand::{Rng, RngCore, SeedableRng};
 use std::sync::Arc;
@@ -150,7 +151,7 @@ pub fn nccl_to_test(clique: &Clique) -> bool {
     let input = clique.stream(0).clone_htod(&[7u8; 64]).expect("upload");
     let mut outputs = clique.alloc_outputs::<u8>(64).expect("outputs");
     let forced = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::Nccl);
-    match clique.broadcast_with(0, &input, &mut outputs, &forced) {
+    match clique.with(&forced).broadcast(0, &input, &mut outputs) {
         Err(gpucast::Error::NcclUnavailable(why)) => {
             eprintln!("NCCL not tested on devices {:?}: {why}", clique.ordinals());
         }
@@ -236,7 +237,8 @@ pub fn p2p_with_a_rank_held_back<T: Element>(
     stall(clique, late, ms);
     let p2p = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
     clique
-        .broadcast_with(0, input, outputs, &p2p)
+        .with(&p2p)
+        .broadcast(0, input, outputs)
         .expect("queueing a P2P broadcast");
 }
 
@@ -324,7 +326,8 @@ pub fn check_in_place_with<T: Element>(
         })
         .collect();
     clique
-        .broadcast_in_place_with(root, &mut bufs, options)
+        .with(options)
+        .broadcast_in_place(root, &mut bufs)
         .unwrap_or_else(|e| panic!("in place n={n} root={root} {options:?}: {e}"));
     clique.synchronize().unwrap();
     for (rank, b) in bufs.iter().enumerate() {
@@ -366,7 +369,8 @@ pub fn broadcast_from_threads(clique: &Clique, seed: u64, calls: usize) {
                         let mut outputs = clique.alloc_outputs::<u8>(n).unwrap();
                         let opts = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
                         clique
-                            .broadcast_with(root, &input, &mut outputs, &opts)
+                            .with(&opts)
+                            .broadcast(root, &input, &mut outputs)
                             .unwrap_or_else(|e| {
                                 panic!("run {run} thread {thread} call {call} ({n} B): {e}")
                             });
@@ -399,7 +403,8 @@ fn fused_from_thread(clique: &Clique, rng: &mut impl RngCore, what: &str) {
         let (ins, mut outs) = as_tensors(&inputs, &mut lists);
         let opts = gpucast::BroadcastOptions::path(gpucast::BroadcastPath::P2p);
         clique
-            .broadcast_many_with(root, &ins, &mut outs, &opts)
+            .with(&opts)
+            .broadcast_many(root, &ins, &mut outs)
             .unwrap_or_else(|e| panic!("{what}, fused: {e}"));
     }
     drop(inputs);

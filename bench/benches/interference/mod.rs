@@ -26,6 +26,7 @@
 //! The wall clock of "both" runs from the first call that queues work until every stream of
 //! every GPU has finished. The report gives the medians over `--interference-repeats`.
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -191,7 +192,7 @@ fn slowest_ms(start: &[CudaEvent], end: &[CudaEvent]) -> Result<f64> {
 
 /// How a path broadcasts.
 enum How {
-    /// `Clique::broadcast_with` with these options.
+    /// `clique.with(&options).broadcast` with these options.
     Options(BroadcastOptions),
     /// `Clique::copy_engine_raw`: the copy engines without gpucast's ordering.
     CopyEngineRaw,
@@ -234,7 +235,9 @@ impl Broadcasts {
     fn once(&mut self, clique: &Clique, how: &How) -> Result<()> {
         match how {
             How::Options(opts) => {
-                clique.broadcast_in_place_with(self.root, &mut self.outputs, opts)?;
+                clique
+                    .with(opts)
+                    .broadcast_in_place(self.root, &mut self.outputs)?;
             }
             How::CopyEngineRaw => {
                 let dsts: Vec<u64> = self

@@ -59,6 +59,7 @@
 pub mod job;
 pub mod nccl;
 
+use gpucast::prelude::*;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -150,7 +151,7 @@ pub fn launch(args: &Args, n: usize) -> Result<()> {
 /// A captured sequence of ops: gpucast's graph (its paths and the launch floor) or one from
 /// the stream's own capture (`raw-nccl`).
 enum Graph<'c> {
-    Gpucast(gpucast::CliqueGraph<'c, 'static>),
+    Gpucast(gpucast::CliqueGraph<'c>),
     Raw(CudaGraph),
 }
 
@@ -226,7 +227,8 @@ impl<'c> Bench<'c> {
                 let opts = options_for(p)?;
                 let mut slice = self.pool.slice_mut(off..off + bytes);
                 self.comm
-                    .broadcast_in_place_with(self.root, &mut slice, &opts)?;
+                    .with(&opts)
+                    .broadcast_in_place(self.root, &mut slice)?;
                 Ok(())
             }
         }
@@ -282,7 +284,7 @@ impl<'c> Bench<'c> {
                         let opts = options_for(path).map_err(in_capture)?;
                         let off = (i % sets) * bytes;
                         let mut slice = pool.slice_mut(off..off + bytes);
-                        c.broadcast_in_place_with(root, std::slice::from_mut(&mut slice), &opts)?;
+                        c.with(&opts).broadcast_in_place(root, &mut slice)?;
                     }
                 }
                 Ok(())
@@ -371,7 +373,7 @@ impl<'c> Bench<'c> {
             "raw-nccl" | "launch-floor" => "-".to_string(),
             p => self.comm.route(bytes, &options_for(p)?)?.name().to_string(),
         };
-        if path == "p2p-packet" && bytes > gpucast::PACKET_MAX_BYTES {
+        if path == "p2p-packet" && bytes > gpucast::testing::PACKET_MAX_BYTES {
             return Ok(None);
         }
         match mode {

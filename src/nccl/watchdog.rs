@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaEvent, CudaStream};
 
+use super::Nccl;
 use crate::error::{Error, Result};
-use crate::nccl::Nccl;
 use crate::wait::millis;
 
 /// How often the thread looks at queued work: the detection delay beyond the timeout.

@@ -1,0 +1,32 @@
+//! A rank of the job and the index of one of this process's ranks are different things: a
+//! clique's ranks are the job's, but a communicator drives one rank of many. Job ranks travel
+//! as [`JobRank`]; local indices stay plain indices into the per-rank tables; [`local_of`] is
+//! the one place that turns the first into the second.
+
+/// A rank of the job (what callers pass as `root`, what peers and errors name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct JobRank(pub(crate) usize);
+
+impl std::fmt::Display for JobRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// The local index of job rank `rank` among this process's ranks (`held`, in local order),
+/// if this process holds it.
+pub(crate) fn local_of(held: impl IntoIterator<Item = JobRank>, rank: JobRank) -> Option<usize> {
+    held.into_iter().position(|g| g == rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_rank_is_found_among_the_ranks_held_here() {
+        let held = [JobRank(2), JobRank(5)];
+        assert_eq!(local_of(held, JobRank(5)), Some(1));
+        assert_eq!(local_of(held, JobRank(0)), None);
+    }
+}
