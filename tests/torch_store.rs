@@ -92,7 +92,20 @@ impl TorchStore {
 
     /// Runs one command of `STORE_PY` and returns its answer.
     fn ask(&mut self, cmd: &str) -> String {
+        self.send(cmd);
+        self.answer()
+    }
+
+    /// Hands `STORE_PY` one command without waiting for its answer: a `wait` sent before the
+    /// ranks start is waiting in the store's owner before any rank can set, then delete, the
+    /// key (a recorder that starts late can miss a round's keys on a loaded machine).
+    fn send(&mut self, cmd: &str) {
         writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The answer to the oldest command sent and not answered yet.
+    fn answer(&mut self) -> String {
         let mut line = String::new();
         self.stdout.read_line(&mut line).unwrap();
         line.trim().to_owned()
@@ -236,6 +249,8 @@ fn forged_and_replayed_values_are_refused() {
     // A first launch; the store's owner records rank 1's hello and first contribution.
     let mut first = TorchStore::start(&py);
     let port = first.port;
+    first.send("wait gpucast/1/hello/1");
+    first.send("wait gpucast/1/0/1");
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let token = token.clone();
@@ -251,8 +266,8 @@ fn forged_and_replayed_values_are_refused() {
             })
         })
         .collect();
-    let hello = decode_hex(&first.ask("wait gpucast/1/hello/1")).unwrap();
-    let round0 = decode_hex(&first.ask("wait gpucast/1/0/1")).unwrap();
+    let hello = decode_hex(&first.answer()).expect("rank 1's hello, recorded");
+    let round0 = decode_hex(&first.answer()).expect("rank 1's round 0, recorded");
     for r in ranks {
         r.join().unwrap().unwrap();
     }
@@ -288,6 +303,9 @@ fn record_launch_where_rank_1_aborts(
 ) -> Vec<Vec<u8>> {
     let mut store = TorchStore::start(py);
     let port = store.port;
+    for k in keys {
+        store.send(&format!("wait {k}"));
+    }
     let ranks: Vec<_> = (0..world)
         .map(|rank| {
             let token = token.to_owned();
@@ -304,7 +322,10 @@ fn record_launch_where_rank_1_aborts(
         .collect();
     let values = keys
         .iter()
-        .map(|k| decode_hex(&store.ask(&format!("wait {k}"))).unwrap())
+        .map(|k| {
+            let hex = store.answer();
+            decode_hex(&hex).unwrap_or_else(|| panic!("wait {k}: {hex}"))
+        })
         .collect();
     for r in ranks {
         r.join().unwrap();
