@@ -944,7 +944,10 @@ impl EngineGuard<'_> {
         let Some(w) = self.engine.watchdog.as_ref().filter(|_| !self.capturing()) else {
             return Ok(());
         };
-        w.room(call, self.engine.settings.timeouts.drain())?;
+        // Without a wait, the fault was looked for when the lock was taken, just before.
+        if !w.room(call, self.engine.settings.timeouts.drain())? {
+            return Ok(());
+        }
         match self.engine.fault() {
             Some(fault) => Err(fault),
             None => Ok(()),

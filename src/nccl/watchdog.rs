@@ -233,7 +233,9 @@ impl Watchdog {
     /// the call queued: the watchdog aborts a call that waits longer than the timeout for its
     /// peers, so with `limit` above the timeout this means the streams do not move for another
     /// reason, such as the caller's own work queued on them).
-    pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<()> {
+    ///
+    /// Returns whether it had to wait (the caller then looks for a fault decided meanwhile).
+    pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<bool> {
         // Read the clock only once a wait begins: not on the hot path.
         let mut start: Option<Instant> = None;
         let mut backoff = crate::wait::Backoff::new();
@@ -246,11 +248,11 @@ impl Watchdog {
                         .is_some_and(|p| call.saturating_sub(p.call) >= MAX_BEHIND)
                 };
                 if !full(&queue.pending) {
-                    return Ok(());
+                    return Ok(start.is_some());
                 }
                 pop_finished(&mut queue.pending, &mut queue.spare, passed);
                 if !full(&queue.pending) {
-                    return Ok(());
+                    return Ok(true);
                 }
             }
             let waited = start.get_or_insert_with(Instant::now).elapsed();
