@@ -2,7 +2,7 @@
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
 #                        [interference] [weights] [weights-procs] [one-gpu] [python]
-#                        [python-bench] [threads-channels] [budget]
+#                        [python-bench] [threads-channels] [budget] [abab]
 #                        (default: tests examples)
 # one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
 # 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
@@ -108,6 +108,22 @@ if want one-gpu; then
   done
   run timer .gpu/bin/test-timer-test --include-ignored --nocapture
   run timer-polled-expected-to-fail env GPUCAST_TEST_TIMER=polled .gpu/bin/test-timer-test --include-ignored --nocapture
+fi
+if want abab; then
+  # The bench of BASE (ci/gpu-stage.sh with BASE=<commit>) and of this commit, interleaved
+  # (base, new, new, base): per-call costs of the NCCL path of a 1-GPU clique and of P2P with
+  # two ranks on GPU 0, eager, 1 KiB and 64 KiB. Each table says which binary wrote it.
+  for step in base-1 new-1 new-2 base-2; do
+    b=${step%-*}; bin=.gpu/bin/$([ "$b" = base ] && echo base-bench || echo bench-broadcast)
+    run "abab-nccl-$step" "$bin" --bench --gpus 1 -b 1K -e 64K -f 64 --paths nccl,nccl-raw,launch-floor \
+      --modes eager --torch no --out "$out/abab-nccl-$step"
+    run "abab-p2p-$step" "$bin" --bench --shared -b 1K -e 64K -f 64 --paths p2p,launch-floor \
+      --modes eager --torch no --out "$out/abab-p2p-$step"
+  done
+  for d in "$out"/abab-*; do
+    { echo "# binary: $(basename "$d" | sed 's/abab-[a-z0-9]*-//'), base $(cat .gpu/BASE 2>/dev/null), new $(cat .gpu/COMMIT)"; cat "$d/table.txt"; } \
+      >"$res/$(basename "$d")-table.txt" 2>/dev/null
+  done
 fi
 if want budget; then
   for i in $(seq "${RUNS:-4}"); do

@@ -57,6 +57,28 @@ python3 -m pip install --quiet --disable-pip-version-check --target .gpu/pylib p
 find .gpu/py -name __pycache__ -prune -exec rm -rf {} +
 strip .gpu/bin/* .gpu/py/gpucast/_native.abi3.so 2>/dev/null || true
 cp ci/gpu-run.sh bench/benches/torch_broadcast.py .gpu/
+# BASE=<commit>: also the benchmark of that commit, as .gpu/bin/base-bench, for `gpu-run.sh
+# abab` (before and after, interleaved on one machine). Built from a worktree of its own
+# into this target folder (its dependencies are shared; its own crates build apart, as their
+# sources live elsewhere).
+if [ -n "${BASE:-}" ]; then
+  base_dir=$(mktemp -d /tmp/gpucast-base.XXXX)
+  git worktree add --detach "$base_dir" "$BASE" >/dev/null
+  root=$PWD
+  exe=$(cd "$base_dir" && CARGO_TARGET_DIR="$root/target" cargo bench --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+exes = []
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"][0] == "bench":
+        exes.append(m["executable"])
+print(exes[0] if exes else "")')
+  [ -n "$exe" ] || { echo "no benchmark built at $BASE" >&2; exit 1; }
+  cp "$exe" .gpu/bin/base-bench && strip .gpu/bin/base-bench
+  git rev-parse --short "$BASE" >.gpu/BASE
+  git worktree remove --force "$base_dir"
+fi
 # The commit the binaries were built from (the GPU machine's copy of .git may be stale).
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!results' || echo -dirty)" >.gpu/COMMIT
 du -sh .gpu
