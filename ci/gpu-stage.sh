@@ -25,6 +25,10 @@ for line in open(sys.argv[1]):
         continue
     kind = m["target"]["kind"][0]
     name = m["target"]["name"]
+    # Tests that need no GPU (CI runs them): left out, to keep the staging under the 64 MiB a
+    # device call carries.
+    if name in ("hostile_store", "no_gpu", "bench_report", "gpucast_rendezvous"):
+        continue
     if kind == "bench":
         dest = f".gpu/bin/bench-{name}"
     elif m["profile"]["test"] and kind in ("test", "lib"):
