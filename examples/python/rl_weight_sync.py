@@ -98,17 +98,11 @@ def packed_1gib(tensors, broadcast, device):
     then unpacked (a tensor over 1 GiB goes alone)."""
     import torch
 
+    import gpucast.weights
+
     buf = None
-    i = 0
-    while i < len(tensors):
-        group, size = [], 0
-        while i < len(tensors):
-            n = tensors[i].numel() * tensors[i].element_size()
-            if group and size + n > GiB:
-                break
-            group.append(tensors[i])
-            size += n
-            i += 1
+    for group in gpucast.weights.buckets(tensors, GiB):
+        size = sum(t.numel() * t.element_size() for t in group)
         if buf is None or buf.numel() < size:
             buf = torch.empty(max(size, GiB if len(tensors) > 1 else size), dtype=torch.uint8,
                               device=device)

@@ -61,22 +61,6 @@ def safetensors_layout(path):
                 for k in f.keys()]
 
 
-def buckets(tensors, bucket_bytes):
-    """Consecutive tensors grouped into buckets of at most `bucket_bytes` (a larger tensor
-    is a bucket of its own)."""
-    out, cur, size = [], [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if cur and size + nbytes > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(t)
-        size += nbytes
-    if cur:
-        out.append(cur)
-    return out
-
-
 def timed(fn, iters):
     """Seconds per call of `fn`, by CUDA events on the current stream, after one warm-up."""
     fn()
@@ -127,7 +111,7 @@ def main():
             weights = {k: torch.empty(s, dtype=d, device=dev) for k, s, d in layout}
     tensors = [weights[k] for k, _, _ in layout]
     total = sum(t.numel() * t.element_size() for t in tensors)
-    groups = buckets(tensors, parse_bytes(args.bucket))
+    groups = gpucast.weights.buckets(tensors, parse_bytes(args.bucket))
 
     def gpucast_sync():
         for group in groups:

@@ -121,11 +121,15 @@ def broadcast_state_dict(comm, state_dict, src=0, *, max_bytes=None, check=True)
     if check:
         check_layout(comm, items, src)
     tensors = [t for _, t in items]
-    for group in _groups(tensors, max_bytes):
+    for group in buckets(tensors, max_bytes):
         comm.broadcast_many(group, src)
 
 
-def _groups(tensors, max_bytes):
+def buckets(tensors, max_bytes):
+    """Consecutive ``tensors`` grouped into lists of at most ``max_bytes`` bytes each (a
+    larger tensor is a list of its own); ``None`` or 0: one list of them all (none when
+    ``tensors`` is empty). What :func:`broadcast_state_dict` sends per fused call, and the
+    buckets a packed broadcast fills."""
     if not max_bytes:
         return [tensors] if tensors else []
     out, cur, size = [], [], 0
