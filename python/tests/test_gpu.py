@@ -8,7 +8,6 @@ run here)."""
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import gpucast  # noqa: E402
+from procs import SAFE_ENV, collect, free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPUS = torch.cuda.device_count()
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(SAFE_ENV)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -246,12 +244,6 @@ def test_several_threads_share_a_clique():
     assert not errors, errors[:4]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(case, world, extra=None, timeout=240):
     port = free_port()
     token = secrets.token_hex(16)
@@ -264,16 +256,7 @@ def run_ranks(case, world, extra=None, timeout=240):
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "rank_main.py")],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out, err))
-    return outs
+    return collect(procs, timeout)
 
 
 @pytest.mark.parametrize("case", ["broadcast", "many"])

@@ -3,7 +3,6 @@ one GPU: every process on GPU 0 (gpucast's shared-device mode), launched separat
 subprocesses, none of torchrun's variables). Skipped without torch or a GPU."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import gpucast  # noqa: E402
+from procs import SAFE_ENV, collect, free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
 TORCHRUN_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "GPUCAST_JOB_TOKEN"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_group(case, world, timeout=240, timeout_s="10"):
@@ -39,15 +31,7 @@ def run_group(case, world, timeout=240, timeout_s="10"):
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "group_main.py")],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out, err))
+    outs = collect(procs, timeout)
     for rank, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"rank {rank}:\n{err[-4000:]}"
         assert out.startswith(f"ok {case} rank {rank}"), out
