@@ -162,7 +162,7 @@ fn stalled_ranks_are_detected_and_recovered_from() {
             clique.recover().unwrap();
             all_paths_work(&clique, &mut rng);
         }
-        // A graph replay with rank 1 held back.
+        // A graph replay with the root held back (rank 1's part runs and waits for it).
         let n = 50_000;
         let input: CudaSlice<u8> = clique.stream(0).alloc_zeros(n).unwrap();
         let outputs = clique.alloc_outputs::<u8>(n).unwrap();

@@ -333,14 +333,25 @@ impl<B: GraphBuffers> CliqueGraph<'_, B> {
         let mut buffers: Vec<(usize, &Arc<CudaStream>)> = Vec::new();
         let mut owned = Vec::with_capacity(tensors.len());
         for (t, s) in tensors.iter().zip(&streams) {
-            let ranks = ranks_at(core, access::place_of(s));
-            let Some(&first) = ranks.first() else {
+            let Some(&first) = ranks_at(core, access::place_of(s)).first() else {
                 return Err(Error::InvalidArgument(
                     "a buffer of the graph is on no device (or context) of the clique".into(),
                 ));
             };
-            owned.push(span_of(core, first, &**t));
-            buffers.extend(ranks.into_iter().map(|r| (r, s)));
+            let span = span_of(core, first, &**t);
+            // Ordered with the ranks whose captured calls use it, as an eager call orders a
+            // buffer with its own rank only (where ranks share a device, the others' streams
+            // never wait for this buffer's stream); a buffer no call uses, with the first
+            // rank of its device.
+            let users = users_of(&span, &self.used);
+            buffers.extend(
+                users
+                    .iter()
+                    .copied()
+                    .chain((users.is_empty()).then_some(first))
+                    .map(|r| (r, s)),
+            );
+            owned.push(span);
         }
         // Checked before anything is queued on the clique's or the buffers' streams; the
         // buffers stay borrowed from here to the launch, so they are the ones checked. (The
@@ -510,12 +521,14 @@ impl<A: GraphBuffers, B: GraphBuffers, C: GraphBuffers> GraphBuffers for (A, B, 
     }
 }
 
-/// A range of device memory: its context (as an opaque id), first address and length.
+/// A range of device memory: its context (as an opaque id), first address and length, and the
+/// local rank it was read for (a captured call's rank that uses it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Span {
     pub ctx: usize,
     pub start: u64,
     pub len: usize,
+    pub rank: usize,
 }
 
 impl Span {
@@ -524,6 +537,18 @@ impl Span {
         let end = |s: &Span| u128::from(s.start) + s.len as u128;
         self.ctx == inner.ctx && inner.start >= self.start && end(inner) <= end(self)
     }
+}
+
+/// The local ranks (ascending, each once) of the ranges of `used` that `buffer` holds.
+fn users_of(buffer: &Span, used: &[Span]) -> Vec<usize> {
+    let mut ranks: Vec<usize> = used
+        .iter()
+        .filter(|u| buffer.holds(u))
+        .map(|u| u.rank)
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
 }
 
 /// The first of `used` that no range of `owned` holds, if any.
@@ -548,6 +573,7 @@ fn span_of(core: &Core, local: usize, t: &dyn DeviceTensor) -> Span {
         ctx: t.stream().context().cu_ctx() as usize,
         start,
         len: t.num_bytes(),
+        rank: local,
     }
 }
 
@@ -571,7 +597,37 @@ mod tests {
     use super::*;
 
     fn span(ctx: usize, start: u64, len: usize) -> Span {
-        Span { ctx, start, len }
+        Span {
+            ctx,
+            start,
+            len,
+            rank: 0,
+        }
+    }
+
+    #[test]
+    fn a_buffer_is_ordered_with_the_ranks_whose_calls_use_it() {
+        let at = |rank, start, len| Span {
+            rank,
+            ..span(1, start, len)
+        };
+        let buffer = span(1, 0x1000, 256);
+        // Two ranks of one device: the root's input read by rank 0 only, twice.
+        let used = [at(0, 0x1000, 64), at(1, 0x8000, 64), at(0, 0x1040, 64)];
+        assert_eq!(users_of(&buffer, &used), vec![0]);
+        // A buffer that holds ranges of ranks 2 and 1.
+        let used = [at(2, 0x1000, 8), at(1, 0x1010, 8), at(2, 0x1020, 8)];
+        assert_eq!(users_of(&buffer, &used), vec![1, 2]);
+        // Another context's range at the same address, and no range: no user.
+        assert!(users_of(
+            &buffer,
+            &[Span {
+                ctx: 2,
+                ..at(3, 0x1000, 8)
+            }]
+        )
+        .is_empty());
+        assert!(users_of(&buffer, &[]).is_empty());
     }
 
     #[test]
