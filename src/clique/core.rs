@@ -10,7 +10,7 @@ use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
 use crate::plan::{self, FusedReport, Step};
-use crate::ranks::{local_of, JobRank};
+use crate::ranks::{JobRank, Local, Root};
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 use super::RawBroadcast;
@@ -194,22 +194,22 @@ impl Core {
     ) -> Result<()> {
         let default = BroadcastOptions::default();
         let options = options.unwrap_or(&default);
+        let root = self.ranks().root(root);
         let infos: Vec<_> = outputs.iter().map(|o| access::info_of_dyn(&**o)).collect();
         let input_info = input.map(access::info_of_dyn);
         let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
             .and_then(|shape| Ok((self.route(shape.bytes, options)?, shape)));
         let (route, shape) = self.failed_call_posted(checked)?;
-        self.post_call(root, [(shape.bytes, shape.dtype, route)])?;
+        self.post_call(root.job, [(shape.bytes, shape.dtype, route)])?;
         let Some(step) = plan::single(0, route) else {
             return Ok(());
         };
-        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
         let step = self.replan_single(step, shape.bytes, options)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
         let buffers = || {
-            let input = root_local.and_then(|local| in_stream.as_ref().map(|s| (local, s)));
+            let input = (root.local).and_then(|Local(l)| in_stream.as_ref().map(|s| (l, s)));
             input.into_iter().chain(out_streams.iter().enumerate())
         };
         let n = self.len();
@@ -229,9 +229,9 @@ impl Core {
                 dsts[local] = ptr;
                 writes.push(w);
             }
-            let src = match (&read, root_local) {
+            let src = match (&read, root.local) {
                 (Some((ptr, _)), _) => *ptr,
-                (None, Some(local)) => dsts[local],
+                (None, Some(Local(local))) => dsts[local],
                 (None, None) => 0,
             };
             let item = access::item(src, &dsts[..n], count, dtype);
@@ -246,16 +246,11 @@ impl Core {
         // both source and destination, which every path handles.
         access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
-                JobRank(root),
+                root,
                 std::slice::from_ref(item),
                 std::slice::from_ref(&step),
             )
         })
-    }
-
-    /// The local rank that is job rank `rank` here, if this process holds it.
-    pub(crate) fn local_of(&self, rank: usize) -> Option<usize> {
-        local_of(self.globals.iter().copied(), JobRank(rank))
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -274,6 +269,7 @@ impl Core {
                 size: self.world,
             });
         }
+        let root = self.ranks().root(b.root);
         for (what, got) in [("destinations", b.dsts.len()), ("streams", b.streams.len())] {
             if got != n {
                 return Err(Error::OutputCount {
@@ -320,7 +316,7 @@ impl Core {
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
         foreign.around(&mut engine, |e| unsafe {
-            e.run(JobRank(b.root), &[item], std::slice::from_ref(&step))
+            e.run(root, &[item], std::slice::from_ref(&step))
         })
     }
 
@@ -335,6 +331,7 @@ impl Core {
     ) -> Result<FusedReport> {
         let default = BroadcastOptions::default();
         let options = options.unwrap_or(&default);
+        let root = self.ranks().root(root);
         let shapes = self.failed_call_posted(self.check_lists(root, inputs, outputs, false))?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         if self.calls.is_some() {
@@ -342,14 +339,13 @@ impl Core {
                 .iter()
                 .map(|s| Ok((s.bytes, s.dtype, self.route(s.bytes, options)?)))
                 .collect::<Result<Vec<_>>>();
-            self.post_call(root, self.failed_call_posted(routes)?)?;
+            self.post_call(root.job, self.failed_call_posted(routes)?)?;
         }
         let mut steps = self.plan(&bytes, options, false)?;
         let mut report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
             return Ok(report);
         }
-        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
         // As in `replan_single`: the P2P path may have closed while this call waited.
         if steps.iter().any(Step::is_p2p) && self.p2p_available().is_err() {
@@ -366,9 +362,9 @@ impl Core {
             .map(|l| l.iter().map(|t| t.stream().clone()).collect())
             .collect();
         let buffers = || {
-            let inputs = root_local
+            let inputs = (root.local)
                 .into_iter()
-                .flat_map(|local| in_streams.iter().map(move |s| (local, s)));
+                .flat_map(|Local(l)| in_streams.iter().map(move |s| (l, s)));
             let outputs = out_streams
                 .iter()
                 .enumerate()
@@ -404,9 +400,9 @@ impl Core {
             }
             let items: Vec<Item> = (0..count)
                 .map(|t| Item {
-                    src: match (inputs.is_some(), root_local) {
+                    src: match (inputs.is_some(), root.local) {
                         (true, _) => srcs[t],
-                        (false, Some(local)) => dsts[t][local],
+                        (false, Some(Local(local))) => dsts[t][local],
                         (false, None) => 0,
                     },
                     dsts: dsts[t],
@@ -420,7 +416,7 @@ impl Core {
         // which also runs when the work fails or panics halfway) keep every buffer alive and
         // ordered for the queued work.
         access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
-            e.run(JobRank(root), items, &steps)
+            e.run(root, items, &steps)
         })?;
         Ok(report)
     }
@@ -429,7 +425,7 @@ impl Core {
     /// (`single`: one tensor of a single-broadcast call, named as such in errors).
     pub(crate) fn check_lists(
         &self,
-        root: usize,
+        root: Root,
         inputs: Option<&[&dyn DeviceTensor]>,
         outputs: &[Vec<&mut (dyn DeviceTensorMut + '_)>],
         single: bool,
@@ -486,11 +482,11 @@ impl Core {
     /// anything is queued, when a peer's card of the same call differs.
     fn post_call(
         &self,
-        root: usize,
+        root: JobRank,
         tensors: impl IntoIterator<Item = (usize, crate::dtype::DType, Route)>,
     ) -> Result<()> {
         match &self.calls {
-            Some(log) => log.post(super::calls::Card::of(root, tensors)),
+            Some(log) => log.post(super::calls::Card::of(root.0, tensors)),
             None => Ok(()),
         }
     }
