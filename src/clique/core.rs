@@ -5,7 +5,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
-use crate::config::{Available, BroadcastOptions, BroadcastPath, Route, MAX_GPUS};
+use crate::config::{Available, BroadcastOptions, BroadcastPath, CallSettings, Route, MAX_GPUS};
 use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
@@ -122,25 +122,21 @@ impl Core {
         })
     }
 
-    pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        self.route_in(bytes, options, false)
+    /// What a call with `options` runs with, eager or queued inside a capture (`in_graph`: the
+    /// graph thresholds apply): resolved once per call, for every route it plans.
+    pub(crate) fn call_settings(&self, options: &BroadcastOptions, in_graph: bool) -> CallSettings {
+        self.engine.settings().for_call(options, in_graph)
     }
 
-    /// The route of one broadcast of `bytes` bytes, eager or queued inside a capture
-    /// (`in_graph`: the graph thresholds apply).
-    pub(crate) fn route_in(
-        &self,
-        bytes: usize,
-        options: &BroadcastOptions,
-        in_graph: bool,
-    ) -> Result<Route> {
-        self.with_available(in_graph, |available| {
-            crate::config::choose(
-                self.engine.settings().path_for(options),
-                bytes,
-                available,
-                &self.engine.settings().thresholds_for(options, in_graph),
-            )
+    /// The route of one eager broadcast of `bytes` bytes with `options`.
+    pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.route_of(bytes, &self.call_settings(options, false))
+    }
+
+    /// The route of one broadcast of `bytes` bytes of a call that runs with `call`.
+    pub(crate) fn route_of(&self, bytes: usize, call: &CallSettings) -> Result<Route> {
+        self.with_available(call.in_graph, |available| {
+            crate::config::choose(call.path, bytes, available, &call.thresholds)
         })
     }
 
@@ -148,33 +144,27 @@ impl Core {
     /// P2P path and that path closed meanwhile (another thread's call found it broken): `Auto`
     /// then takes another path, a call forced onto P2P gets the closed path's error, before
     /// anything is queued.
-    fn replan_single(&self, step: Step, bytes: usize, options: &BroadcastOptions) -> Result<Step> {
+    fn replan_single(&self, step: Step, bytes: usize, call: &CallSettings) -> Result<Step> {
         if step.is_p2p() && self.p2p_available().is_err() {
-            Ok(self.single_step(bytes, options)?.unwrap_or(step))
+            Ok(self.single_step(bytes, call)?.unwrap_or(step))
         } else {
             Ok(step)
         }
     }
 
     /// The launch step of a single broadcast, `None` for nothing to do.
-    fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
-        Ok(plan::single(0, self.route(bytes, options)?))
+    fn single_step(&self, bytes: usize, call: &CallSettings) -> Result<Option<Step>> {
+        Ok(plan::single(0, self.route_of(bytes, call)?))
     }
 
-    /// The launch plan of tensors of `bytes[i]` bytes with `options`, for an eager call or
-    /// one queued inside a capture (`in_graph`).
-    pub(crate) fn plan(
-        &self,
-        bytes: &[usize],
-        options: &BroadcastOptions,
-        in_graph: bool,
-    ) -> Result<Vec<Step>> {
-        self.with_available(in_graph, |available| {
+    /// The launch plan of tensors of `bytes[i]` bytes of a call that runs with `call`.
+    pub(crate) fn plan(&self, bytes: &[usize], call: &CallSettings) -> Result<Vec<Step>> {
+        self.with_available(call.in_graph, |available| {
             plan::plan(
                 bytes,
-                self.engine.settings().path_for(options),
+                call.path,
                 available,
-                &self.engine.settings().thresholds_for(options, in_graph),
+                &call.thresholds,
                 self.world,
                 self.one_process,
             )
@@ -192,20 +182,19 @@ impl Core {
         outputs: &mut [&mut dyn DeviceTensorMut],
         options: Option<&BroadcastOptions>,
     ) -> Result<()> {
-        let default = BroadcastOptions::default();
-        let options = options.unwrap_or(&default);
+        let call = self.call_settings(options.unwrap_or(&BroadcastOptions::default()), false);
         let root = self.ranks().root(root);
         let infos: Vec<_> = outputs.iter().map(|o| access::info_of_dyn(&**o)).collect();
         let input_info = input.map(access::info_of_dyn);
         let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
-            .and_then(|shape| Ok((self.route(shape.bytes, options)?, shape)));
+            .and_then(|shape| Ok((self.route_of(shape.bytes, &call)?, shape)));
         let (route, shape) = self.failed_call_posted(checked)?;
         self.post_call(root.job, [(shape.bytes, shape.dtype, route)])?;
         let Some(step) = plan::single(0, route) else {
             return Ok(());
         };
         let mut engine = self.engine.lock()?;
-        let step = self.replan_single(step, shape.bytes, options)?;
+        let step = self.replan_single(step, shape.bytes, &call)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
         let buffers = || {
@@ -301,11 +290,12 @@ impl Core {
                 });
             }
         }
-        let Some(step) = self.single_step(bytes, options)? else {
+        let call = self.call_settings(options, false);
+        let Some(step) = self.single_step(bytes, &call)? else {
             return Ok(());
         };
         let mut engine = self.engine.lock()?;
-        let step = self.replan_single(step, bytes, options)?;
+        let step = self.replan_single(step, bytes, &call)?;
         let mut foreign = Foreign::default();
         for (local, &s) in b.streams.iter().enumerate() {
             // SAFETY: the caller guarantees live streams until the broadcast is queued (this
@@ -329,19 +319,18 @@ impl Core {
         outputs: &mut [Vec<&mut (dyn DeviceTensorMut + '_)>],
         options: Option<&BroadcastOptions>,
     ) -> Result<FusedReport> {
-        let default = BroadcastOptions::default();
-        let options = options.unwrap_or(&default);
+        let call = self.call_settings(options.unwrap_or(&BroadcastOptions::default()), false);
         let root = self.ranks().root(root);
         let shapes = self.failed_call_posted(self.check_lists(root, inputs, outputs, false))?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         if self.calls.is_some() {
             let routes = shapes
                 .iter()
-                .map(|s| Ok((s.bytes, s.dtype, self.route(s.bytes, options)?)))
+                .map(|s| Ok((s.bytes, s.dtype, self.route_of(s.bytes, &call)?)))
                 .collect::<Result<Vec<_>>>();
             self.post_call(root.job, self.failed_call_posted(routes)?)?;
         }
-        let mut steps = self.plan(&bytes, options, false)?;
+        let mut steps = self.plan(&bytes, &call)?;
         let mut report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
             return Ok(report);
@@ -349,7 +338,7 @@ impl Core {
         let mut engine = self.engine.lock()?;
         // As in `replan_single`: the P2P path may have closed while this call waited.
         if steps.iter().any(Step::is_p2p) && self.p2p_available().is_err() {
-            steps = self.plan(&bytes, options, false)?;
+            steps = self.plan(&bytes, &call)?;
             report = FusedReport::of(&steps, &bytes);
         }
         let in_streams: Vec<_> = inputs

@@ -72,7 +72,7 @@ impl<'c> Session<'c> {
         let core = self.core;
         let shapes = core.check_lists(root, inputs, outputs, single)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = core.plan(&bytes, options, true)?;
+        let steps = core.plan(&bytes, &core.call_settings(options, true))?;
         let report = FusedReport::of(&steps, &bytes);
         // Addresses are read through the side stream and the guards forgotten: inside a capture
         // cudarc's waits must not land on the capturing streams. Launches order the buffers.
@@ -181,7 +181,7 @@ impl<'c, F> Capture<'c, F> {
     /// The route a broadcast of `bytes` bytes queued in this capture takes with `options`
     /// (the graph thresholds apply, which may differ from [`Clique::route`]'s eager ones).
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        self.core.route_in(bytes, options, true)
+        (self.core).route_of(bytes, &self.core.call_settings(options, true))
     }
 
     /// The ranges of a call's buffers (`(local rank, buffer)`), checked to lie inside the
