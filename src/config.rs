@@ -313,6 +313,12 @@ impl Thresholds {
 /// Per-call choices of a broadcast: `BroadcastOptions::default()` (the clique's settings) or
 /// [`BroadcastOptions::path`], then any of the setters.
 ///
+/// The same type is each layer of settings, `None` where the layer leaves a setting to the
+/// one below: a call's options over the builder's over the environment's (`GPUCAST_*`) over
+/// the defaults. A clique resolves its builder's and the environment's once, when it is built;
+/// each call lays its options over those, once. The timeout and the launch threads are set on
+/// the builder only (a call's options leave them unset).
+///
 /// ```
 /// use gpucast::{BroadcastOptions, BroadcastPath};
 /// let pull = BroadcastOptions::path(BroadcastPath::P2p).packet_threshold(0);
@@ -333,6 +339,10 @@ pub struct BroadcastOptions {
     pub copy_engine_threshold: Option<usize>,
     /// The P2P kernel's chain start in bytes for this call; `None` takes the clique's.
     pub p2p_chain_threshold: Option<usize>,
+    /// The bound on every wait (builder and environment only).
+    pub(crate) timeout: Option<Duration>,
+    /// Whether the P2P kernel launches from one thread per GPU (builder and environment only).
+    pub(crate) parallel_launch: Option<bool>,
 }
 
 impl BroadcastOptions {
@@ -434,7 +444,7 @@ pub(crate) fn choose(
 
 // ---------------------------------------------------------------------------------------------
 // Environment variables. Every GPUCAST_* variable the library reads is named here and read by
-// `Layer::from_env`, once per clique; README.md's table lists the same set (a test checks it).
+// `BroadcastOptions::from_env`, once per clique; README.md's table lists the same set (a test checks it).
 
 /// `Auto`'s P2P limit (bytes; `K`, `M`, `G` suffixes, powers of 1024).
 pub(crate) const P2P_THRESHOLD_ENV: &str = "GPUCAST_P2P_THRESHOLD";
@@ -507,42 +517,15 @@ pub(crate) const ENV_VARS: [(&str, &str); 13] = [
     ),
 ];
 
-/// One layer of settings: what the builder asked for, or what the environment sets (`None`
-/// where unset); a call's [`BroadcastOptions`] is the layer above both. Layers resolve, once
-/// per clique or communicator, into [`Settings`]: call over builder over environment over
-/// defaults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Layer {
-    pub path: Option<BroadcastPath>,
-    pub p2p_threshold: Option<usize>,
-    pub packet_threshold: Option<usize>,
-    pub copy_engine_threshold: Option<usize>,
-    pub p2p_chain_threshold: Option<usize>,
-    pub timeout: Option<Duration>,
-    pub parallel_launch: Option<bool>,
-}
-
-impl Layer {
+impl BroadcastOptions {
     /// The layer the process environment sets.
-    pub(crate) fn from_env() -> Result<Layer> {
-        Layer::parse(|name| std::env::var_os(name))
-    }
-
-    /// The layer of a call's options.
-    fn of_call(o: &BroadcastOptions) -> Layer {
-        Layer {
-            path: o.path,
-            p2p_threshold: o.p2p_threshold,
-            packet_threshold: o.packet_threshold,
-            copy_engine_threshold: o.copy_engine_threshold,
-            p2p_chain_threshold: o.p2p_chain_threshold,
-            ..Layer::default()
-        }
+    pub(crate) fn from_env() -> Result<BroadcastOptions> {
+        BroadcastOptions::parse(|name| std::env::var_os(name))
     }
 
     /// This layer over `lower`: each setting from the first layer that sets it.
-    pub(crate) fn over(&self, lower: &Layer) -> Layer {
-        Layer {
+    pub(crate) fn over(&self, lower: &BroadcastOptions) -> BroadcastOptions {
+        BroadcastOptions {
             path: self.path.or(lower.path),
             p2p_threshold: self.p2p_threshold.or(lower.p2p_threshold),
             packet_threshold: self.packet_threshold.or(lower.packet_threshold),
@@ -583,7 +566,7 @@ impl Layer {
     }
 
     /// Parses the variables through `lookup`; a set but malformed variable is an error.
-    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Layer> {
+    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<OsString>) -> Result<BroadcastOptions> {
         let text = |name: &'static str| -> Result<Option<String>> {
             match lookup(name) {
                 None => Ok(None),
@@ -634,7 +617,7 @@ impl Layer {
                 })
             })
             .transpose()?;
-        Ok(Layer {
+        Ok(BroadcastOptions {
             path,
             p2p_threshold: bytes(P2P_THRESHOLD_ENV)?,
             packet_threshold: bytes(PACKET_THRESHOLD_ENV)?,
@@ -721,7 +704,11 @@ pub(crate) struct Settings {
 impl Settings {
     /// Resolves the settings of a clique or communicator of `gpus` GPUs (on this host), from
     /// the builder's layer over the environment's over the defaults; rejects a zero timeout.
-    pub(crate) fn resolve(builder: &Layer, env: &Layer, gpus: usize) -> Result<Settings> {
+    pub(crate) fn resolve(
+        builder: &BroadcastOptions,
+        env: &BroadcastOptions,
+        gpus: usize,
+    ) -> Result<Settings> {
         let layer = builder.over(env);
         layer.check()?;
         let thresholds = layer.thresholds_over(Thresholds::for_gpus(gpus));
@@ -738,21 +725,29 @@ impl Settings {
         })
     }
 
-    /// The thresholds of one call (queued inside a capture when `in_graph`): the call's layer
-    /// over these settings.
-    pub(crate) fn thresholds_for(&self, options: &BroadcastOptions, in_graph: bool) -> Thresholds {
+    /// What one call runs with, eager or queued inside a capture (`in_graph`): the call's
+    /// options over these settings.
+    pub(crate) fn for_call(&self, call: &BroadcastOptions, in_graph: bool) -> CallSettings {
         let settled = if in_graph {
             self.graph_thresholds
         } else {
             self.thresholds
         };
-        Layer::of_call(options).thresholds_over(settled)
+        CallSettings {
+            path: call.path.unwrap_or(self.path),
+            thresholds: call.thresholds_over(settled),
+            in_graph,
+        }
     }
+}
 
-    /// The path of one call: its own, else these settings'.
-    pub(crate) fn path_for(&self, options: &BroadcastOptions) -> BroadcastPath {
-        options.path.unwrap_or(self.path)
-    }
+/// The settings of one call, resolved once ([`Settings::for_call`]) for every route it plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallSettings {
+    pub path: BroadcastPath,
+    pub thresholds: Thresholds,
+    /// Whether the call is queued inside a capture (what can run there differs).
+    pub in_graph: bool,
 }
 
 #[cfg(test)]
@@ -760,17 +755,17 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env_of(pairs: &[(&str, &str)]) -> Result<Layer> {
+    fn env_of(pairs: &[(&str, &str)]) -> Result<BroadcastOptions> {
         let map: HashMap<String, OsString> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), OsString::from(v)))
             .collect();
-        Layer::parse(|k| map.get(k).cloned())
+        BroadcastOptions::parse(|k| map.get(k).cloned())
     }
 
     #[test]
     fn environment_values_parse_or_fail_loudly() {
-        assert_eq!(env_of(&[]).unwrap(), Layer::default());
+        assert_eq!(env_of(&[]).unwrap(), BroadcastOptions::default());
         let e = env_of(&[
             (PATH_ENV, "P2P"),
             (P2P_THRESHOLD_ENV, "4M"),
@@ -817,15 +812,15 @@ mod tests {
 
     #[test]
     fn builder_beats_environment_beats_defaults() {
-        let env = Layer {
+        let env = BroadcastOptions {
             p2p_threshold: Some(1000),
             timeout: Some(Duration::from_millis(5)),
             parallel_launch: Some(false),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
-        let req = Layer {
+        let req = BroadcastOptions {
             p2p_threshold: Some(7),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
         let s = Settings::resolve(&req, &env, 4).unwrap();
         assert_eq!(s.thresholds.p2p_max_bytes, 7);
@@ -836,31 +831,99 @@ mod tests {
         assert_eq!(s.timeouts.wait, Duration::from_millis(5));
         assert!(!s.parallel_launch);
         assert_eq!(s.path, BroadcastPath::Auto);
-        let d = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
+        let d = Settings::resolve(
+            &BroadcastOptions::default(),
+            &BroadcastOptions::default(),
+            2,
+        )
+        .unwrap();
         assert_eq!(d.timeouts.wait, DEFAULT_TIMEOUT);
         assert!(d.parallel_launch);
-        let zero = Layer {
+        let zero = BroadcastOptions {
             timeout: Some(Duration::ZERO),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
         assert!(matches!(
-            Settings::resolve(&zero, &Layer::default(), 2),
+            Settings::resolve(&zero, &BroadcastOptions::default(), 2),
             Err(Error::InvalidSetting {
                 name: "timeout",
                 ..
             })
         ));
-        let huge = Layer {
+        let huge = BroadcastOptions {
             timeout: Some(Duration::MAX),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
-        let t = Settings::resolve(&huge, &Layer::default(), 2)
+        let t = Settings::resolve(&huge, &BroadcastOptions::default(), 2)
             .unwrap()
             .timeouts;
         // Every derived bound saturates instead of overflowing.
         assert_eq!(t.drain(), Duration::MAX);
         assert_eq!(t.drop_drain(), Duration::MAX);
         assert_eq!(t.nccl_init(), Duration::MAX);
+    }
+
+    #[test]
+    fn each_setting_comes_from_the_highest_layer_that_sets_it() {
+        // Layers that set everything, each to other values.
+        let layer = |k: usize| BroadcastOptions {
+            path: Some(
+                [
+                    BroadcastPath::Nccl,
+                    BroadcastPath::P2p,
+                    BroadcastPath::CopyEngine,
+                ][k],
+            ),
+            p2p_threshold: Some(10 + k),
+            packet_threshold: Some(20 + k),
+            copy_engine_threshold: Some(30 + k),
+            p2p_chain_threshold: Some(40 + k),
+            timeout: Some(Duration::from_millis(50 + k as u64)),
+            parallel_launch: Some(k == 1),
+        };
+        let set = |k: usize| Thresholds {
+            p2p_max_bytes: 10 + k,
+            packet_max_bytes: 20 + k,
+            copy_engine_min_bytes: 30 + k,
+            p2p_chain_min_bytes: 40 + k,
+        };
+        let none = BroadcastOptions::default();
+        let (env, builder, call) = (layer(0), layer(1), layer(2));
+        for (upper, lower, k) in [(&builder, &env, 1), (&none, &env, 0), (&builder, &none, 1)] {
+            let s = Settings::resolve(upper, lower, 2).unwrap();
+            assert_eq!(Some(s.path), layer(k).path);
+            assert_eq!(
+                (s.thresholds, s.graph_thresholds),
+                (set(k), set(k)),
+                "layer {k}"
+            );
+            assert_eq!(s.timeouts.wait, Duration::from_millis(50 + k as u64));
+            assert_eq!(s.parallel_launch, k == 1);
+            // A call's options go over the clique's, eager and inside a capture; a call that
+            // sets nothing runs with the clique's.
+            for in_graph in [false, true] {
+                let c = s.for_call(&call, in_graph);
+                assert_eq!(
+                    (c.path, c.thresholds, c.in_graph),
+                    (BroadcastPath::CopyEngine, set(2), in_graph)
+                );
+                let c = s.for_call(&none, in_graph);
+                assert_eq!((c.path, c.thresholds), (s.path, set(k)));
+            }
+        }
+        // The setters set what the fields say.
+        assert_eq!(
+            BroadcastOptions::path(BroadcastPath::CopyEngine)
+                .p2p_threshold(12)
+                .packet_threshold(22)
+                .copy_engine_threshold(32)
+                .p2p_chain_threshold(42),
+            BroadcastOptions {
+                timeout: None,
+                parallel_launch: None,
+                ..call
+            }
+        );
     }
 
     #[test]
@@ -1144,19 +1207,29 @@ mod tests {
 
     #[test]
     fn graphs_take_the_copy_engines_later_unless_told() {
-        let two = Settings::resolve(&Layer::default(), &Layer::default(), 2).unwrap();
+        let two = Settings::resolve(
+            &BroadcastOptions::default(),
+            &BroadcastOptions::default(),
+            2,
+        )
+        .unwrap();
         assert_eq!(two.thresholds.copy_engine_min_bytes, COPY_ENGINE_MIN_2_GPUS);
         assert_eq!(
             two.graph_thresholds.copy_engine_min_bytes,
             COPY_ENGINE_MIN_2_GPUS_IN_GRAPHS
         );
-        let set = Layer {
+        let set = BroadcastOptions {
             copy_engine_threshold: Some(1 << 20),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
-        let two = Settings::resolve(&set, &Layer::default(), 2).unwrap();
+        let two = Settings::resolve(&set, &BroadcastOptions::default(), 2).unwrap();
         assert_eq!(two.graph_thresholds.copy_engine_min_bytes, 1 << 20);
-        let four = Settings::resolve(&Layer::default(), &Layer::default(), 4).unwrap();
+        let four = Settings::resolve(
+            &BroadcastOptions::default(),
+            &BroadcastOptions::default(),
+            4,
+        )
+        .unwrap();
         assert_eq!(four.graph_thresholds, four.thresholds);
     }
 
@@ -1201,12 +1274,12 @@ mod tests {
         );
         // The threshold follows builder, environment and call, like the others.
         let env = env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "8M")]).unwrap();
-        let s = Settings::resolve(&Layer::default(), &env, 2).unwrap();
+        let s = Settings::resolve(&BroadcastOptions::default(), &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 8 << 20);
         assert_eq!(s.graph_thresholds.p2p_chain_min_bytes, 8 << 20);
-        let req = Layer {
+        let req = BroadcastOptions {
             p2p_chain_threshold: Some(1 << 20),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
         let s = Settings::resolve(&req, &env, 2).unwrap();
         assert_eq!(s.thresholds.p2p_chain_min_bytes, 1 << 20);
@@ -1214,7 +1287,7 @@ mod tests {
             p2p_chain_threshold: Some(0),
             ..BroadcastOptions::default()
         };
-        assert_eq!(s.thresholds_for(&call, true).p2p_chain_min_bytes, 0);
+        assert_eq!(s.for_call(&call, true).thresholds.p2p_chain_min_bytes, 0);
         assert!(env_of(&[(P2P_CHAIN_THRESHOLD_ENV, "lots")]).is_err());
     }
 

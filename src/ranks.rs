@@ -1,7 +1,8 @@
 //! A rank of the job and the index of one of this process's ranks are different things: a
 //! clique's ranks are the job's, but a communicator drives one rank of many. Job ranks travel
-//! as [`JobRank`]; local indices stay plain indices into the per-rank tables; [`local_of`] is
-//! the one place that turns the first into the second.
+//! as [`JobRank`], local indices as [`Local`]; [`local_of`] is the one place that turns the
+//! first into the second, and a call's root is turned once, when its arguments are checked
+//! (`clique::args::Ranks::root`), into a [`Root`] that carries both down to the engine.
 
 /// A rank of the job (what callers pass as `root`, what peers and errors name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -13,10 +14,22 @@ impl std::fmt::Display for JobRank {
     }
 }
 
+/// The index of one of this process's ranks in its per-rank tables (streams, places,
+/// destinations), in local order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Local(pub(crate) usize);
+
+/// The root of one call: its job rank, and its local index where this process holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Root {
+    pub job: JobRank,
+    pub local: Option<Local>,
+}
+
 /// The local index of job rank `rank` among this process's ranks (`held`, in local order),
 /// if this process holds it.
-pub(crate) fn local_of(held: impl IntoIterator<Item = JobRank>, rank: JobRank) -> Option<usize> {
-    held.into_iter().position(|g| g == rank)
+pub(crate) fn local_of(held: impl IntoIterator<Item = JobRank>, rank: JobRank) -> Option<Local> {
+    held.into_iter().position(|g| g == rank).map(Local)
 }
 
 #[cfg(test)]
@@ -26,7 +39,7 @@ mod tests {
     #[test]
     fn a_job_rank_is_found_among_the_ranks_held_here() {
         let held = [JobRank(2), JobRank(5)];
-        assert_eq!(local_of(held, JobRank(5)), Some(1));
+        assert_eq!(local_of(held, JobRank(5)), Some(Local(1)));
         assert_eq!(local_of(held, JobRank(0)), None);
     }
 }

@@ -4,7 +4,7 @@
 use crate::config::MAX_GPUS;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ranks::{local_of, JobRank};
+use crate::ranks::{local_of, JobRank, Local, Root};
 
 /// Checks a device list without touching the driver: 1 to 8 distinct ordinals.
 pub(crate) fn check_device_list(ordinals: &[usize], shared: bool) -> Result<()> {
@@ -59,6 +59,19 @@ pub(crate) struct Ranks<'a> {
     pub world: usize,
 }
 
+impl Ranks<'_> {
+    /// Job rank `root` as a call's root, with its local index where this process holds it: the
+    /// one conversion of a call's root, made where the call begins; its checks, its buffers and
+    /// the engine take the result.
+    pub(crate) fn root(&self, root: usize) -> Root {
+        let job = JobRank(root);
+        Root {
+            job,
+            local: local_of(self.globals.iter().copied(), job),
+        }
+    }
+}
+
 /// The element count and byte size of a validated broadcast.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Shape {
@@ -73,18 +86,13 @@ pub(crate) struct Shape {
 /// fused calls.
 pub(crate) fn check_broadcast(
     ranks: &Ranks<'_>,
-    root: usize,
+    root: Root,
     input: Option<BufferInfo>,
     outputs: &[BufferInfo],
     tensor: Option<usize>,
 ) -> Result<Shape> {
     let n = ranks.places.len();
-    if root >= ranks.world {
-        return Err(Error::RootOutOfRange {
-            root,
-            size: ranks.world,
-        });
-    }
+    check_root(ranks, root)?;
     let label = |what: &str| match tensor {
         Some(t) => format!("tensor {t} {what}"),
         None => what.to_string(),
@@ -107,19 +115,19 @@ pub(crate) fn check_broadcast(
             got: 0,
         });
     }
-    let root_local = local_of(ranks.globals.iter().copied(), JobRank(root));
-    let reference = match (input, root_local) {
-        (Some(inp), Some(local)) => {
-            check_place(&label("input"), root, ranks.places[local], inp.place)?;
+    let reference = match (input, root.local) {
+        (Some(inp), Some(Local(local))) => {
+            check_place(&label("input"), root.job.0, ranks.places[local], inp.place)?;
             inp
         }
         (Some(_), None) => {
             return Err(Error::InvalidArgument(format!(
-                "{} was given, but the root (rank {root}) belongs to another process: only the root's process passes an input",
-                label("an input")
+                "{} was given, but the root (rank {}) belongs to another process: only the root's process passes an input",
+                label("an input"),
+                root.job
             )))
         }
-        (None, Some(local)) => outputs[local],
+        (None, Some(Local(local))) => outputs[local],
         (None, None) => outputs[0],
     };
     for (local, out) in outputs.iter().enumerate() {
@@ -164,6 +172,17 @@ pub(crate) fn check_broadcast(
     })
 }
 
+/// Checks that the root is a rank of the job.
+fn check_root(ranks: &Ranks<'_>, root: Root) -> Result<()> {
+    if root.job.0 >= ranks.world {
+        return Err(Error::RootOutOfRange {
+            root: root.job.0,
+            size: ranks.world,
+        });
+    }
+    Ok(())
+}
+
 /// Checks that a buffer or stream at `found` sits where rank `rank` (at `expected`) is.
 pub(crate) fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result<()> {
     if found.ordinal != expected.ordinal {
@@ -189,18 +208,13 @@ pub(crate) fn check_place(what: &str, rank: usize, expected: Place, found: Place
 /// Errors name the tensor (`tensor 2 output 1`) unless the call is a single broadcast.
 pub(crate) fn check_many(
     ranks: &Ranks<'_>,
-    root: usize,
+    root: Root,
     inputs: Option<&[BufferInfo]>,
     outputs: &[Vec<BufferInfo>],
     single: bool,
 ) -> Result<Vec<Shape>> {
     let n = ranks.places.len();
-    if root >= ranks.world {
-        return Err(Error::RootOutOfRange {
-            root,
-            size: ranks.world,
-        });
-    }
+    check_root(ranks, root)?;
     if outputs.len() != n {
         return Err(Error::OutputCount {
             what: "output lists",
@@ -208,9 +222,8 @@ pub(crate) fn check_many(
             got: outputs.len(),
         });
     }
-    let root_local = local_of(ranks.globals.iter().copied(), JobRank(root));
-    let count = inputs.map_or(outputs[root_local.unwrap_or(0)].len(), <[_]>::len);
-    for (rank, list) in outputs.iter().enumerate() {
+    let count = inputs.map_or(outputs[root.local.map_or(0, |l| l.0)].len(), <[_]>::len);
+    for (list, rank) in outputs.iter().zip(ranks.globals) {
         if list.len() != count {
             return Err(Error::InvalidList(format!(
                 "rank {rank} has {} tensors, the {} has {count}",
@@ -237,6 +250,28 @@ pub(crate) fn check_many(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`super::check_broadcast`] of a call from job rank `root`.
+    fn check_broadcast(
+        ranks: &Ranks<'_>,
+        root: usize,
+        input: Option<BufferInfo>,
+        outputs: &[BufferInfo],
+        tensor: Option<usize>,
+    ) -> Result<Shape> {
+        super::check_broadcast(ranks, ranks.root(root), input, outputs, tensor)
+    }
+
+    /// [`super::check_many`] of a call from job rank `root`.
+    fn check_many(
+        ranks: &Ranks<'_>,
+        root: usize,
+        inputs: Option<&[BufferInfo]>,
+        outputs: &[Vec<BufferInfo>],
+        single: bool,
+    ) -> Result<Vec<Shape>> {
+        super::check_many(ranks, ranks.root(root), inputs, outputs, single)
+    }
 
     #[test]
     fn device_lists_are_checked_without_a_driver() {
@@ -468,6 +503,42 @@ mod tests {
         ));
         let lists = vec![vec![buf(B, 3), buf(B, 4)]];
         assert_eq!(check_many(&me, 3, None, &lists, false).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn the_root_is_a_job_rank_found_among_the_local_ranks() {
+        // Job ranks 5 and 2 of 6, held here in that order: job rank 2 is local rank 1.
+        let places = [A, B];
+        let held = Ranks {
+            places: &places,
+            globals: &[JobRank(5), JobRank(2)],
+            world: 6,
+        };
+        let root = held.root(2);
+        assert_eq!((root.job, root.local), (JobRank(2), Some(Local(1))));
+        assert_eq!(held.root(0).local, None);
+        // The root's input sits with local rank 1, on B.
+        let outs = [buf(A, 4), buf(B, 4)];
+        assert!(check_broadcast(&held, 2, Some(buf(B, 4)), &outs, None).is_ok());
+        assert!(matches!(
+            check_broadcast(&held, 2, Some(buf(A, 4)), &outs, None),
+            Err(Error::WrongDevice {
+                rank: 2,
+                expected: 5,
+                found: 3,
+                ..
+            })
+        ));
+        // In place, local rank 1's buffer is the source, and errors name job ranks.
+        assert!(matches!(
+            check_broadcast(&held, 2, None, &[buf(A, 3), buf(B, 4)], None),
+            Err(Error::LengthMismatch { ref what, expected: 4, got: 3 }) if what == "buffer 5"
+        ));
+        let lists = vec![vec![buf(A, 1), buf(A, 1)], vec![buf(B, 1)]];
+        assert!(matches!(
+            check_many(&held, 2, None, &lists, false),
+            Err(Error::InvalidList(ref m)) if m.starts_with("rank 5 has 2 tensors, the root has 1")
+        ));
     }
 
     #[test]

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
 use super::{setup, Capture, CliqueGraph, Core, GraphBuffers, RankBroadcast};
 use crate::config::{
-    BroadcastOptions, BroadcastPath, Layer, Route, Settings, Thresholds,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
+    BroadcastOptions, BroadcastPath, Route, Settings, Thresholds, DEFAULT_P2P_MAX_ACROSS_PROCESSES,
+    DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;
 use crate::engine::{Engine, Rank};
@@ -33,7 +33,7 @@ pub struct CommunicatorBuilder {
     exchange: Option<Box<dyn Exchange + Send + Sync>>,
     init_timeout: Option<Duration>,
     shared_devices: bool,
-    requested: Layer,
+    requested: BroadcastOptions,
 }
 
 impl std::fmt::Debug for CommunicatorBuilder {
@@ -259,9 +259,9 @@ impl Communicator {
             Some(j) => j,
             None => JobEnv::from_env()?,
         };
-        let env = Layer::from_env()?;
+        let env = BroadcastOptions::from_env()?;
         let mut settings = Settings::resolve(&b.requested, &env, job.local_world_size.max(1))?;
-        let limit_set = b.requested.p2p_threshold.or(env.p2p_threshold).is_some();
+        let limit_set = b.requested.over(&env).p2p_threshold.is_some();
         // What this machine can tell alone comes before waiting for peers that may never come;
         // the peers hear it from a thread of gpucast's rendezvous (a caller's exchange has its
         // own way to fail).
@@ -510,7 +510,6 @@ impl RankBroadcast for Communicator {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Layer;
     use crate::rendezvous::RendezvousError;
 
     /// Rank 0 of a job whose other ranks send `others`.
@@ -533,11 +532,11 @@ mod tests {
     }
 
     fn settings(timeout_ms: u64) -> Settings {
-        let req = Layer {
+        let req = BroadcastOptions {
             timeout: Some(Duration::from_millis(timeout_ms)),
-            ..Layer::default()
+            ..BroadcastOptions::default()
         };
-        Settings::resolve(&req, &Layer::default(), 1).unwrap()
+        Settings::resolve(&req, &BroadcastOptions::default(), 1).unwrap()
     }
 
     #[test]

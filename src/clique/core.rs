@@ -5,12 +5,12 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
-use crate::config::{Available, BroadcastOptions, BroadcastPath, Route, MAX_GPUS};
+use crate::config::{Available, BroadcastOptions, BroadcastPath, CallSettings, Route, MAX_GPUS};
 use crate::dtype::Element;
 use crate::engine::{Engine, Item};
 use crate::error::{Error, Result};
 use crate::plan::{self, FusedReport, Step};
-use crate::ranks::{local_of, JobRank};
+use crate::ranks::{JobRank, Local, Root};
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 use super::RawBroadcast;
@@ -122,25 +122,21 @@ impl Core {
         })
     }
 
-    pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        self.route_in(bytes, options, false)
+    /// What a call with `options` runs with, eager or queued inside a capture (`in_graph`: the
+    /// graph thresholds apply): resolved once per call, for every route it plans.
+    pub(crate) fn call_settings(&self, options: &BroadcastOptions, in_graph: bool) -> CallSettings {
+        self.engine.settings().for_call(options, in_graph)
     }
 
-    /// The route of one broadcast of `bytes` bytes, eager or queued inside a capture
-    /// (`in_graph`: the graph thresholds apply).
-    pub(crate) fn route_in(
-        &self,
-        bytes: usize,
-        options: &BroadcastOptions,
-        in_graph: bool,
-    ) -> Result<Route> {
-        self.with_available(in_graph, |available| {
-            crate::config::choose(
-                self.engine.settings().path_for(options),
-                bytes,
-                available,
-                &self.engine.settings().thresholds_for(options, in_graph),
-            )
+    /// The route of one eager broadcast of `bytes` bytes with `options`.
+    pub(crate) fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
+        self.route_of(bytes, &self.call_settings(options, false))
+    }
+
+    /// The route of one broadcast of `bytes` bytes of a call that runs with `call`.
+    pub(crate) fn route_of(&self, bytes: usize, call: &CallSettings) -> Result<Route> {
+        self.with_available(call.in_graph, |available| {
+            crate::config::choose(call.path, bytes, available, &call.thresholds)
         })
     }
 
@@ -148,33 +144,27 @@ impl Core {
     /// P2P path and that path closed meanwhile (another thread's call found it broken): `Auto`
     /// then takes another path, a call forced onto P2P gets the closed path's error, before
     /// anything is queued.
-    fn replan_single(&self, step: Step, bytes: usize, options: &BroadcastOptions) -> Result<Step> {
+    fn replan_single(&self, step: Step, bytes: usize, call: &CallSettings) -> Result<Step> {
         if step.is_p2p() && self.p2p_available().is_err() {
-            Ok(self.single_step(bytes, options)?.unwrap_or(step))
+            Ok(self.single_step(bytes, call)?.unwrap_or(step))
         } else {
             Ok(step)
         }
     }
 
     /// The launch step of a single broadcast, `None` for nothing to do.
-    fn single_step(&self, bytes: usize, options: &BroadcastOptions) -> Result<Option<Step>> {
-        Ok(plan::single(0, self.route(bytes, options)?))
+    fn single_step(&self, bytes: usize, call: &CallSettings) -> Result<Option<Step>> {
+        Ok(plan::single(0, self.route_of(bytes, call)?))
     }
 
-    /// The launch plan of tensors of `bytes[i]` bytes with `options`, for an eager call or
-    /// one queued inside a capture (`in_graph`).
-    pub(crate) fn plan(
-        &self,
-        bytes: &[usize],
-        options: &BroadcastOptions,
-        in_graph: bool,
-    ) -> Result<Vec<Step>> {
-        self.with_available(in_graph, |available| {
+    /// The launch plan of tensors of `bytes[i]` bytes of a call that runs with `call`.
+    pub(crate) fn plan(&self, bytes: &[usize], call: &CallSettings) -> Result<Vec<Step>> {
+        self.with_available(call.in_graph, |available| {
             plan::plan(
                 bytes,
-                self.engine.settings().path_for(options),
+                call.path,
                 available,
-                &self.engine.settings().thresholds_for(options, in_graph),
+                &call.thresholds,
                 self.world,
                 self.one_process,
             )
@@ -192,24 +182,23 @@ impl Core {
         outputs: &mut [&mut dyn DeviceTensorMut],
         options: Option<&BroadcastOptions>,
     ) -> Result<()> {
-        let default = BroadcastOptions::default();
-        let options = options.unwrap_or(&default);
+        let call = self.call_settings(options.unwrap_or(&BroadcastOptions::default()), false);
+        let root = self.ranks().root(root);
         let infos: Vec<_> = outputs.iter().map(|o| access::info_of_dyn(&**o)).collect();
         let input_info = input.map(access::info_of_dyn);
         let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
-            .and_then(|shape| Ok((self.route(shape.bytes, options)?, shape)));
+            .and_then(|shape| Ok((self.route_of(shape.bytes, &call)?, shape)));
         let (route, shape) = self.failed_call_posted(checked)?;
-        self.post_call(root, [(shape.bytes, shape.dtype, route)])?;
+        self.post_call(root.job, [(shape.bytes, shape.dtype, route)])?;
         let Some(step) = plan::single(0, route) else {
             return Ok(());
         };
-        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
-        let step = self.replan_single(step, shape.bytes, options)?;
+        let step = self.replan_single(step, shape.bytes, &call)?;
         let in_stream = input.map(|i| i.stream().clone());
         let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
         let buffers = || {
-            let input = root_local.and_then(|local| in_stream.as_ref().map(|s| (local, s)));
+            let input = (root.local).and_then(|Local(l)| in_stream.as_ref().map(|s| (l, s)));
             input.into_iter().chain(out_streams.iter().enumerate())
         };
         let n = self.len();
@@ -229,9 +218,9 @@ impl Core {
                 dsts[local] = ptr;
                 writes.push(w);
             }
-            let src = match (&read, root_local) {
+            let src = match (&read, root.local) {
                 (Some((ptr, _)), _) => *ptr,
-                (None, Some(local)) => dsts[local],
+                (None, Some(Local(local))) => dsts[local],
                 (None, None) => 0,
             };
             let item = access::item(src, &dsts[..n], count, dtype);
@@ -246,16 +235,11 @@ impl Core {
         // both source and destination, which every path handles.
         access::ordered(&mut engine, buffers, guards, |e, (item, _, _)| unsafe {
             e.run(
-                JobRank(root),
+                root,
                 std::slice::from_ref(item),
                 std::slice::from_ref(&step),
             )
         })
-    }
-
-    /// The local rank that is job rank `rank` here, if this process holds it.
-    pub(crate) fn local_of(&self, rank: usize) -> Option<usize> {
-        local_of(self.globals.iter().copied(), JobRank(rank))
     }
 
     /// See [`super::Clique::broadcast_raw`].
@@ -274,6 +258,7 @@ impl Core {
                 size: self.world,
             });
         }
+        let root = self.ranks().root(b.root);
         for (what, got) in [("destinations", b.dsts.len()), ("streams", b.streams.len())] {
             if got != n {
                 return Err(Error::OutputCount {
@@ -305,11 +290,12 @@ impl Core {
                 });
             }
         }
-        let Some(step) = self.single_step(bytes, options)? else {
+        let call = self.call_settings(options, false);
+        let Some(step) = self.single_step(bytes, &call)? else {
             return Ok(());
         };
         let mut engine = self.engine.lock()?;
-        let step = self.replan_single(step, bytes, options)?;
+        let step = self.replan_single(step, bytes, &call)?;
         let mut foreign = Foreign::default();
         for (local, &s) in b.streams.iter().enumerate() {
             // SAFETY: the caller guarantees live streams until the broadcast is queued (this
@@ -320,7 +306,7 @@ impl Core {
         let item = access::item(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
         foreign.around(&mut engine, |e| unsafe {
-            e.run(JobRank(b.root), &[item], std::slice::from_ref(&step))
+            e.run(root, &[item], std::slice::from_ref(&step))
         })
     }
 
@@ -333,27 +319,26 @@ impl Core {
         outputs: &mut [Vec<&mut (dyn DeviceTensorMut + '_)>],
         options: Option<&BroadcastOptions>,
     ) -> Result<FusedReport> {
-        let default = BroadcastOptions::default();
-        let options = options.unwrap_or(&default);
+        let call = self.call_settings(options.unwrap_or(&BroadcastOptions::default()), false);
+        let root = self.ranks().root(root);
         let shapes = self.failed_call_posted(self.check_lists(root, inputs, outputs, false))?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
         if self.calls.is_some() {
             let routes = shapes
                 .iter()
-                .map(|s| Ok((s.bytes, s.dtype, self.route(s.bytes, options)?)))
+                .map(|s| Ok((s.bytes, s.dtype, self.route_of(s.bytes, &call)?)))
                 .collect::<Result<Vec<_>>>();
-            self.post_call(root, self.failed_call_posted(routes)?)?;
+            self.post_call(root.job, self.failed_call_posted(routes)?)?;
         }
-        let mut steps = self.plan(&bytes, options, false)?;
+        let mut steps = self.plan(&bytes, &call)?;
         let mut report = FusedReport::of(&steps, &bytes);
         if steps.is_empty() {
             return Ok(report);
         }
-        let root_local = self.local_of(root);
         let mut engine = self.engine.lock()?;
         // As in `replan_single`: the P2P path may have closed while this call waited.
         if steps.iter().any(Step::is_p2p) && self.p2p_available().is_err() {
-            steps = self.plan(&bytes, options, false)?;
+            steps = self.plan(&bytes, &call)?;
             report = FusedReport::of(&steps, &bytes);
         }
         let in_streams: Vec<_> = inputs
@@ -366,9 +351,9 @@ impl Core {
             .map(|l| l.iter().map(|t| t.stream().clone()).collect())
             .collect();
         let buffers = || {
-            let inputs = root_local
+            let inputs = (root.local)
                 .into_iter()
-                .flat_map(|local| in_streams.iter().map(move |s| (local, s)));
+                .flat_map(|Local(l)| in_streams.iter().map(move |s| (l, s)));
             let outputs = out_streams
                 .iter()
                 .enumerate()
@@ -404,9 +389,9 @@ impl Core {
             }
             let items: Vec<Item> = (0..count)
                 .map(|t| Item {
-                    src: match (inputs.is_some(), root_local) {
+                    src: match (inputs.is_some(), root.local) {
                         (true, _) => srcs[t],
-                        (false, Some(local)) => dsts[t][local],
+                        (false, Some(Local(local))) => dsts[t][local],
                         (false, None) => 0,
                     },
                     dsts: dsts[t],
@@ -420,7 +405,7 @@ impl Core {
         // which also runs when the work fails or panics halfway) keep every buffer alive and
         // ordered for the queued work.
         access::ordered(&mut engine, buffers, guards, |e, (items, _, _)| unsafe {
-            e.run(JobRank(root), items, &steps)
+            e.run(root, items, &steps)
         })?;
         Ok(report)
     }
@@ -429,7 +414,7 @@ impl Core {
     /// (`single`: one tensor of a single-broadcast call, named as such in errors).
     pub(crate) fn check_lists(
         &self,
-        root: usize,
+        root: Root,
         inputs: Option<&[&dyn DeviceTensor]>,
         outputs: &[Vec<&mut (dyn DeviceTensorMut + '_)>],
         single: bool,
@@ -486,11 +471,11 @@ impl Core {
     /// anything is queued, when a peer's card of the same call differs.
     fn post_call(
         &self,
-        root: usize,
+        root: JobRank,
         tensors: impl IntoIterator<Item = (usize, crate::dtype::DType, Route)>,
     ) -> Result<()> {
         match &self.calls {
-            Some(log) => log.post(super::calls::Card::of(root, tensors)),
+            Some(log) => log.post(super::calls::Card::of(root.0, tensors)),
             None => Ok(()),
         }
     }

@@ -31,7 +31,7 @@ use crate::dtype::Element;
 use crate::engine::{EngineGuard, GraphExec, Item};
 use crate::error::{Error, Result};
 use crate::plan::FusedReport;
-use crate::ranks::JobRank;
+use crate::ranks::{Local, Root};
 use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// The locked engine in capture mode.
@@ -63,7 +63,7 @@ impl<'c> Session<'c> {
     /// Validates and queues one call into the graphs being recorded.
     fn enqueue<'x, 'y>(
         &mut self,
-        root: usize,
+        root: Root,
         inputs: Option<&[&dyn DeviceTensor]>,
         outputs: &mut [Vec<&'x mut (dyn DeviceTensorMut + 'y)>],
         options: &BroadcastOptions,
@@ -72,8 +72,7 @@ impl<'c> Session<'c> {
         let core = self.core;
         let shapes = core.check_lists(root, inputs, outputs, single)?;
         let bytes: Vec<usize> = shapes.iter().map(|s| s.bytes).collect();
-        let steps = core.plan(&bytes, options, true)?;
-        let root_local = core.local_of(root);
+        let steps = core.plan(&bytes, &core.call_settings(options, true))?;
         let report = FusedReport::of(&steps, &bytes);
         // Addresses are read through the side stream and the guards forgotten: inside a capture
         // cudarc's waits must not land on the capturing streams. Launches order the buffers.
@@ -95,13 +94,13 @@ impl<'c> Session<'c> {
             }
         }
         for (t, item) in items.iter_mut().enumerate() {
-            item.src = match (inputs, root_local) {
-                (Some(i), Some(local)) => {
+            item.src = match (inputs, root.local) {
+                (Some(i), Some(Local(local))) => {
                     let (ptr, guard) = i[t].read_ptr(core.engine.side_stream(local));
                     std::mem::forget(guard);
                     ptr
                 }
-                (None, Some(local)) => item.dsts[local],
+                (None, Some(Local(local))) => item.dsts[local],
                 _ => 0,
             };
         }
@@ -111,7 +110,7 @@ impl<'c> Session<'c> {
         // A call that fails here may have recorded some steps: its buffers' ranges are noted
         // all the same (`Capture::queue`), and the engine
         // fails the whole capture, so no graph with such steps is ever launched.
-        unsafe { self.engine.run(JobRank(root), &items, &steps) }?;
+        unsafe { self.engine.run(root, &items, &steps) }?;
         Ok(report)
     }
 }
@@ -182,7 +181,7 @@ impl<'c, F> Capture<'c, F> {
     /// The route a broadcast of `bytes` bytes queued in this capture takes with `options`
     /// (the graph thresholds apply, which may differ from [`Clique::route`]'s eager ones).
     pub fn route(&self, bytes: usize, options: &BroadcastOptions) -> Result<Route> {
-        self.core.route_in(bytes, options, true)
+        (self.core).route_of(bytes, &self.core.call_settings(options, true))
     }
 
     /// The ranges of a call's buffers (`(local rank, buffer)`), checked to lie inside the
@@ -223,10 +222,10 @@ impl<'c, F> Capture<'c, F> {
         options: Option<&BroadcastOptions>,
         single: bool,
     ) -> Result<FusedReport> {
-        let root_local = self.core.local_of(root);
-        let ins = root_local
+        let root = self.core.ranks().root(root);
+        let ins = (root.local)
             .into_iter()
-            .flat_map(|local| inputs.unwrap_or_default().iter().map(move |t| (local, *t)));
+            .flat_map(|Local(l)| inputs.unwrap_or_default().iter().map(move |t| (l, *t)));
         let outs = outputs
             .iter()
             .enumerate()

@@ -21,7 +21,7 @@ use std::time::Duration;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
-use crate::config::{BroadcastOptions, BroadcastPath, Layer, Route, Thresholds};
+use crate::config::{BroadcastOptions, BroadcastPath, Route, Thresholds};
 use crate::dtype::{DType, Element};
 #[allow(
     unused_imports,
@@ -39,8 +39,9 @@ pub use communicator::{Communicator, CommunicatorBuilder, DEFAULT_INIT_TIMEOUT};
 pub use graph::{Capture, CliqueGraph, GraphBuffers};
 pub use setup::device_count;
 
-/// The settings every builder shares (a field `requested: Layer`): path, thresholds and
-/// timeout.
+/// The settings every builder shares, set in its layer of settings (a field
+/// `requested: BroadcastOptions`, laid over the environment's when it builds): path, thresholds
+/// and timeout.
 macro_rules! settings_setters {
     () => {
         /// Default path of every broadcast (default [`BroadcastPath::Auto`]).
@@ -98,7 +99,7 @@ pub struct CliqueBuilder {
     shared_devices: bool,
     devices: Option<Vec<usize>>,
     streams: Option<Vec<Arc<CudaStream>>>,
-    requested: Layer,
+    requested: BroadcastOptions,
 }
 
 impl CliqueBuilder {

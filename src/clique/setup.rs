@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{result, CudaContext, CudaStream};
 
 use super::args;
-use crate::config::{Layer, Settings, MAX_GPUS};
+use crate::config::{BroadcastOptions, Settings, MAX_GPUS};
 use crate::driver;
 use crate::engine::{Engine, Rank};
 use crate::error::{Error, Result};
@@ -103,7 +103,11 @@ pub(crate) struct Built {
 }
 
 /// Creates the contexts, streams, peer access and engine of a clique.
-pub(crate) fn create(devices: Devices, requested: &Layer, shared: bool) -> Result<Built> {
+pub(crate) fn create(
+    devices: Devices,
+    requested: &BroadcastOptions,
+    shared: bool,
+) -> Result<Built> {
     // Checks that need no driver come first.
     let listed: Option<Vec<usize>> = match &devices {
         Devices::All => None,
@@ -123,7 +127,7 @@ pub(crate) fn create(devices: Devices, requested: &Layer, shared: bool) -> Resul
             }
         }
     }
-    let env = Layer::from_env()?;
+    let env = BroadcastOptions::from_env()?;
     // Reject bad settings before touching the driver (they resolve below, once the number of
     // GPUs is known).
     requested.over(&env).check()?;

@@ -48,7 +48,7 @@ use crate::nccl::{self, watchdog, Comms, Nccl, RankOp};
 use crate::p2p::{self, P2p};
 pub(crate) use crate::plan::Item;
 use crate::plan::Step;
-use crate::ranks::{local_of, JobRank};
+use crate::ranks::{JobRank, Local, Root};
 use graphs::Ended;
 pub(crate) use graphs::GraphExec;
 use streams::EngineStream;
@@ -599,12 +599,7 @@ impl EngineGuard<'_> {
     /// Every address of `items` is valid for its `count` elements of `dtype` on its rank's
     /// device (the root's `src` readable by every peer), and stays valid until the streams pass
     /// this point; `steps` name tensors of `items` only.
-    pub(crate) unsafe fn run(
-        &mut self,
-        root: JobRank,
-        items: &[Item],
-        steps: &[Step],
-    ) -> Result<()> {
+    pub(crate) unsafe fn run(&mut self, root: Root, items: &[Item], steps: &[Step]) -> Result<()> {
         self.capture_failed()?;
         // SAFETY: per this function's contract.
         let ran = unsafe { self.run_steps(root, items, steps) };
@@ -623,7 +618,11 @@ impl EngineGuard<'_> {
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
-    unsafe fn run_steps(&mut self, root: JobRank, items: &[Item], steps: &[Step]) -> Result<()> {
+    unsafe fn run_steps(&mut self, root: Root, items: &[Item], steps: &[Step]) -> Result<()> {
+        let Root {
+            job: root,
+            local: root_local,
+        } = root;
         let n = self.n();
         let call = self.next_call();
         self.room_for(call)?;
@@ -671,7 +670,7 @@ impl EngineGuard<'_> {
                 }
                 Step::CopyEngine { tensors } => {
                     // SAFETY: per this function's contract.
-                    unsafe { self.copy_engine(root, items, tensors) }?;
+                    unsafe { self.copy_engine(root_local, items, tensors) }?;
                 }
                 Step::NcclGroup { tensors } => {
                     let ops: Vec<Vec<RankOp>> = tensors
@@ -733,14 +732,15 @@ impl EngineGuard<'_> {
         Ok(())
     }
 
-    /// Enqueues the copy-engine broadcast ([`copy`]) of `tensors` of `items` from job rank
-    /// `root` (a rank of this process), the root's own output included when out of place.
+    /// Enqueues the copy-engine broadcast ([`copy`]) of `tensors` of `items` from local rank
+    /// `root` (`None` where the root is not a rank of this process: an error), the root's own
+    /// output included when out of place.
     ///
     /// # Safety
     /// As for [`EngineGuard::run`].
     unsafe fn copy_engine(
         &mut self,
-        root: JobRank,
+        root: Option<Local>,
         items: &[Item],
         tensors: &[usize],
     ) -> Result<()> {
@@ -750,9 +750,11 @@ impl EngineGuard<'_> {
             self.engine.copy_engine_in_graph()?;
         }
         let engine = self.engine;
-        let root = local_of(engine.ranks.iter().map(|r| r.global), root).ok_or_else(|| {
-            Error::CopyEngineUnavailable("the root is not a rank of this process".into())
-        })?;
+        let Some(Local(root)) = root else {
+            return Err(Error::CopyEngineUnavailable(
+                "the root is not a rank of this process".into(),
+            ));
+        };
         let call = copy::Call::plan(root, self.n(), items, tensors, capturing);
         self.state.ce.captured |= capturing;
         let lanes: Vec<copy::Lane<'_>> = engine
