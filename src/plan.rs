@@ -22,6 +22,18 @@ pub(crate) struct Item {
 }
 
 impl Item {
+    /// A tensor of `count` elements of `dtype` from `src`, into `dsts[r]` on local rank `r`.
+    pub(crate) fn new(src: u64, dsts: &[u64], count: usize, dtype: DType) -> Item {
+        let mut item = Item {
+            src,
+            dsts: [0; MAX_GPUS],
+            count,
+            dtype,
+        };
+        item.dsts[..dsts.len()].copy_from_slice(dsts);
+        item
+    }
+
     pub(crate) fn bytes(&self) -> usize {
         // Validation checked that this product fits.
         self.count * self.dtype.size()

@@ -24,8 +24,7 @@ use cudarc::driver::sys::CUstream;
 use cudarc::driver::CudaStream;
 
 use super::args::{BufferInfo, Place};
-use crate::dtype::DType;
-use crate::engine::{EngineGuard, Item};
+use crate::engine::EngineGuard;
 use crate::error::Result;
 use crate::tensor::DeviceTensor;
 
@@ -215,16 +214,4 @@ pub(crate) fn streams_of<'t>(
     tensors: impl Iterator<Item = &'t Arc<CudaStream>>,
 ) -> Vec<Arc<CudaStream>> {
     tensors.cloned().collect()
-}
-
-/// An item for a tensor of `count` elements of `dtype`.
-pub(crate) fn item(src: u64, dsts: &[u64], count: usize, dtype: DType) -> Item {
-    let mut item = Item {
-        src,
-        dsts: [0; crate::config::MAX_GPUS],
-        count,
-        dtype,
-    };
-    item.dsts[..dsts.len()].copy_from_slice(dsts);
-    item
 }

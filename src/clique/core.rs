@@ -223,7 +223,7 @@ impl Core {
                 (None, Some(Local(local))) => dsts[local],
                 (None, None) => 0,
             };
-            let item = access::item(src, &dsts[..n], count, dtype);
+            let item = Item::new(src, &dsts[..n], count, dtype);
             (item, read, writes)
         };
         // SAFETY: validation proved every buffer is on its rank's device and context and
@@ -303,7 +303,7 @@ impl Core {
             // dropped before this returns.
             unsafe { foreign.note_raw(local, s, self.stream(local)) };
         }
-        let item = access::item(b.src, b.dsts, b.count, b.dtype);
+        let item = Item::new(b.src, b.dsts, b.count, b.dtype);
         // SAFETY: per this function's contract.
         foreign.around(&mut engine, |e| unsafe {
             e.run(root, &[item], std::slice::from_ref(&step))

@@ -44,7 +44,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream};
 use crate::config::{Settings, MAX_GPUS};
 use crate::copy;
 use crate::error::{Error, Result};
-use crate::nccl::{self, watchdog, Comms, Nccl, RankOp};
+use crate::nccl::{self, watchdog, Comms, Nccl};
 use crate::p2p::{self, P2p};
 pub(crate) use crate::plan::Item;
 use crate::plan::Step;
@@ -578,14 +578,7 @@ impl EngineGuard<'_> {
     /// (aborts themselves finish on a thread of their own); waiting for it is bounded like
     /// [`EngineGuard::drain`].
     fn nccl(&self) -> Result<MutexGuard<'_, Nccl>> {
-        let limit = self.drain_limit();
-        self.state
-            .nccl
-            .lock_within(limit)
-            .ok_or_else(|| Error::NcclTimeout {
-                during: "waiting for the NCCL communicators (held by the watchdog)".into(),
-                waited_ms: crate::wait::millis(limit),
-            })
+        self.state.nccl.lock(self.drain_limit())
     }
 
     /// The P2P path's availability.
@@ -673,59 +666,25 @@ impl EngineGuard<'_> {
                     unsafe { self.copy_engine(root_local, items, tensors) }?;
                 }
                 Step::NcclGroup { tensors } => {
-                    let ops: Vec<Vec<RankOp>> = tensors
-                        .iter()
-                        .map(|&t| {
-                            let it = &items[t];
-                            (0..n)
-                                .map(|local| RankOp {
-                                    send: if self.engine.ranks[local].global == root {
-                                        it.src
-                                    } else {
-                                        it.dsts[local]
-                                    },
-                                    recv: it.dsts[local],
-                                    stream: streams[local],
-                                })
-                                .collect()
-                        })
-                        .collect();
-                    let capturing = self.capturing();
-                    let watch = self.engine.watcher().filter(|_| !capturing);
-                    let own: Vec<&Arc<CudaStream>> =
-                        self.engine.ranks.iter().map(|r| r.stream.get()).collect();
-                    let mut nccl = self.nccl()?;
-                    let id = nccl.live_id();
-                    let comms = nccl.live()?;
-                    // Only once NCCL is known to be live: an aborted path records nothing.
-                    let begun = watch.map(|w| w.begin(&own)).transpose()?;
-                    let entries = tensors
-                        .iter()
-                        .zip(&ops)
-                        .map(|(&t, ops)| (items[t].count, items[t].dtype.nccl(), ops.as_slice()));
-                    // SAFETY: per this function's contract.
-                    let queued = unsafe {
-                        comms.broadcast_group(root.0, entries, self.engine.settings.timeouts.wait)
+                    let first = self.engine.ranks[0].stream.get();
+                    let mut own = [first; MAX_GPUS];
+                    for (slot, r) in own.iter_mut().zip(&self.engine.ranks) {
+                        *slot = r.stream.get();
+                    }
+                    let group = nccl::Group {
+                        call,
+                        root: root.0,
+                        root_local: root_local.map(|l| l.0),
+                        items,
+                        tensors,
+                        streams: &streams[..n],
+                        own: &own[..n],
+                        capturing: self.capturing(),
                     };
-                    if let Err(e) = queued {
-                        // The calls queued before it lose their kernels to the abort too.
-                        self.abort_locked(&mut nccl, format!("a grouped broadcast failed: {e}"));
-                        drop(nccl);
-                        // Inside a capture the graph may hold some of its kernels: the
-                        // capture fails at its end (its communicators are aborted).
-                        self.state.nccl.note_step(capturing);
-                        return Err(e);
-                    }
-                    drop(nccl);
-                    self.state.nccl.note_step(capturing);
-                    if let (Some(w), Some(begun)) = (watch, begun) {
-                        let what = watchdog::Watched::Broadcast {
-                            tensors: tensors.len(),
-                            bytes: tensors.iter().map(|&t| items[t].bytes()).sum(),
-                            root: root.0,
-                        };
-                        self.watch_nccl(w, begun, &own, call, what, id)?;
-                    }
+                    let (limit, wait) = (self.drain_limit(), self.engine.settings.timeouts.wait);
+                    let watchdog = self.engine.watcher();
+                    // SAFETY: per this function's contract; `own` are the ranks' own streams.
+                    unsafe { self.state.nccl.broadcast(&group, watchdog, limit, wait) }?;
                 }
             }
         }
@@ -787,10 +746,7 @@ impl EngineGuard<'_> {
         }
     }
 
-    /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
-    /// reached the GPU) with the watchdog `w`. Where that fails other than because those
-    /// communicators are being aborted (the error then names the call), they are aborted:
-    /// nothing would bound the work's wait for its peers otherwise.
+    /// [`nccl::State::watch`] with this engine's bound.
     pub(crate) fn watch_nccl(
         &self,
         w: &watchdog::Watchdog,
@@ -800,32 +756,19 @@ impl EngineGuard<'_> {
         what: watchdog::Watched,
         comms: u64,
     ) -> Result<()> {
-        match w.watch(begun, own, call, what, comms) {
-            Err(e) if !matches!(e, Error::CommunicatorsAborted { .. }) => {
-                self.abort_comms(format!("watching NCCL call {call} failed: {e}"), comms);
-                Err(e)
-            }
-            watched => watched,
-        }
+        let limit = self.drain_limit();
+        self.state
+            .nccl
+            .watch(w, begun, own, call, what, comms, limit)
     }
 
     /// Aborts the NCCL communicators with id `comms` (if still live) for `reason`, naming the
     /// calls queued with the watchdog: where NCCL work may have reached the GPU unwatched.
     pub(crate) fn abort_comms(&self, reason: String, comms: u64) {
-        if let Ok(mut nccl) = self.nccl() {
-            if nccl.live_id() == comms {
-                self.abort_locked(&mut nccl, reason);
-            }
-        }
-    }
-
-    /// Aborts the communicators in `nccl` (locked) for `reason`, first naming the calls
-    /// queued with the watchdog on them, which lose their kernels to the abort too.
-    fn abort_locked(&self, nccl: &mut Nccl, reason: String) {
-        if let Some(w) = &self.engine.watchdog {
-            w.fail_all(&reason, nccl.live_id());
-        }
-        nccl.abort(reason);
+        let limit = self.drain_limit();
+        self.state
+            .nccl
+            .abort_if_live(self.engine.watchdog.as_ref(), comms, reason, limit);
     }
 
     /// A P2P launch that failed on some rank leaves the others waiting for it: reset before the
@@ -1041,7 +984,7 @@ impl EngineGuard<'_> {
     /// support: with one GPU no NCCL peer can be late).
     pub(crate) fn abort_nccl(&mut self, reason: String) -> Result<()> {
         let mut nccl = self.nccl()?;
-        self.abort_locked(&mut nccl, reason);
+        nccl::abort_watched(self.engine.watchdog.as_ref(), &mut nccl, reason);
         Ok(())
     }
 

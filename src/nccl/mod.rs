@@ -7,15 +7,18 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream};
+
 use std::time::{Duration, Instant};
+use watchdog::{Watchdog, Watched};
 
 use crate::wait::Backoff;
 
 use cudarc::driver::sys::CUstream;
-use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t};
+use cudarc::nccl::sys::ncclComm_t;
 
 use crate::error::{Error, Result};
+use crate::plan::Item;
 use crate::wait::millis;
 pub use lib::nccl_version;
 pub(crate) use lib::{Config, NcclLib, UniqueId};
@@ -31,14 +34,6 @@ pub(crate) struct Comm(ncclComm_t);
 // engine and its watchdog reach the communicators only through it; `Comms` is not `Sync`), and
 // an abort on a thread of its own takes the communicators out of it first.
 unsafe impl Send for Comm {}
-
-/// One rank's part of a broadcast.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RankOp {
-    pub send: u64,
-    pub recv: u64,
-    pub stream: CUstream,
-}
 
 /// The NCCL communicators of the ranks this process drives, one per rank, released on drop
 /// (destroyed when idle, aborted otherwise).
@@ -136,54 +131,76 @@ impl Comms {
         }
     }
 
-    /// Enqueues, inside one NCCL group, a broadcast of every `(count, dtype, ops)` entry, where
-    /// `ops[rank]` is that rank's part.
+    /// Enqueues, inside one NCCL group, a broadcast of each of `tensors` from job rank `root`
+    /// (local rank `root_local` here, if this process holds it), local rank `r`'s part on
+    /// `streams[r]`: the root sends its `src` and every rank receives into its `dsts[r]` (the
+    /// other ranks' send buffer is their receive buffer, as NCCL ignores it).
     ///
     /// On a failure inside the group the group is ended (NCCL cancels a group in which a call
     /// failed) and `Err` is returned: the caller must abort the communicators, since a rank
     /// whose part was enqueued could otherwise wait forever for a peer whose part was not.
     ///
     /// # Safety
-    /// Each `recv` points to `count` elements of `dtype` on its rank's device, each `send` as
-    /// many (the root's source; the others' equal their `recv`), each stream is a live stream of
-    /// its rank's device; the buffers stay valid until the streams pass this point.
+    /// Each tensor's `dsts[r]` points to `count` elements of `dtype` on local rank `r`'s device
+    /// (its `src` too on the root's), each stream is a live stream of its rank's device; the
+    /// buffers stay valid until the streams pass this point.
     pub(crate) unsafe fn broadcast_group<'a>(
         &mut self,
         root: usize,
-        entries: impl Iterator<Item = (usize, ncclDataType_t, &'a [RankOp])>,
+        root_local: Option<usize>,
+        tensors: impl Iterator<Item = &'a Item> + Clone,
+        streams: &[CUstream],
         timeout: Duration,
     ) -> Result<()> {
         let root_c = c_int::try_from(root).expect("root is validated to be < 8");
-        // SAFETY: ncclGroupStart has no preconditions.
-        let code = unsafe { (self.lib.group_start)() };
-        self.lib.check(code, None, || "ncclGroupStart".into())?;
+        // One communicator and one tensor: one ncclBroadcast, which is a group of its own (the
+        // explicit group would only nest it).
+        let grouped = self.comms.len() * tensors.clone().take(2).count() > 1;
+        if grouped {
+            // SAFETY: ncclGroupStart has no preconditions.
+            let code = unsafe { (self.lib.group_start)() };
+            self.lib.check(code, None, || "ncclGroupStart".into())?;
+        }
         let mut failure = None;
-        'outer: for (count, dtype, ops) in entries {
-            for (rank, (op, comm)) in ops.iter().zip(&self.comms).enumerate() {
+        let mut last = 0;
+        'outer: for it in tensors {
+            for (rank, comm) in self.comms.iter().enumerate() {
+                let send = if root_local == Some(rank) {
+                    it.src
+                } else {
+                    it.dsts[rank]
+                };
                 // SAFETY: pointers and stream are valid per this function's contract.
-                let code = unsafe {
+                last = unsafe {
                     (self.lib.broadcast)(
-                        op.send as *const c_void,
-                        op.recv as *mut c_void,
-                        count,
-                        dtype,
+                        send as *const c_void,
+                        it.dsts[rank] as *mut c_void,
+                        it.count,
+                        it.dtype.nccl(),
                         root_c,
                         comm.0,
-                        op.stream,
+                        streams[rank],
                     )
                 };
+                if last == lib::IN_PROGRESS && !grouped {
+                    break 'outer;
+                }
                 if let Err(e) = self
                     .lib
-                    .check(code, Some(comm), || format!("ncclBroadcast on rank {rank}"))
+                    .check(last, Some(comm), || format!("ncclBroadcast on rank {rank}"))
                 {
                     failure = Some(e);
                     break 'outer;
                 }
             }
         }
-        // SAFETY: matches the ncclGroupStart above (also on failure: it resets this thread's
-        // group state, and NCCL drops a group in which a call failed).
-        let code = unsafe { (self.lib.group_end)() };
+        let code = if grouped {
+            // SAFETY: matches the ncclGroupStart above (also on failure: it resets this
+            // thread's group state, and NCCL drops a group in which a call failed).
+            unsafe { (self.lib.group_end)() }
+        } else {
+            last
+        };
         if let Some(e) = failure {
             return Err(e);
         }
@@ -390,22 +407,16 @@ fn connect(comms: &mut Comms, ranks: &[(usize, Arc<CudaContext>)]) -> Result<()>
             .map_err(Error::cuda("creating a stream for NCCL's first broadcast"))?;
             streams.push((ctx.clone(), stream));
         }
-        let ops: Vec<RankOp> = bufs
-            .iter()
-            .zip(&streams)
-            .map(|((_, b), (_, s))| RankOp {
-                send: *b,
-                recv: *b,
-                stream: *s,
-            })
-            .collect();
-        let u8_type = cudarc::nccl::sys::ncclDataType_t::ncclUint8;
+        // Every rank sends from and receives into its own buffer (no root's source apart).
+        let dsts: Vec<u64> = bufs.iter().map(|(_, b)| *b).collect();
+        let item = Item::new(0, &dsts, 1, crate::dtype::DType::U8);
+        let raw: Vec<CUstream> = streams.iter().map(|(_, s)| *s).collect();
         // SAFETY: each buffer holds 16 bytes on its rank's device, each stream is live; both
         // outlive the broadcast (synchronised below).
         unsafe {
             // The helper thread's caller bounds the whole; a year stands for no bound here.
             let unbounded = Duration::from_secs(365 * 24 * 3600);
-            comms.broadcast_group(0, std::iter::once((1, u8_type, ops.as_slice())), unbounded)
+            comms.broadcast_group(0, None, std::iter::once(&item), &raw, unbounded)
         }?;
         for ((ctx, s), rank) in streams.iter().zip(0..) {
             ctx.bind_to_thread()
@@ -524,6 +535,107 @@ impl State {
         lock_within(&self.comms, limit)
     }
 
+    /// The communicators, locked within `limit`, else [`Error::NcclTimeout`].
+    pub(crate) fn lock(&self, limit: Duration) -> Result<MutexGuard<'_, Nccl>> {
+        self.lock_within(limit).ok_or_else(|| Error::NcclTimeout {
+            during: "waiting for the NCCL communicators (held by the watchdog)".into(),
+            waited_ms: millis(limit),
+        })
+    }
+
+    /// Queues the grouped broadcast `g` and, outside a capture, hands it to `watchdog` (`None`:
+    /// not watched). A failure to queue it aborts the communicators: a rank whose part went out
+    /// would wait forever for one whose part did not (the calls queued before lose their
+    /// kernels too, and the watchdog names them). `limit` bounds the wait for the
+    /// communicators, `wait` NCCL's own queueing on non-blocking communicators.
+    ///
+    /// # Safety
+    /// As for [`Comms::broadcast_group`], for `g`'s tensors and streams; `g.own` are the local
+    /// ranks' own live streams.
+    pub(crate) unsafe fn broadcast(
+        &mut self,
+        g: &Group<'_>,
+        watchdog: Option<&Watchdog>,
+        limit: Duration,
+        wait: Duration,
+    ) -> Result<()> {
+        let watch = watchdog.filter(|_| !g.capturing);
+        let mut nccl = self.lock(limit)?;
+        let id = nccl.live_id();
+        let comms = nccl.live()?;
+        // Only once NCCL is known to be live: an aborted path records nothing.
+        let begun = watch.map(|w| w.begin(g.own)).transpose()?;
+        let tensors = g.tensors.iter().map(|&t| &g.items[t]);
+        // SAFETY: per this function's contract.
+        let queued =
+            unsafe { comms.broadcast_group(g.root, g.root_local, tensors, g.streams, wait) };
+        if let Err(e) = queued {
+            abort_watched(
+                watchdog,
+                &mut nccl,
+                format!("a grouped broadcast failed: {e}"),
+            );
+            drop(nccl);
+            // Inside a capture the graph may hold some of its kernels: the capture fails at
+            // its end (its communicators are aborted).
+            self.note_step(g.capturing);
+            return Err(e);
+        }
+        drop(nccl);
+        self.note_step(g.capturing);
+        if let (Some(w), Some(begun)) = (watch, begun) {
+            let what = Watched::Broadcast {
+                tensors: g.tensors.len(),
+                bytes: g.tensors.iter().map(|&t| g.items[t].bytes()).sum(),
+                root: g.root,
+            };
+            self.watch(w, begun, g.own, g.call, what, id, limit)?;
+        }
+        Ok(())
+    }
+
+    /// Queues call `call` (NCCL work on the communicators with id `comms`, which may have
+    /// reached the GPU) with the watchdog `w`. Where that fails other than because those
+    /// communicators are being aborted (the error then names the call), they are aborted:
+    /// nothing would bound the work's wait for its peers otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn watch(
+        &self,
+        w: &Watchdog,
+        begun: watchdog::Begun,
+        own: &[&Arc<CudaStream>],
+        call: u64,
+        what: Watched,
+        comms: u64,
+        limit: Duration,
+    ) -> Result<()> {
+        match w.watch(begun, own, call, what, comms) {
+            Err(e) if !matches!(e, Error::CommunicatorsAborted { .. }) => {
+                let reason = format!("watching NCCL call {call} failed: {e}");
+                self.abort_if_live(Some(w), comms, reason, limit);
+                Err(e)
+            }
+            watched => watched,
+        }
+    }
+
+    /// Aborts the communicators with id `comms`, if they are still the live ones, for
+    /// `reason` (naming the calls queued with `watchdog` on them); nothing where they cannot
+    /// be locked within `limit`.
+    pub(crate) fn abort_if_live(
+        &self,
+        watchdog: Option<&Watchdog>,
+        comms: u64,
+        reason: String,
+        limit: Duration,
+    ) {
+        if let Some(mut nccl) = self.lock_within(limit) {
+            if nccl.live_id() == comms {
+                abort_watched(watchdog, &mut nccl, reason);
+            }
+        }
+    }
+
     /// Notes an NCCL step queued while `capturing`.
     pub(crate) fn note_step(&mut self, capturing: bool) {
         self.captured |= capturing;
@@ -533,6 +645,30 @@ impl State {
     pub(crate) fn end_capture(&mut self) -> bool {
         std::mem::take(&mut self.captured)
     }
+}
+
+/// One grouped broadcast as the engine hands it over: call number `call`, of `tensors` of
+/// `items` from job rank `root` (local rank `root_local` here, if this process holds it), local
+/// rank `r`'s part queued on `streams[r]` (its own stream, or its capture stream), and `own[r]`
+/// its own stream, where the watchdog's events go.
+pub(crate) struct Group<'a> {
+    pub call: u64,
+    pub root: usize,
+    pub root_local: Option<usize>,
+    pub items: &'a [Item],
+    pub tensors: &'a [usize],
+    pub streams: &'a [CUstream],
+    pub own: &'a [&'a Arc<CudaStream>],
+    pub capturing: bool,
+}
+
+/// Aborts the communicators in `nccl` (locked) for `reason`, first naming the calls queued
+/// with `watchdog` on them, which lose their kernels to the abort too.
+pub(crate) fn abort_watched(watchdog: Option<&Watchdog>, nccl: &mut Nccl, reason: String) {
+    if let Some(w) = watchdog {
+        w.fail_all(&reason, nccl.live_id());
+    }
+    nccl.abort(reason);
 }
 
 /// `comms` as live communicators whose detached aborts count in `aborting`.

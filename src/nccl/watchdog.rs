@@ -20,6 +20,7 @@
 //! its own (`Nccl::abort`): this thread goes on watching, and callers see the error at once.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -110,6 +111,13 @@ struct Queue {
 
 struct Shared {
     queue: Mutex<Queue>,
+    /// The number of the oldest call in the queue (`u64::MAX` while it is empty), written
+    /// under the queue's lock whenever the front changes: [`Watchdog::room`] reads it without
+    /// the lock.
+    front: AtomicU64,
+    /// Whether `Queue::fault` holds a fault not yet reported, written under the queue's lock:
+    /// [`Watchdog::take_fault`] reads it without the lock.
+    faulted: AtomicBool,
     wake: Condvar,
     nccl: Arc<Mutex<Nccl>>,
     timeout: Duration,
@@ -118,6 +126,14 @@ struct Shared {
 impl Shared {
     fn queue(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes `q`'s front and fault to the lock-free readers (called with the queue locked,
+    /// after any change to either).
+    fn publish(&self, q: &Queue) {
+        let front = q.pending.front().map_or(u64::MAX, |p| p.call);
+        self.front.store(front, Ordering::Release);
+        self.faulted.store(q.fault.is_some(), Ordering::Release);
     }
 }
 
@@ -142,6 +158,8 @@ impl Watchdog {
     pub(crate) fn start(nccl: Arc<Mutex<Nccl>>, timeout: Duration) -> Result<Watchdog> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
+            front: AtomicU64::new(u64::MAX),
+            faulted: AtomicBool::new(false),
             wake: Condvar::new(),
             nccl,
             timeout,
@@ -218,6 +236,7 @@ impl Watchdog {
             end: begun.end,
             started: None,
         });
+        self.shared.publish(&q);
         drop(q);
         if asleep {
             self.shared.wake.notify_one();
@@ -236,22 +255,23 @@ impl Watchdog {
     ///
     /// Returns whether it had to wait (the caller then looks for a fault decided meanwhile).
     pub(crate) fn room(&self, call: u64, limit: Duration) -> Result<bool> {
-        // Read the clock only once a wait begins: not on the hot path.
+        // The common case reads one atomic: no lock, no clock.
+        if !behind(call, self.shared.front.load(Ordering::Acquire)) {
+            return Ok(false);
+        }
         let mut start: Option<Instant> = None;
         let mut backoff = crate::wait::Backoff::new();
         loop {
             {
                 let mut q = self.shared.queue();
                 let queue = &mut *q;
-                let full = |p: &VecDeque<Pending>| {
-                    p.front()
-                        .is_some_and(|p| call.saturating_sub(p.call) >= MAX_BEHIND)
-                };
-                if !full(&queue.pending) {
+                let front = |p: &VecDeque<Pending>| p.front().map_or(u64::MAX, |p| p.call);
+                if !behind(call, front(&queue.pending)) {
                     return Ok(start.is_some());
                 }
                 pop_finished(&mut queue.pending, &mut queue.spare, passed);
-                if !full(&queue.pending) {
+                self.shared.publish(queue);
+                if !behind(call, front(&queue.pending)) {
                     return Ok(true);
                 }
             }
@@ -269,14 +289,23 @@ impl Watchdog {
 
     /// The abort not reported yet, if any (reported once).
     pub(crate) fn take_fault(&self) -> Option<Error> {
-        self.shared.queue().fault.take()
+        // Without the lock while there is none (every call asks).
+        if !self.shared.faulted.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut q = self.shared.queue();
+        let fault = q.fault.take();
+        self.shared.publish(&q);
+        fault
     }
 
     /// An abort of the communicators with id `comms` decided elsewhere (a failed enqueue, say),
     /// before it is carried out: every call queued here becomes undefined, as after a fault of
     /// the watchdog's own, and later calls on those communicators are refused by `watch`.
     pub(crate) fn fail_all(&self, reason: &str, comms: u64) {
-        fail_pending(&mut self.shared.queue(), reason, comms);
+        let mut q = self.shared.queue();
+        fail_pending(&mut q, reason, comms);
+        self.shared.publish(&q);
     }
 }
 
@@ -353,22 +382,48 @@ fn look<E>(
     late
 }
 
+/// Whether call number `call` is [`MAX_BEHIND`] calls or more behind the oldest queued call,
+/// `front` (`u64::MAX`: none queued).
+fn behind(call: u64, front: u64) -> bool {
+    call.saturating_sub(front) >= MAX_BEHIND
+}
+
 /// Moves the finished calls at the front of `pending` to `spare`.
 fn pop_finished<E>(
     pending: &mut VecDeque<Pending<E>>,
     spare: &mut Vec<Pair<E>>,
     passed: impl Fn(&E) -> bool,
 ) {
-    // Each rank's events pass in stream order: when the last call ended everywhere, so did
-    // every call before it (one query per rank for a whole batch of finished calls).
-    let all_done = pending.back().is_some_and(|p| p.end.iter().all(&passed));
-    while pending
-        .front()
-        .is_some_and(|p| all_done || p.end.iter().all(&passed))
-    {
-        let done = pending.pop_front().expect("checked");
-        spare.push((done.start, done.end));
+    let done = finished_prefix(pending, |p| p.end.iter().all(&passed));
+    spare.extend(pending.drain(..done).map(|p| (p.start, p.end)));
+}
+
+/// How many calls at the front of `pending` have finished (`done`). Each rank's events pass in
+/// stream order, so the finished calls are a prefix of the queue: when the last one finished,
+/// all did (one query per rank for a whole batch); when the first did not, none did; else the
+/// prefix is found by bisection (about log2 of the queue's length queries per rank, not one
+/// per finished call).
+fn finished_prefix<E>(pending: &VecDeque<Pending<E>>, done: impl Fn(&Pending<E>) -> bool) -> usize {
+    let Some(last) = pending.back() else {
+        return 0;
+    };
+    if done(last) {
+        return pending.len();
     }
+    if !pending.front().is_some_and(&done) {
+        return 0;
+    }
+    // Calls before `lo` finished; the call at `hi` did not.
+    let (mut lo, mut hi) = (1, pending.len() - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if done(&pending[mid]) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// Makes every call queued in `q` undefined by a fault of the communicators with id `comms`
@@ -457,6 +512,7 @@ fn watch(shared: &Shared) {
             shared.timeout,
             passed,
         );
+        shared.publish(queue);
         let reason = match late {
             // Every queued call is on one set of communicators (a fault empties the queue).
             Some(r) => Some((r, q.pending.front().map_or(0, |p| p.comms))),
@@ -498,6 +554,7 @@ fn watch(shared: &Shared) {
                 &reason,
                 comms,
             );
+            shared.publish(&q);
             drop(q);
             tracing::error!(%reason, ?undefined, "aborting NCCL");
             let mut nccl = shared.nccl.lock().unwrap_or_else(|e| e.into_inner());
@@ -506,6 +563,7 @@ fn watch(shared: &Shared) {
             }
             q = shared.queue();
             publish_fault(&mut q.fault, &reason, undefined);
+            shared.publish(&q);
             drop(nccl);
             continue;
         }
@@ -552,6 +610,35 @@ mod tests {
 
     fn pass(f: &Flag) {
         f.set(true);
+    }
+
+    #[test]
+    fn the_finished_prefix_is_found_with_few_queries() {
+        for len in [0usize, 1, 2, 3, 7, 128, 129] {
+            for finished in 0..=len {
+                let (pending, flags) = queue(len, 2);
+                for (_, end) in &flags[..finished] {
+                    end.iter().for_each(pass);
+                }
+                let queries = Cell::new(0usize);
+                let found = finished_prefix(&pending, |p| {
+                    queries.set(queries.get() + 1);
+                    p.end.iter().all(|f| f.get())
+                });
+                assert_eq!(found, finished, "{finished} of {len} finished");
+                // The last call, the first, then a bisection of the rest.
+                let most = 2 + (usize::BITS - len.leading_zeros()) as usize;
+                assert!(queries.get() <= most, "{} queries for {len}", queries.get());
+            }
+        }
+    }
+
+    #[test]
+    fn room_is_short_only_behind_an_old_call() {
+        assert!(!behind(5, u64::MAX));
+        assert!(!behind(1 + MAX_BEHIND - 1, 1));
+        assert!(behind(1 + MAX_BEHIND, 1));
+        assert!(!behind(0, 7));
     }
 
     #[test]

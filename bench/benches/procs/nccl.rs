@@ -378,9 +378,14 @@ impl RawNcclAll {
         streams: &[CUstream],
     ) -> Result<()> {
         let root_c = c_int::try_from(root).context("root")?;
-        // SAFETY: ncclGroupStart has no preconditions.
-        let code = unsafe { (self.lib.group_start)() };
-        self.lib.check(code, "ncclGroupStart")?;
+        // One communicator: one ncclBroadcast, a group of its own (the fastest way to drive
+        // it); several: one group.
+        let grouped = self.comms.len() > 1;
+        if grouped {
+            // SAFETY: ncclGroupStart has no preconditions.
+            let code = unsafe { (self.lib.group_start)() };
+            self.lib.check(code, "ncclGroupStart")?;
+        }
         let mut first = Ok(());
         for (r, comm) in self.comms.iter().enumerate() {
             let send = if r == root { src } else { dsts[r] };
@@ -399,6 +404,9 @@ impl RawNcclAll {
             if first.is_ok() {
                 first = self.lib.check(code, "ncclBroadcast");
             }
+        }
+        if !grouped {
+            return first;
         }
         // SAFETY: matches the group start above.
         let code = unsafe { (self.lib.group_end)() };
