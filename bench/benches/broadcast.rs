@@ -98,7 +98,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
     /// Modes: eager (calls back to back), graph (captured, replayed), idle (one call after 10
-    /// ms with the GPUs idle, five per repeat).
+    /// ms with the GPUs idle, the median of nine per repeat).
     #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
     modes: Vec<String>,
     /// Timed repeats per point (the median is reported).
@@ -146,8 +146,9 @@ const DEFAULT_PATHS: &str =
 const DEFAULT_PATHS_1GPU: &str =
     "nccl,nccl-raw,nccl-nowatch,nccl-untracked,nccl-untracked-nowatch,launch-floor";
 
-/// Single calls per repeat in idle mode, each after [`IDLE_GAP`].
-const IDLE_CALLS: usize = 5;
+/// Single calls per repeat in idle mode, each after [`IDLE_GAP`] (the repeat gives their
+/// median: one call that meets a hiccup of the host does not move it).
+const IDLE_CALLS: usize = 9;
 const IDLE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Rotating buffers: an input pool on the root and an output pool on every rank, used as
@@ -1200,7 +1201,7 @@ fn sample(
 
 /// One repeat in idle mode: [`IDLE_CALLS`] single calls, each after [`IDLE_GAP`] with every
 /// stream drained, each timed by events from a mark queued on the idle streams just before the
-/// call to one just after it (the slowest rank counts): microseconds per call, averaged.
+/// call to one just after it (the slowest rank counts): microseconds per call, their median.
 fn idle_sample(
     clique: &Clique,
     pools: &mut Pools,
@@ -1209,7 +1210,7 @@ fn idle_sample(
     bytes: usize,
     floor: &EmptyKernel,
 ) -> Result<f64> {
-    let mut total_ms = 0f64;
+    let mut us = Vec::with_capacity(IDLE_CALLS);
     for _ in 0..IDLE_CALLS {
         clique.synchronize()?;
         std::thread::sleep(IDLE_GAP);
@@ -1217,9 +1218,10 @@ fn idle_sample(
         run_op(clique, pools, path, root, bytes, 0, floor)?;
         let ends = mark(clique)?;
         clique.synchronize()?;
-        total_ms += f64::from(timer::slowest_ms(&starts, &ends)?);
+        us.push(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3);
     }
-    Ok(total_ms * 1e3 / IDLE_CALLS as f64)
+    us.sort_by(f64::total_cmp);
+    Ok(us[us.len() / 2])
 }
 
 /// A timing event on every rank's stream, after the work queued there so far.
