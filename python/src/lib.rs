@@ -262,6 +262,9 @@ impl Drop for PyCommunicator {
     /// thread's current CUDA context as it was (both make contexts current).
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
+        // A fence after every call's work, which the drop below waits for: the tensors of the
+        // calls since the last fence are released, not leaked, when it completes.
+        self.pending.fence();
         // SAFETY: each field is taken or dropped once, here, and never used after.
         let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
         // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
@@ -497,6 +500,8 @@ impl PyCommunicator {
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let _current = KeepCurrent::new();
+        // Fenced before the wait, so that the fence has completed after it.
+        self.pending.fence();
         let comm = &self.inner;
         py.detach(|| comm.synchronize()).map_err(to_py)?;
         self.pending.prune();
@@ -675,6 +680,9 @@ impl Drop for PyClique {
     /// As for `PyCommunicator`.
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
+        // A fence after every call's work, which the drop below waits for: the tensors of the
+        // calls since the last fence are released, not leaked, when it completes.
+        self.pending.fence();
         // SAFETY: each field is taken or dropped once, here, and never used after.
         let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
         // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
@@ -794,20 +802,18 @@ impl<A: Owners, B: Owners> Owners for (A, B) {
     }
 }
 
-/// Runs a call over the tensors `descs` describes: drops the tensors of calls that have
-/// finished, runs `call` without the GIL, then keeps the tensors until the work `call` queued
-/// has run (also when it failed: it may have queued some).
+/// Runs a call over the tensors `descs` describes: runs `call` without the GIL, then keeps the
+/// tensors until the work `call` queued has run (also when it failed: it may have queued
+/// some); keeping drops the tensors of calls that have finished, now and then.
 fn kept<D: Owners + Sync>(
     py: Python<'_>,
     pending: &Pending,
     descs: D,
     call: impl FnOnce(&D) -> gpucast::Result<()> + Send,
 ) -> PyResult<()> {
-    pending.prune();
     let result = py.detach(|| call(&descs));
-    let mut owners = Vec::new();
-    descs.owners(&mut owners);
-    pending.keep(owners);
+    // Moving the owners runs no Python code (no reference count reaches zero).
+    pending.keep(|owners| descs.owners(owners));
     result.map_err(to_py)
 }
 
@@ -1029,6 +1035,8 @@ impl PyClique {
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let _current = KeepCurrent::new();
+        // Fenced before the wait, so that the fence has completed after it.
+        self.pending.fence();
         let clique = &self.inner;
         py.detach(|| clique.synchronize()).map_err(to_py)?;
         self.pending.prune();
