@@ -21,7 +21,7 @@ use pyo3::types::PyList;
 
 use errors::to_py;
 use pending::Pending;
-use tensors::{describe_with, external, Desc, StreamMemo, Where};
+use tensors::{describe_with, external, Desc, Memo, Where};
 
 /// Runs `$body` with `$T` the Rust element type of `$dtype`.
 macro_rules! typed {
@@ -612,7 +612,7 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
-        let desc = describe_with(tensor, at, &mut StreamMemo::default())?;
+        let desc = describe_with(tensor, at, &mut Memo::default())?;
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
         kept(py, &self.pending, desc, |d| {
@@ -640,7 +640,7 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let descs = tensors
             .try_iter()?
             .map(|t| describe_with(&t?, at, &mut memo))
@@ -949,7 +949,7 @@ impl PyClique {
         self.check_count("tensors", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let descs = tensors
             .iter()
             .enumerate()
@@ -985,7 +985,7 @@ impl PyClique {
         self.check_count("output lists", outputs.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let ins = inputs
             .try_iter()?
             .map(|t| describe_with(&t?, self.at(root, stream).reading(true), &mut memo))
@@ -1020,7 +1020,7 @@ impl PyClique {
         self.check_count("tensor lists", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let lists = self.describe_lists(tensors, stream, Some(root), &mut StreamMemo::default())?;
+        let lists = self.describe_lists(tensors, stream, Some(root), &mut Memo::default())?;
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
             let mut bufs = unsafe { self.buffers(lists) }?;
@@ -1063,7 +1063,7 @@ impl PyClique {
         root: usize,
         stream: Option<u64>,
     ) -> PyResult<(Desc, Vec<Desc>)> {
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let input = describe_with(tensor, self.at(root, stream).reading(true), &mut memo)?;
         let outs = outputs
             .iter()
@@ -1174,7 +1174,7 @@ impl PyClique {
         lists: &Bound<'_, PyList>,
         stream: Option<u64>,
         source: Option<usize>,
-        memo: &mut StreamMemo,
+        memo: &mut Memo,
     ) -> PyResult<Vec<Vec<Desc>>> {
         lists
             .iter()
