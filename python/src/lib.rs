@@ -21,7 +21,7 @@ use pyo3::types::PyList;
 
 use errors::to_py;
 use pending::Pending;
-use tensors::{describe_with, external, Desc, Memo, Where};
+use tensors::{describe_with, external, Desc, Memo, Seen, Where};
 
 /// Runs `$body` with `$T` the Rust element type of `$dtype`.
 macro_rules! typed {
@@ -649,11 +649,13 @@ impl PyCommunicator {
         let comm = &self.inner;
         kept(py, &self.pending, descs, |ds| {
             let mut bufs: Vec<Box<Buffer>> = Vec::with_capacity(ds.len());
+            let mut seen = Seen::default();
             for d in ds {
                 // SAFETY: as in `broadcast`, for each tensor.
                 let stream = unsafe { borrowed(&ctx, d.stream) };
-                // SAFETY: as in `broadcast`.
-                bufs.push(unsafe { external(d, stream) }?.0);
+                // SAFETY: as in `broadcast`; `seen` lists buffers of the call's tensors, held
+                // as these are.
+                bufs.push(unsafe { external(d, stream, &mut seen) }?.0);
             }
             let list = bufs
                 .iter_mut()
@@ -727,15 +729,22 @@ impl PyClique {
     /// # Safety
     /// Every `Desc` describes a live tensor of rank `rank`'s device, kept alive until the work
     /// queued by the call that uses the buffers has run.
-    unsafe fn buffers_of(&self, rank: usize, descs: &[Desc]) -> gpucast::Result<Vec<Box<Buffer>>> {
+    /// `seen`: the allocations of the call's buffers made so far (see [`Seen`]).
+    unsafe fn buffers_of(
+        &self,
+        rank: usize,
+        descs: &[Desc],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Box<Buffer>>> {
         let ctx = self.inner.context(rank);
         descs
             .iter()
             .map(|d| {
                 // SAFETY: per this function's contract.
                 let stream = unsafe { borrowed(ctx, d.stream) };
-                // SAFETY: per this function's contract.
-                let (buf, plain) = unsafe { external(d, stream) }?;
+                // SAFETY: per this function's contract; the buffers `seen` lists are of the
+                // call's tensors, held by the caller as these are.
+                let (buf, plain) = unsafe { external(d, stream, seen) }?;
                 if !plain && self.several_gpus {
                     return Err(Error::InvalidArgument(format!(
                         "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
@@ -753,12 +762,16 @@ impl PyClique {
     ///
     /// # Safety
     /// As for [`PyClique::buffers_of`], `lists[rank]` being rank `rank`'s.
-    unsafe fn buffers(&self, lists: &[Vec<Desc>]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+    unsafe fn buffers(
+        &self,
+        lists: &[Vec<Desc>],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
         lists
             .iter()
             .enumerate()
             // SAFETY: per this function's contract.
-            .map(|(rank, list)| unsafe { self.buffers_of(rank, list) })
+            .map(|(rank, list)| unsafe { self.buffers_of(rank, list, seen) })
             .collect()
     }
 }
@@ -960,7 +973,7 @@ impl PyClique {
         let lists: Vec<Vec<Desc>> = descs.into_iter().map(|d| vec![d]).collect();
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
-            let mut bufs = unsafe { self.buffers(lists) }?;
+            let mut bufs = unsafe { self.buffers(lists, &mut Seen::default()) }?;
             self.inner
                 .with(&options)
                 .broadcast_many_in_place(root, &mut lend(&mut bufs))
@@ -992,10 +1005,11 @@ impl PyClique {
             .collect::<PyResult<Vec<_>>>()?;
         let outs = self.describe_lists(outputs, stream, None, &mut memo)?;
         kept(py, &self.pending, (ins, outs), |(ins, outs)| {
+            let mut seen = Seen::default();
             // SAFETY: as in `broadcast`.
-            let inp = unsafe { self.buffers_of(root, ins) }?;
+            let inp = unsafe { self.buffers_of(root, ins, &mut seen) }?;
             // SAFETY: as in `broadcast`.
-            let mut out = unsafe { self.buffers(outs) }?;
+            let mut out = unsafe { self.buffers(outs, &mut seen) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             self.inner
                 .with(&options)
@@ -1023,7 +1037,7 @@ impl PyClique {
         let lists = self.describe_lists(tensors, stream, Some(root), &mut Memo::default())?;
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
-            let mut bufs = unsafe { self.buffers(lists) }?;
+            let mut bufs = unsafe { self.buffers(lists, &mut Seen::default()) }?;
             self.inner
                 .with(&options)
                 .broadcast_many_in_place(root, &mut lend(&mut bufs))
@@ -1083,10 +1097,13 @@ impl PyClique {
         input: &Desc,
         outs: &[Desc],
     ) -> gpucast::Result<(ExternalSlice<T>, Vec<ExternalSlice<T>>)> {
-        let slice = |rank: usize, d: &Desc| {
+        // The buffers made so far are of the call's described tensors, all held by the caller
+        // until the call's work has run: their memory stays allocated.
+        let mut seen = Seen::default();
+        let mut slice = |rank: usize, d: &Desc| {
             let ctx = self.inner.context(rank);
-            // SAFETY: per this function's contract.
-            let s = unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(ctx, d.stream)) }?;
+            // SAFETY: per this function's contract, and as above for `seen`.
+            let s = unsafe { seen.slice::<T>(d, borrowed(ctx, d.stream)) }?;
             if !s.is_plain_allocation() && self.several_gpus {
                 return Err(Error::InvalidArgument(format!(
                     "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
@@ -1135,10 +1152,11 @@ impl PyClique {
         iters: usize,
     ) -> gpucast::Result<()> {
         if outs.iter().any(|o| o.dtype != input.dtype) {
+            let mut seen = Seen::default();
             // SAFETY: per this function's contract.
-            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input)) }?;
+            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input), &mut seen) }?;
             // SAFETY: per this function's contract.
-            let mut out = unsafe { self.buffers_of_each(outs) }?;
+            let mut out = unsafe { self.buffers_of_each(outs, &mut seen) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             return self
                 .inner
@@ -1160,11 +1178,15 @@ impl PyClique {
     ///
     /// # Safety
     /// As for [`PyClique::buffers_of`], `outs[rank]` being rank `rank`'s.
-    unsafe fn buffers_of_each(&self, outs: &[Desc]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+    unsafe fn buffers_of_each(
+        &self,
+        outs: &[Desc],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
         outs.iter()
             .enumerate()
             // SAFETY: per this function's contract.
-            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d)) })
+            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d), seen) })
             .collect()
     }
 

@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use gpucast::cudarc::driver::CudaStream;
 use gpucast::half::{bf16, f16};
-use gpucast::{DType, DeviceTensorMut, ExternalSlice};
+use gpucast::{CheckedAllocation, DType, DeviceTensorMut, ExternalSlice};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
@@ -627,23 +627,54 @@ pub(crate) fn describe_tensor<'py>(
     Ok(out)
 }
 
+/// The allocations a call's buffers were checked against: the call's later buffers in one of
+/// them are checked against it without asking the driver again ([`ExternalSlice::new_in`]).
+/// Live for one call only, while the call holds every described tensor (so every allocation
+/// listed stays allocated).
+#[derive(Default)]
+pub(crate) struct Seen(Vec<CheckedAllocation>);
+
+impl Seen {
+    /// A buffer of `T` of the described memory, ordered with `stream`.
+    ///
+    /// # Safety
+    /// As for [`external`]; and the memory of every buffer made through `self` so far is
+    /// still allocated.
+    pub(crate) unsafe fn slice<T: gpucast::Element>(
+        &mut self,
+        d: &Desc,
+        stream: Arc<CudaStream>,
+    ) -> gpucast::Result<ExternalSlice<T>> {
+        // SAFETY: per this function's contract.
+        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, &self.0) }?;
+        if let Some(a) = s.allocation() {
+            if !self.0.contains(&a) {
+                self.0.push(a);
+            }
+        }
+        Ok(s)
+    }
+}
+
 /// A gpucast buffer of the described memory, ordered with `stream`.
 ///
 /// # Safety
 /// `d` describes live device memory of `stream`'s device (allocated in its primary context),
 /// which stays allocated until the work queued on `stream` by the call given the buffer has
-/// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]).
+/// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]); the
+/// memory of every buffer made through `seen` so far is still allocated.
 ///
 /// Also returns whether the memory is a plain allocation that any GPU with peer access
 /// reaches ([`ExternalSlice::is_plain_allocation`]).
 pub(crate) unsafe fn external(
     d: &Desc,
     stream: Arc<CudaStream>,
+    seen: &mut Seen,
 ) -> gpucast::Result<(Box<dyn DeviceTensorMut>, bool)> {
     macro_rules! boxed {
         ($t:ty) => {{
             // SAFETY: per this function's contract.
-            let s = unsafe { ExternalSlice::<$t>::new(d.ptr, d.len, stream) }?;
+            let s = unsafe { seen.slice::<$t>(d, stream) }?;
             let plain = s.is_plain_allocation();
             (Box::new(s) as Box<dyn DeviceTensorMut>, plain)
         }};
