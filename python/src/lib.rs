@@ -793,25 +793,27 @@ fn lend(lists: &mut [Vec<Box<Buffer>>]) -> Vec<Vec<&mut dyn DeviceTensorMut>> {
 
 /// What owns the memory of described tensors.
 trait Owners {
-    fn owners(self, out: &mut Vec<Py<PyAny>>);
+    /// Moves the owners to `out`; returns the bytes of the memory they own for the call.
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize;
 }
 
 impl Owners for Desc {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
         out.push(self.keep);
+        self.len.saturating_mul(self.dtype.size())
     }
 }
 
 impl<T: Owners> Owners for Vec<T> {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
-        self.into_iter().for_each(|t| t.owners(out));
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
+        self.into_iter()
+            .fold(0, |bytes, t| bytes.saturating_add(t.owners(out)))
     }
 }
 
 impl<A: Owners, B: Owners> Owners for (A, B) {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
-        self.0.owners(out);
-        self.1.owners(out);
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
+        self.0.owners(out).saturating_add(self.1.owners(out))
     }
 }
 

@@ -7,8 +7,8 @@
 //!
 //! Fences are batched: a call's owners join the batch of unfenced owners, and a fence (one
 //! event on every stream a call may queue work on) is recorded only when the batch has
-//! [`FENCE_EVERY`] calls or [`FENCE_OWNERS`] owners, and before the clique or communicator
-//! synchronizes or goes ([`Pending::fence`]). Work on each stream runs in the order it was
+//! [`FENCE_EVERY`] calls, [`FENCE_OWNERS`] owners or [`FENCE_BYTES`] bytes of tensors, and
+//! before the clique or communicator synchronizes or goes ([`Pending::fence`]). Work on each stream runs in the order it was
 //! queued, so a fence recorded after a batch's last call covers every call of the batch.
 //! Completion is polled (`cuEventQuery`, oldest fence first, stopping at the first not done)
 //! when a fence is recorded and at `synchronize`, never waited for here, so keeping costs no
@@ -16,9 +16,12 @@
 //!
 //! Memory: a call's owners are held until the fence of its batch has completed and a later
 //! poll has seen it: with the work done, at most `2 * FENCE_EVERY - 1` calls after the call
-//! (fewer for calls of many tensors: `FENCE_OWNERS`), where one event per call polled at every
-//! call held them until the next call. Nothing else is held: the lists hold only batches not
-//! yet seen complete.
+//! (fewer for calls of many tensors or large ones), where one event per call polled at every
+//! call held them until the next call. Beyond what that held, the added hold is at most the
+//! unfenced batch and one completed batch not yet polled: each under `FENCE_BYTES` of tensors
+//! plus its last call's, `FENCE_OWNERS` owners plus its last call's (calls of tensors of
+//! `FENCE_BYTES` or more are fenced and polled at each call, as before). Nothing else is held:
+//! the lists hold only batches not yet seen complete.
 //!
 //! Owners whose call's end cannot be known (a fence that could not be recorded on every
 //! stream) and owners whose fence has not completed when the `Pending` goes are never
@@ -38,6 +41,10 @@ pub(crate) const FENCE_EVERY: usize = 8;
 /// number of calls (calls with many tensors).
 pub(crate) const FENCE_OWNERS: usize = 64;
 
+/// Bytes per fence (at least): a batch whose tensors hold this many bytes is fenced at once
+/// (bounds the memory batching holds; such calls run long enough that an event each is cheap).
+pub(crate) const FENCE_BYTES: usize = 64 << 20;
+
 /// The mark, after some queued work, that tells when that work has run.
 pub(crate) trait Fence {
     /// Whether the work before the fence has run; `false` when that cannot be told (an error
@@ -55,6 +62,8 @@ pub(crate) struct Batches<F, O> {
     unfenced: Vec<O>,
     /// Calls in `unfenced`.
     calls: usize,
+    /// Bytes of the tensors of `unfenced`.
+    bytes: usize,
     /// Fenced batches, oldest first (fences recorded in this order).
     fenced: VecDeque<(F, Vec<O>)>,
 }
@@ -64,19 +73,24 @@ impl<F: Fence, O> Batches<F, O> {
         Batches {
             unfenced: Vec::new(),
             calls: 0,
+            bytes: 0,
             fenced: VecDeque::new(),
         }
     }
 
-    /// Adds the owners of one call whose work has been queued, which `push` pushes (a call
-    /// without owners counts for nothing); returns whether the batch is due a fence.
-    pub(crate) fn add_with(&mut self, push: impl FnOnce(&mut Vec<O>)) -> bool {
+    /// Adds the owners of one call whose work has been queued, which `push` pushes, returning
+    /// the bytes of their tensors (a call without owners counts for nothing); returns whether
+    /// the batch is due a fence.
+    pub(crate) fn add_with(&mut self, push: impl FnOnce(&mut Vec<O>) -> usize) -> bool {
         let before = self.unfenced.len();
-        push(&mut self.unfenced);
+        let bytes = push(&mut self.unfenced);
         if self.unfenced.len() > before {
             self.calls += 1;
+            self.bytes = self.bytes.saturating_add(bytes);
         }
-        self.calls >= FENCE_EVERY || self.unfenced.len() >= FENCE_OWNERS
+        self.calls >= FENCE_EVERY
+            || self.unfenced.len() >= FENCE_OWNERS
+            || self.bytes >= FENCE_BYTES
     }
 
     /// Whether some owners wait for a fence.
@@ -90,6 +104,7 @@ impl<F: Fence, O> Batches<F, O> {
     #[must_use = "the owners of an unfenced batch must be leaked"]
     pub(crate) fn fenced(&mut self, fence: Option<F>) -> Vec<O> {
         self.calls = 0;
+        self.bytes = 0;
         let owners = std::mem::take(&mut self.unfenced);
         match fence {
             Some(f) => {
@@ -167,10 +182,11 @@ impl Pending {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Keeps the owners `push` pushes (under this type's lock: it must run no Python code)
-    /// until the work queued so far on every stream has run; when their batch is due a fence,
-    /// drops the owners of batches whose fences have completed and records it.
-    pub(crate) fn keep(&self, push: impl FnOnce(&mut Vec<Py<PyAny>>)) {
+    /// Keeps the owners `push` pushes until the work queued so far on every stream has run;
+    /// when their batch is due a fence, drops the owners of batches whose fences have
+    /// completed and records it. `push` returns the bytes of their tensors; it runs under this
+    /// type's lock, so it must run no Python code.
+    pub(crate) fn keep(&self, push: impl FnOnce(&mut Vec<Py<PyAny>>) -> usize) {
         let mut done = Vec::new();
         let leaked = {
             let mut state = self.state();
@@ -290,7 +306,10 @@ mod tests {
 
     impl Batches<FakeFence, Owner> {
         fn add(&mut self, owners: impl IntoIterator<Item = Owner>) -> bool {
-            self.add_with(|out| out.extend(owners))
+            self.add_with(|out| {
+                out.extend(owners);
+                1
+            })
         }
     }
 
@@ -360,6 +379,22 @@ mod tests {
         assert!(!b.has_unfenced());
         let many = (0..FENCE_OWNERS).map(|_| Owner(released.clone()));
         assert!(b.add(many), "one call of many owners");
+        let (f, _) = fence();
+        let _ = b.fenced(Some(f));
+        assert!(!b.add_with(|out| {
+            out.push(Owner(released.clone()));
+            FENCE_BYTES / 2
+        }));
+        assert!(
+            b.add_with(|out| {
+                out.push(Owner(released.clone()));
+                FENCE_BYTES / 2
+            }),
+            "two calls of half the bytes"
+        );
+        let (f, _) = fence();
+        let _ = b.fenced(Some(f));
+        assert!(!b.add_with(|_| FENCE_BYTES), "a call without owners");
     }
 
     #[test]
