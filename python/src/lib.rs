@@ -1102,10 +1102,26 @@ impl PyClique {
         // The buffers made so far are of the call's described tensors, all held by the caller
         // until the call's work has run: their memory stays allocated.
         let mut seen = Seen::default();
+        // The last stream wrapper made: buffers of one context and stream handle share one.
+        let mut last: Option<std::sync::Arc<CudaStream>> = None;
         let mut slice = |rank: usize, d: &Desc| {
             let ctx = self.inner.context(rank);
+            let stream = match &last {
+                Some(s)
+                    if std::sync::Arc::ptr_eq(s.context(), ctx)
+                        && s.cu_stream() as u64 == d.stream =>
+                {
+                    s.clone()
+                }
+                _ => {
+                    // SAFETY: per this function's contract (the handle is the tensor's stream).
+                    let s = unsafe { borrowed(ctx, d.stream) };
+                    last = Some(s.clone());
+                    s
+                }
+            };
             // SAFETY: per this function's contract, and as above for `seen`.
-            let s = unsafe { seen.slice::<T>(d, borrowed(ctx, d.stream)) }?;
+            let s = unsafe { seen.slice::<T>(d, stream) }?;
             if !s.is_plain_allocation() && self.several_gpus {
                 return Err(Error::InvalidArgument(format!(
                     "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
