@@ -383,7 +383,7 @@ pub mod testing {
 }
 pub use nccl::nccl_version;
 pub use plan::FusedReport;
-pub use tensor::{DeviceTensor, DeviceTensorMut, ExternalSlice};
+pub use tensor::{CheckedAllocation, DeviceTensor, DeviceTensorMut, ExternalSlice};
 pub use topology::{Link, Topology};
 
 /// Re-export of the cudarc version gpucast is built with, so callers name the same buffer types.

@@ -145,8 +145,50 @@ pub struct ExternalSlice<T> {
     ptr: u64,
     len: usize,
     plain: bool,
+    /// The allocation the memory was checked against (`None` when empty).
+    allocation: Option<crate::driver::Allocation>,
     stream: Arc<CudaStream>,
     _element: std::marker::PhantomData<fn() -> T>,
+}
+
+/// The device allocation an [`ExternalSlice`] was checked against
+/// ([`ExternalSlice::allocation`]): another buffer whose address lies in it is checked
+/// against it without asking the driver again ([`ExternalSlice::new_in`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckedAllocation(crate::driver::Allocation);
+
+/// The checks of [`ExternalSlice::new_in`] once the byte count and the alignment are known
+/// good: the allocation that holds `ptr` (`known` when `ptr` lies in it, else `lookup`'s),
+/// which must be of GPU `expected` and hold all `bytes`.
+fn check_allocation(
+    ptr: u64,
+    bytes: usize,
+    expected: usize,
+    known: &[CheckedAllocation],
+    lookup: impl FnOnce() -> crate::error::Result<crate::driver::Allocation>,
+) -> crate::error::Result<crate::driver::Allocation> {
+    let inside = |a: &&CheckedAllocation| ptr >= a.0.start && ptr - a.0.start < a.0.size;
+    let range = match known.iter().find(inside) {
+        Some(&CheckedAllocation(a)) => a,
+        None => lookup()?,
+    };
+    if range.ordinal != expected {
+        return Err(crate::error::Error::WrongDevice {
+            what: format!("external buffer at {ptr:#x}"),
+            rank: 0,
+            expected,
+            found: range.ordinal,
+        });
+    }
+    let end = ptr.checked_add(bytes as u64);
+    if end.is_none_or(|end| end > range.start.saturating_add(range.size)) {
+        return Err(crate::error::Error::InvalidArgument(format!(
+            "external buffer at {ptr:#x} of {bytes} bytes runs past the end of its \
+             allocation ({:#x}, {} bytes)",
+            range.start, range.size
+        )));
+    }
+    Ok(range)
 }
 
 impl<T> std::fmt::Debug for ExternalSlice<T> {
@@ -184,8 +226,28 @@ impl<T: Element> ExternalSlice<T> {
     /// - Outputs of one call do not overlap each other or the call's input (an in-place
     ///   root's buffer is both, by design).
     pub unsafe fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> crate::error::Result<Self> {
+        // SAFETY: per this function's contract (no known allocation).
+        unsafe { Self::new_in(ptr, len, stream, &[]) }
+    }
+
+    /// [`ExternalSlice::new`] with the same checks and errors, against the allocation of
+    /// `known` (allocations other buffers were checked against: [`ExternalSlice::allocation`])
+    /// that holds `ptr`, without asking the driver, if any: buffers of one allocation (tensors
+    /// of one segment of PyTorch's caching allocator) cost one driver query, not one each.
+    ///
+    /// # Safety
+    /// As for [`ExternalSlice::new`]; and the memory of the buffers `known` comes from is
+    /// still allocated (so that each is still the allocation that holds its addresses: a freed
+    /// allocation's addresses may be handed to another allocation, of another size or GPU).
+    pub unsafe fn new_in(
+        ptr: u64,
+        len: usize,
+        stream: Arc<CudaStream>,
+        known: &[CheckedAllocation],
+    ) -> crate::error::Result<Self> {
         let size = std::mem::size_of::<T>();
         let mut plain = true;
+        let mut allocation = None;
         let bytes = len
             .checked_mul(size)
             .ok_or_else(|| crate::error::Error::TooLarge {
@@ -201,29 +263,17 @@ impl<T: Element> ExternalSlice<T> {
                 )));
             }
             let expected = stream.context().ordinal();
-            let range = crate::driver::allocation_of(stream.context(), ptr)?;
-            if range.ordinal != expected {
-                return Err(crate::error::Error::WrongDevice {
-                    what: format!("external buffer at {ptr:#x}"),
-                    rank: 0,
-                    expected,
-                    found: range.ordinal,
-                });
-            }
+            let range = check_allocation(ptr, bytes, expected, known, || {
+                crate::driver::allocation_of(stream.context(), ptr)
+            })?;
             plain = range.plain;
-            let end = ptr.checked_add(bytes as u64);
-            if end.is_none_or(|end| end > range.start.saturating_add(range.size)) {
-                return Err(crate::error::Error::InvalidArgument(format!(
-                    "external buffer at {ptr:#x} of {bytes} bytes runs past the end of its \
-                     allocation ({:#x}, {} bytes)",
-                    range.start, range.size
-                )));
-            }
+            allocation = Some(range);
         }
         Ok(ExternalSlice {
             ptr,
             len,
             plain,
+            allocation,
             stream,
             _element: std::marker::PhantomData,
         })
@@ -236,6 +286,12 @@ impl<T> ExternalSlice<T> {
     /// mapping reaches another GPU only where its owner granted access.
     pub fn is_plain_allocation(&self) -> bool {
         self.plain
+    }
+
+    /// The device allocation the memory was checked against (`None` for an empty buffer), for
+    /// [`ExternalSlice::new_in`].
+    pub fn allocation(&self) -> Option<CheckedAllocation> {
+        self.allocation.map(CheckedAllocation)
     }
 }
 
@@ -259,5 +315,77 @@ impl<T: Element> DevicePtr<T> for ExternalSlice<T> {
 impl<T: Element> DevicePtrMut<T> for ExternalSlice<T> {
     fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
         (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::Allocation;
+    use crate::error::Error;
+
+    const A: Allocation = Allocation {
+        ordinal: 1,
+        start: 0x1000,
+        size: 0x1000,
+        plain: true,
+    };
+
+    fn asked() -> crate::error::Result<Allocation> {
+        panic!("the driver was asked for an address inside the known allocation")
+    }
+
+    #[test]
+    fn an_address_inside_a_known_allocation_is_checked_against_it_without_the_driver() {
+        let known = &[CheckedAllocation(A)];
+        assert_eq!(
+            check_allocation(0x1000, 0x1000, 1, known, asked).unwrap(),
+            A
+        );
+        assert_eq!(check_allocation(0x1ffc, 4, 1, known, asked).unwrap(), A);
+        // The same errors as after a query: past the end, another GPU.
+        let past = check_allocation(0x1800, 0x801, 1, known, asked);
+        assert!(matches!(&past, Err(Error::InvalidArgument(m)) if m.contains("past the end")));
+        let wrong = check_allocation(0x1800, 4, 0, known, asked);
+        assert!(matches!(
+            wrong,
+            Err(Error::WrongDevice {
+                found: 1,
+                expected: 0,
+                ..
+            })
+        ));
+        // The one of several that holds the address.
+        let other = Allocation { start: 0x4000, ..A };
+        let both = &[CheckedAllocation(other), CheckedAllocation(A)];
+        assert_eq!(check_allocation(0x1800, 4, 1, both, asked).unwrap(), A);
+        assert_eq!(check_allocation(0x4800, 4, 1, both, asked).unwrap(), other);
+    }
+
+    #[test]
+    fn an_address_outside_the_known_allocation_asks_the_driver() {
+        let other = Allocation {
+            start: 0x2000,
+            plain: false,
+            ..A
+        };
+        let known = &[CheckedAllocation(A)];
+        for ptr in [0x2000, 0x2800, 0xfff] {
+            let mut queried = false;
+            let got = check_allocation(ptr, 4, 1, known, || {
+                queried = true;
+                Ok(other)
+            });
+            assert!(queried, "{ptr:#x}");
+            if ptr >= other.start {
+                assert_eq!(got.unwrap(), other);
+            }
+        }
+        let mut queried = false;
+        let _ = check_allocation(0x1800, 4, 1, &[], || {
+            queried = true;
+            Ok(A)
+        });
+        assert!(queried, "no known allocation");
     }
 }

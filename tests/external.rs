@@ -144,4 +144,30 @@ fn external_memory_is_checked_against_its_allocation() {
         let wrong = unsafe { ExternalSlice::<f32>::new(raw.ptr, 16, other) };
         assert!(matches!(wrong, Err(Error::WrongDevice { .. })), "{wrong:?}");
     }
+    // Against a known allocation (`raw`'s, still allocated): the same checks and errors.
+    let known = [ok.allocation().expect("a checked allocation")];
+    assert_eq!(empty.allocation(), None);
+    // SAFETY: only the checks run (it is never used for work); `raw` is still allocated.
+    let inside =
+        unsafe { ExternalSlice::<f32>::new_in(raw.ptr + 1024, 768, stream.clone(), &known) };
+    assert_eq!(inside.unwrap().allocation(), ok.allocation());
+    // SAFETY: as above.
+    let past = unsafe { ExternalSlice::<f32>::new_in(raw.ptr + 1024, 769, stream.clone(), &known) };
+    assert!(
+        matches!(&past, Err(Error::InvalidArgument(m)) if m.contains("past the end")),
+        "{past:?}"
+    );
+    // Outside it, the driver is asked: the pool's memory is still found not plain.
+    // SAFETY: as above; the pool's memory is still allocated.
+    let pool = unsafe { ExternalSlice::<f32>::new_in(ptr, 1024, clique.stream(0).clone(), &known) };
+    assert!(
+        !pool.unwrap().is_plain_allocation(),
+        "pool memory reported plain"
+    );
+    if clique.context(1).ordinal() != 0 {
+        let other = foreign_stream(&clique, 1);
+        // SAFETY: as above.
+        let wrong = unsafe { ExternalSlice::<f32>::new_in(raw.ptr, 16, other, &known) };
+        assert!(matches!(wrong, Err(Error::WrongDevice { .. })), "{wrong:?}");
+    }
 }

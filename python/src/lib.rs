@@ -21,7 +21,7 @@ use pyo3::types::PyList;
 
 use errors::to_py;
 use pending::Pending;
-use tensors::{describe_with, external, Desc, StreamMemo, Where};
+use tensors::{describe_with, external, Desc, Memo, Seen, Where};
 
 /// Runs `$body` with `$T` the Rust element type of `$dtype`.
 macro_rules! typed {
@@ -262,6 +262,9 @@ impl Drop for PyCommunicator {
     /// thread's current CUDA context as it was (both make contexts current).
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
+        // A fence after every call's work, which the drop below waits for: the tensors of the
+        // calls since the last fence are released, not leaked, when it completes.
+        self.pending.fence();
         // SAFETY: each field is taken or dropped once, here, and never used after.
         let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
         // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
@@ -497,6 +500,8 @@ impl PyCommunicator {
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let _current = KeepCurrent::new();
+        // Fenced before the wait, so that the fence has completed after it.
+        self.pending.fence();
         let comm = &self.inner;
         py.detach(|| comm.synchronize()).map_err(to_py)?;
         self.pending.prune();
@@ -607,7 +612,7 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
-        let desc = describe_with(tensor, at, &mut StreamMemo::default())?;
+        let desc = describe_with(tensor, at, &mut Memo::default())?;
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
         kept(py, &self.pending, desc, |d| {
@@ -635,7 +640,7 @@ impl PyCommunicator {
         let _current = KeepCurrent::new();
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let descs = tensors
             .try_iter()?
             .map(|t| describe_with(&t?, at, &mut memo))
@@ -644,11 +649,13 @@ impl PyCommunicator {
         let comm = &self.inner;
         kept(py, &self.pending, descs, |ds| {
             let mut bufs: Vec<Box<Buffer>> = Vec::with_capacity(ds.len());
+            let mut seen = Seen::default();
             for d in ds {
                 // SAFETY: as in `broadcast`, for each tensor.
                 let stream = unsafe { borrowed(&ctx, d.stream) };
-                // SAFETY: as in `broadcast`.
-                bufs.push(unsafe { external(d, stream) }?.0);
+                // SAFETY: as in `broadcast`; `seen` lists buffers of the call's tensors, held
+                // as these are.
+                bufs.push(unsafe { external(d, stream, &mut seen) }?.0);
             }
             let list = bufs
                 .iter_mut()
@@ -675,6 +682,9 @@ impl Drop for PyClique {
     /// As for `PyCommunicator`.
     fn drop(&mut self) {
         let _current = KeepCurrent::new();
+        // A fence after every call's work, which the drop below waits for: the tensors of the
+        // calls since the last fence are released, not leaked, when it completes.
+        self.pending.fence();
         // SAFETY: each field is taken or dropped once, here, and never used after.
         let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
         // The drop waits for the GPUs (bounded by the timeout: see the Rust type's drop): without
@@ -719,15 +729,22 @@ impl PyClique {
     /// # Safety
     /// Every `Desc` describes a live tensor of rank `rank`'s device, kept alive until the work
     /// queued by the call that uses the buffers has run.
-    unsafe fn buffers_of(&self, rank: usize, descs: &[Desc]) -> gpucast::Result<Vec<Box<Buffer>>> {
+    /// `seen`: the allocations of the call's buffers made so far (see [`Seen`]).
+    unsafe fn buffers_of(
+        &self,
+        rank: usize,
+        descs: &[Desc],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Box<Buffer>>> {
         let ctx = self.inner.context(rank);
         descs
             .iter()
             .map(|d| {
                 // SAFETY: per this function's contract.
                 let stream = unsafe { borrowed(ctx, d.stream) };
-                // SAFETY: per this function's contract.
-                let (buf, plain) = unsafe { external(d, stream) }?;
+                // SAFETY: per this function's contract; the buffers `seen` lists are of the
+                // call's tensors, held by the caller as these are.
+                let (buf, plain) = unsafe { external(d, stream, seen) }?;
                 if !plain && self.several_gpus {
                     return Err(Error::InvalidArgument(format!(
                         "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
@@ -745,12 +762,16 @@ impl PyClique {
     ///
     /// # Safety
     /// As for [`PyClique::buffers_of`], `lists[rank]` being rank `rank`'s.
-    unsafe fn buffers(&self, lists: &[Vec<Desc>]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+    unsafe fn buffers(
+        &self,
+        lists: &[Vec<Desc>],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
         lists
             .iter()
             .enumerate()
             // SAFETY: per this function's contract.
-            .map(|(rank, list)| unsafe { self.buffers_of(rank, list) })
+            .map(|(rank, list)| unsafe { self.buffers_of(rank, list, seen) })
             .collect()
     }
 }
@@ -772,42 +793,42 @@ fn lend(lists: &mut [Vec<Box<Buffer>>]) -> Vec<Vec<&mut dyn DeviceTensorMut>> {
 
 /// What owns the memory of described tensors.
 trait Owners {
-    fn owners(self, out: &mut Vec<Py<PyAny>>);
+    /// Moves the owners to `out`; returns the bytes of the memory they own for the call.
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize;
 }
 
 impl Owners for Desc {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
         out.push(self.keep);
+        self.len.saturating_mul(self.dtype.size())
     }
 }
 
 impl<T: Owners> Owners for Vec<T> {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
-        self.into_iter().for_each(|t| t.owners(out));
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
+        self.into_iter()
+            .fold(0, |bytes, t| bytes.saturating_add(t.owners(out)))
     }
 }
 
 impl<A: Owners, B: Owners> Owners for (A, B) {
-    fn owners(self, out: &mut Vec<Py<PyAny>>) {
-        self.0.owners(out);
-        self.1.owners(out);
+    fn owners(self, out: &mut Vec<Py<PyAny>>) -> usize {
+        self.0.owners(out).saturating_add(self.1.owners(out))
     }
 }
 
-/// Runs a call over the tensors `descs` describes: drops the tensors of calls that have
-/// finished, runs `call` without the GIL, then keeps the tensors until the work `call` queued
-/// has run (also when it failed: it may have queued some).
+/// Runs a call over the tensors `descs` describes: runs `call` without the GIL, then keeps the
+/// tensors until the work `call` queued has run (also when it failed: it may have queued
+/// some); keeping drops the tensors of calls that have finished, now and then.
 fn kept<D: Owners + Sync>(
     py: Python<'_>,
     pending: &Pending,
     descs: D,
     call: impl FnOnce(&D) -> gpucast::Result<()> + Send,
 ) -> PyResult<()> {
-    pending.prune();
     let result = py.detach(|| call(&descs));
-    let mut owners = Vec::new();
-    descs.owners(&mut owners);
-    pending.keep(owners);
+    // Moving the owners runs no Python code (no reference count reaches zero).
+    pending.keep(|owners| descs.owners(owners));
     result.map_err(to_py)
 }
 
@@ -943,7 +964,7 @@ impl PyClique {
         self.check_count("tensors", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let descs = tensors
             .iter()
             .enumerate()
@@ -954,7 +975,7 @@ impl PyClique {
         let lists: Vec<Vec<Desc>> = descs.into_iter().map(|d| vec![d]).collect();
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
-            let mut bufs = unsafe { self.buffers(lists) }?;
+            let mut bufs = unsafe { self.buffers(lists, &mut Seen::default()) }?;
             self.inner
                 .with(&options)
                 .broadcast_many_in_place(root, &mut lend(&mut bufs))
@@ -979,17 +1000,18 @@ impl PyClique {
         self.check_count("output lists", outputs.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let ins = inputs
             .try_iter()?
             .map(|t| describe_with(&t?, self.at(root, stream).reading(true), &mut memo))
             .collect::<PyResult<Vec<_>>>()?;
         let outs = self.describe_lists(outputs, stream, None, &mut memo)?;
         kept(py, &self.pending, (ins, outs), |(ins, outs)| {
+            let mut seen = Seen::default();
             // SAFETY: as in `broadcast`.
-            let inp = unsafe { self.buffers_of(root, ins) }?;
+            let inp = unsafe { self.buffers_of(root, ins, &mut seen) }?;
             // SAFETY: as in `broadcast`.
-            let mut out = unsafe { self.buffers(outs) }?;
+            let mut out = unsafe { self.buffers(outs, &mut seen) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             self.inner
                 .with(&options)
@@ -1014,10 +1036,10 @@ impl PyClique {
         self.check_count("tensor lists", tensors.len())?;
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
-        let lists = self.describe_lists(tensors, stream, Some(root), &mut StreamMemo::default())?;
+        let lists = self.describe_lists(tensors, stream, Some(root), &mut Memo::default())?;
         kept(py, &self.pending, lists, |lists| {
             // SAFETY: as in `broadcast`.
-            let mut bufs = unsafe { self.buffers(lists) }?;
+            let mut bufs = unsafe { self.buffers(lists, &mut Seen::default()) }?;
             self.inner
                 .with(&options)
                 .broadcast_many_in_place(root, &mut lend(&mut bufs))
@@ -1029,6 +1051,8 @@ impl PyClique {
     /// failure of them.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let _current = KeepCurrent::new();
+        // Fenced before the wait, so that the fence has completed after it.
+        self.pending.fence();
         let clique = &self.inner;
         py.detach(|| clique.synchronize()).map_err(to_py)?;
         self.pending.prune();
@@ -1055,7 +1079,7 @@ impl PyClique {
         root: usize,
         stream: Option<u64>,
     ) -> PyResult<(Desc, Vec<Desc>)> {
-        let mut memo = StreamMemo::default();
+        let mut memo = Memo::default();
         let input = describe_with(tensor, self.at(root, stream).reading(true), &mut memo)?;
         let outs = outputs
             .iter()
@@ -1075,10 +1099,29 @@ impl PyClique {
         input: &Desc,
         outs: &[Desc],
     ) -> gpucast::Result<(ExternalSlice<T>, Vec<ExternalSlice<T>>)> {
-        let slice = |rank: usize, d: &Desc| {
+        // The buffers made so far are of the call's described tensors, all held by the caller
+        // until the call's work has run: their memory stays allocated.
+        let mut seen = Seen::default();
+        // The last stream wrapper made: buffers of one context and stream handle share one.
+        let mut last: Option<std::sync::Arc<CudaStream>> = None;
+        let mut slice = |rank: usize, d: &Desc| {
             let ctx = self.inner.context(rank);
-            // SAFETY: per this function's contract.
-            let s = unsafe { ExternalSlice::<T>::new(d.ptr, d.len, borrowed(ctx, d.stream)) }?;
+            let stream = match &last {
+                Some(s)
+                    if std::sync::Arc::ptr_eq(s.context(), ctx)
+                        && s.cu_stream() as u64 == d.stream =>
+                {
+                    s.clone()
+                }
+                _ => {
+                    // SAFETY: per this function's contract (the handle is the tensor's stream).
+                    let s = unsafe { borrowed(ctx, d.stream) };
+                    last = Some(s.clone());
+                    s
+                }
+            };
+            // SAFETY: per this function's contract, and as above for `seen`.
+            let s = unsafe { seen.slice::<T>(d, stream) }?;
             if !s.is_plain_allocation() && self.several_gpus {
                 return Err(Error::InvalidArgument(format!(
                     "a tensor of rank {rank} is memory of a pool or a cuMemMap mapping \
@@ -1127,10 +1170,11 @@ impl PyClique {
         iters: usize,
     ) -> gpucast::Result<()> {
         if outs.iter().any(|o| o.dtype != input.dtype) {
+            let mut seen = Seen::default();
             // SAFETY: per this function's contract.
-            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input)) }?;
+            let inp = unsafe { self.buffers_of(root, std::slice::from_ref(input), &mut seen) }?;
             // SAFETY: per this function's contract.
-            let mut out = unsafe { self.buffers_of_each(outs) }?;
+            let mut out = unsafe { self.buffers_of_each(outs, &mut seen) }?;
             let inputs: Vec<&dyn DeviceTensor> = inp.iter().map(|b| &**b as _).collect();
             return self
                 .inner
@@ -1152,11 +1196,15 @@ impl PyClique {
     ///
     /// # Safety
     /// As for [`PyClique::buffers_of`], `outs[rank]` being rank `rank`'s.
-    unsafe fn buffers_of_each(&self, outs: &[Desc]) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
+    unsafe fn buffers_of_each(
+        &self,
+        outs: &[Desc],
+        seen: &mut Seen,
+    ) -> gpucast::Result<Vec<Vec<Box<Buffer>>>> {
         outs.iter()
             .enumerate()
             // SAFETY: per this function's contract.
-            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d)) })
+            .map(|(rank, d)| unsafe { self.buffers_of(rank, std::slice::from_ref(d), seen) })
             .collect()
     }
 
@@ -1166,7 +1214,7 @@ impl PyClique {
         lists: &Bound<'_, PyList>,
         stream: Option<u64>,
         source: Option<usize>,
-        memo: &mut StreamMemo,
+        memo: &mut Memo,
     ) -> PyResult<Vec<Vec<Desc>>> {
         lists
             .iter()

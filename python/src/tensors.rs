@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use gpucast::cudarc::driver::CudaStream;
 use gpucast::half::{bf16, f16};
-use gpucast::{DType, DeviceTensorMut, ExternalSlice};
+use gpucast::{CheckedAllocation, DType, DeviceTensorMut, ExternalSlice};
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
@@ -190,18 +190,26 @@ fn wrong_device(found: usize, expected: usize) -> PyErr {
     ))
 }
 
-/// torch's current stream of each device, read once per call: a call's tensors are read with
-/// the GIL held, so the current stream cannot change between them.
+/// What one call's tensors share, read once per call: torch's current stream of each device
+/// (a call's tensors are read with the GIL held, so the current stream cannot change between
+/// them), and the last torch tensor type and dtype seen (held, so that their addresses are
+/// theirs while the memo lives), which spare the process's caches and their locks.
 #[derive(Default)]
-pub(crate) struct StreamMemo(Vec<(usize, u64)>);
+pub(crate) struct Memo {
+    streams: Vec<(usize, u64)>,
+    /// A type read as a torch tensor's.
+    torch_type: Option<Py<PyAny>>,
+    /// A torch dtype object and its carried type.
+    dtype: Option<(Py<PyAny>, DType, usize)>,
+}
 
-impl StreamMemo {
+impl Memo {
     fn torch(&mut self, py: Python<'_>, device: usize) -> PyResult<u64> {
-        if let Some(&(_, s)) = self.0.iter().find(|(d, _)| *d == device) {
+        if let Some(&(_, s)) = self.streams.iter().find(|(d, _)| *d == device) {
             return Ok(s);
         }
         let s = torch_current_stream(py, device)?;
-        self.0.push((device, s));
+        self.streams.push((device, s));
         Ok(s)
     }
 }
@@ -213,7 +221,19 @@ static TORCH_DTYPES: std::sync::Mutex<Vec<(Py<PyAny>, DType, usize)>> =
     std::sync::Mutex::new(Vec::new());
 
 /// The carried type of torch dtype object `dtype`.
-fn torch_dtype_of(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
+fn torch_dtype_of(dtype: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<(DType, usize)> {
+    if let Some((o, d, per)) = &memo.dtype {
+        if o.as_ptr() == dtype.as_ptr() {
+            return Ok((*d, *per));
+        }
+    }
+    let (d, per) = torch_dtype_cached(dtype)?;
+    memo.dtype = Some((dtype.clone().unbind(), d, per));
+    Ok((d, per))
+}
+
+/// [`torch_dtype_of`] through the process's cache.
+fn torch_dtype_cached(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
     {
         let cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(&(_, d, per)) = cache.iter().find(|(o, _, _)| o.as_ptr() == dtype.as_ptr()) {
@@ -261,15 +281,23 @@ fn module_of(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// A torch tensor, read through its own methods (no DLPack capsule per call).
-fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut StreamMemo) -> PyResult<Desc> {
+fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = t.py();
-    if !t.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
-        return Err(not_cuda("tensor"));
-    }
-    let device: usize = t.call_method0(intern!(py, "get_device"))?.extract()?;
-    if let Some(expected) = at.device.filter(|&e| e != device) {
-        return Err(wrong_device(device, expected));
-    }
+    // -1 for a tensor in host memory (or on the meta device), else its device's index, CUDA's
+    // or another accelerator's: `is_cuda` is read only where the index alone does not decide.
+    // A tensor of another accelerator with the expected index gets through here, and is
+    // refused by the address check of its buffer (not CUDA device memory), as an argument
+    // error too.
+    let index: i64 = t.call_method0(intern!(py, "get_device"))?.extract()?;
+    let is_cuda = || -> PyResult<bool> { t.getattr(intern!(py, "is_cuda"))?.extract() };
+    let device = match (usize::try_from(index), at.device) {
+        (Ok(d), Some(expected)) if d == expected => d,
+        (Ok(d), expected) if is_cuda()? => match expected {
+            Some(expected) => return Err(wrong_device(d, expected)),
+            None => d,
+        },
+        _ => return Err(not_cuda("tensor")),
+    };
     if !t
         .call_method0(intern!(py, "is_contiguous"))?
         .extract::<bool>()?
@@ -279,7 +307,7 @@ fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut StreamMemo) -> PyR
                 .to_string(),
         ));
     }
-    let (dtype, per) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?)?;
+    let (dtype, per) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?, memo)?;
     let numel: usize = t.call_method0(intern!(py, "numel"))?.extract()?;
     let (len, dtype) = carried_len(numel, per, dtype)?;
     let ptr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
@@ -496,8 +524,32 @@ fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
 static TORCH_TYPES: std::sync::Mutex<Vec<Py<PyAny>>> = std::sync::Mutex::new(Vec::new());
 
 /// Whether `obj` is read as a torch tensor.
-fn is_torch(obj: &Bound<'_, PyAny>, module: &mut Option<String>) -> PyResult<bool> {
+fn is_torch(
+    obj: &Bound<'_, PyAny>,
+    module: &mut Option<String>,
+    memo: &mut Memo,
+) -> PyResult<bool> {
     let ty = obj.get_type();
+    if memo
+        .torch_type
+        .as_ref()
+        .is_some_and(|t| t.as_ptr() == ty.as_ptr())
+    {
+        return Ok(true);
+    }
+    let torch = is_torch_type(obj, &ty, module)?;
+    if torch {
+        memo.torch_type = Some(ty.into_any().unbind());
+    }
+    Ok(torch)
+}
+
+/// [`is_torch`] through the process's list of types.
+fn is_torch_type(
+    obj: &Bound<'_, PyAny>,
+    ty: &Bound<'_, pyo3::types::PyType>,
+    module: &mut Option<String>,
+) -> PyResult<bool> {
     {
         let known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
         if known.iter().any(|t| t.as_ptr() == ty.as_ptr()) {
@@ -510,7 +562,7 @@ fn is_torch(obj: &Bound<'_, PyAny>, module: &mut Option<String>) -> PyResult<boo
         let mut known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
         // A bound for programs that make tensor subclasses on the fly.
         if known.len() < 32 {
-            known.push(ty.into_any().unbind());
+            known.push(ty.clone().into_any().unbind());
         }
     }
     Ok(torch)
@@ -518,18 +570,14 @@ fn is_torch(obj: &Bound<'_, PyAny>, module: &mut Option<String>) -> PyResult<boo
 
 /// Reads a tensor for a call that wants it `at`.
 pub(crate) fn describe(obj: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
-    describe_with(obj, at, &mut StreamMemo::default())
+    describe_with(obj, at, &mut Memo::default())
 }
 
 /// [`describe`] for one of a call's tensors, which share `memo`.
-pub(crate) fn describe_with(
-    obj: &Bound<'_, PyAny>,
-    at: Where,
-    memo: &mut StreamMemo,
-) -> PyResult<Desc> {
+pub(crate) fn describe_with(obj: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = obj.py();
     let mut module = None;
-    if is_torch(obj, &mut module)? {
+    if is_torch(obj, &mut module, memo)? {
         return describe_torch(obj, at, memo);
     }
     let module = module.unwrap_or_else(|| module_of(obj));
@@ -579,23 +627,54 @@ pub(crate) fn describe_tensor<'py>(
     Ok(out)
 }
 
+/// The allocations a call's buffers were checked against: the call's later buffers in one of
+/// them are checked against it without asking the driver again ([`ExternalSlice::new_in`]).
+/// Live for one call only, while the call holds every described tensor (so every allocation
+/// listed stays allocated).
+#[derive(Default)]
+pub(crate) struct Seen(Vec<CheckedAllocation>);
+
+impl Seen {
+    /// A buffer of `T` of the described memory, ordered with `stream`.
+    ///
+    /// # Safety
+    /// As for [`external`]; and the memory of every buffer made through `self` so far is
+    /// still allocated.
+    pub(crate) unsafe fn slice<T: gpucast::Element>(
+        &mut self,
+        d: &Desc,
+        stream: Arc<CudaStream>,
+    ) -> gpucast::Result<ExternalSlice<T>> {
+        // SAFETY: per this function's contract.
+        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, &self.0) }?;
+        if let Some(a) = s.allocation() {
+            if !self.0.contains(&a) {
+                self.0.push(a);
+            }
+        }
+        Ok(s)
+    }
+}
+
 /// A gpucast buffer of the described memory, ordered with `stream`.
 ///
 /// # Safety
 /// `d` describes live device memory of `stream`'s device (allocated in its primary context),
 /// which stays allocated until the work queued on `stream` by the call given the buffer has
-/// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]).
+/// run, and `stream` stays live until then (the contract of [`ExternalSlice::new`]); the
+/// memory of every buffer made through `seen` so far is still allocated.
 ///
 /// Also returns whether the memory is a plain allocation that any GPU with peer access
 /// reaches ([`ExternalSlice::is_plain_allocation`]).
 pub(crate) unsafe fn external(
     d: &Desc,
     stream: Arc<CudaStream>,
+    seen: &mut Seen,
 ) -> gpucast::Result<(Box<dyn DeviceTensorMut>, bool)> {
     macro_rules! boxed {
         ($t:ty) => {{
             // SAFETY: per this function's contract.
-            let s = unsafe { ExternalSlice::<$t>::new(d.ptr, d.len, stream) }?;
+            let s = unsafe { seen.slice::<$t>(d, stream) }?;
             let plain = s.is_plain_allocation();
             (Box::new(s) as Box<dyn DeviceTensorMut>, plain)
         }};
