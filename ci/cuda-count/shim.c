@@ -33,7 +33,21 @@
  *   the shim first on LD_LIBRARY_PATH, and a later dlopen("libcuda.so.1") matches the shim's
  *   soname, so one copy serves the whole process. The constructor also makes the shim's
  *   symbols global (dlopen RTLD_NOLOAD | RTLD_GLOBAL of itself), so dlsym(RTLD_DEFAULT, ...)
- *   finds the API below even when the shim was opened RTLD_LOCAL (as libloading does).
+ *   finds the API below even when the shim was opened RTLD_LOCAL (as libloading does); that
+ *   reference also keeps the shim loaded until the process ends.
+ *
+ *
+ *   The benchmark (bench/benches/drvcount.rs) prints driver calls per call in eager mode when it
+ *   runs on the shim. Built here, after ci/gpu-stage.sh (which empties .gpu):
+ *       bash ci/cuda-count/build.sh .gpu/cuda-count
+ *   then on the GPU machine, from the repository root:
+ *       LD_LIBRARY_PATH=$PWD/.gpu/cuda-count:/usr/local/cuda/lib64 NCCL_NVLS_ENABLE=0 \
+ *       GPUCAST_COUNT_DUMP=1 .gpu/bin/bench-broadcast --bench --gpus 1 -b 1K -e 64K -f 8 \
+ *         --paths nccl,nccl-raw,nccl-nowatch,nccl-untracked,nccl-untracked-nowatch,launch-floor \
+ *         --modes eager --repeats 1 --target-ms 10 --torch no --out /tmp/drvcount
+ *   and read the "# driver calls, <path> eager <size>: ..." lines (the dump at exit adds the
+ *   process's whole-run counts, setup included). The counters cost one uncontended atomic add
+ *   per driver call, so time without the shim.
  *
  *   Environment: GPUCAST_REAL_LIBCUDA (above); GPUCAST_COUNT_DUMP=1 prints the nonzero counts
  *   to stderr at exit (or when the shim is unloaded); GPUCAST_COUNT_QUIET=1 silences the one
