@@ -18,12 +18,17 @@
 //! `benches/procs/mod.rs` for what it measures and how it times it. With `--interference` it
 //! measures broadcasts beside a compute-bound kernel on every GPU instead of the size sweep; see
 //! `benches/interference/mod.rs`.
+//!
+//! Run on the counting libcuda shim of `ci/cuda-count` (its directory first in
+//! `LD_LIBRARY_PATH`), eager mode also prints each path and size's driver calls per call, over
+//! [`drvcount::CALLS`] calls made before the timing (see `benches/drvcount.rs`).
 
 #![allow(
     clippy::cast_possible_truncation,
     reason = "sizes, counts and iteration numbers stay far below 2^32 (and usize is 64-bit here)"
 )]
 
+mod drvcount;
 mod interference;
 mod procs;
 mod report;
@@ -1112,6 +1117,21 @@ fn prepare<'c>(
                 run_op(clique, pools, path, root, bytes, i % sets, floor)?;
             }
             clique.synchronize()?;
+            // On the counting libcuda shim (ci/cuda-count): driver calls per call, counted over
+            // calls of their own (every thread's, the watchdog's included), before the timing.
+            if let Some(counter) = drvcount::counter() {
+                let before = counter.snapshot();
+                for i in 0..drvcount::CALLS {
+                    run_op(clique, pools, path, root, bytes, i % sets, floor)?;
+                }
+                let after = counter.snapshot();
+                clique.synchronize()?;
+                println!(
+                    "# driver calls, {path} eager {}: {}",
+                    report::format_size(bytes as u64),
+                    counter.per_call(&before, &after, drvcount::CALLS)
+                );
+            }
             Ok(Some(Timer {
                 mode,
                 route,
