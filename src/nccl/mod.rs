@@ -679,14 +679,15 @@ fn counted(mut comms: Comms, aborting: &Arc<AtomicUsize>) -> Nccl {
 
 /// Locks `m`, waiting at most `limit`.
 pub(crate) fn lock_within(m: &Mutex<Nccl>, limit: Duration) -> Option<MutexGuard<'_, Nccl>> {
-    let start = Instant::now();
-    let mut backoff = Backoff::new();
-    loop {
-        match m.try_lock() {
-            Ok(g) => return Some(g),
-            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < limit => backoff.pause(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        }
-    }
+    let mut guard = None;
+    // The clock is read only once the first try failed (`wait::until`): not on every call.
+    crate::wait::until(limit, || {
+        guard = match m.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        guard.is_some()
+    });
+    guard
 }
