@@ -16,6 +16,7 @@ table.txt (headed by the commit and the command) under --out.
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -95,7 +96,9 @@ def header(args):
     name = torch.cuda.get_device_name(0)
     try:
         with open("/proc/driver/nvidia/version") as f:
-            driver = f.readline().split("Kernel Module")[1].split()[0]
+            # "NVRM version: NVIDIA UNIX [Open ]Kernel Module for x86_64  580.159.04  Release ..."
+            found = re.search(r"\s(\d+\.\d+(?:\.\d+)?)\s", f.readline())
+            driver = found.group(1) if found else "?"
     except (OSError, IndexError):
         driver = "?"
     try:
