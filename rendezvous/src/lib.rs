@@ -142,13 +142,12 @@
 //! [`MAX_WORLD_SIZE`].
 
 mod auth;
-mod client;
 mod env;
 mod error;
 mod exchange;
 mod server;
-mod torch;
-mod wire;
+mod session;
+mod store;
 
 use std::time::Duration;
 
@@ -193,7 +192,6 @@ pub(crate) fn later(timeout: Duration) -> std::time::Instant {
 
 /// Lets the first few of a kind of event be logged, then one in 1024, so that strangers who
 /// make the same mistake (or attack) many times cannot flood the log.
-#[derive(Default)]
 pub(crate) struct Throttle(std::sync::atomic::AtomicU64);
 
 impl Throttle {

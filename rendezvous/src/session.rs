@@ -1,281 +1,38 @@
-//! torchrun's own store: a client of PyTorch's c10d `TCPStore` protocol, and the all-gather
-//! that gpucast runs over it under torchrun, so that a job needs no port besides torchrun's.
+//! The rounds of a rendezvous, run over the one store protocol ([`super::store`]) against
+//! torchrun's store or gpucast's own, by one code path.
 //!
-//! The protocol (PyTorch's `TCPStoreBackend.hpp`; its libuv and classic servers agree): the
-//! client first sends VALIDATE (query type 0, then the u32 magic `0x3C85F7CE`); every request
-//! is a one-byte query type and its arguments in the host's byte order (little-endian on every
-//! machine gpucast runs on), strings and byte strings as a u64 length and the bytes. gpucast
-//! uses SET (no reply), GET (reply: u64 length, value), ADD (reply: the sum, i64), CHECK (a u64
-//! count of keys, then the keys; reply: 0 when all exist, 1 when not) and DELETE_KEY (reply:
-//! i64). Keys are what Python's `PrefixStore(prefix, store)` would send: `/`, the prefix, `/`,
-//! the key (`TCPStore` adds the leading `/` itself).
+//! Every value a rank puts in the store carries HMAC-SHA256 under a key derived from the job
+//! token and the key prefix, over the value and its instance, round, rank and, after the first
+//! round, the session id that every rank's fresh nonce makes: readable, but not forgeable, and
+//! refused when recorded in an earlier launch. A value that does not open is an error that
+//! names it, never data. Rank 0 deletes a round's keys once every rank is past it.
 //!
-//! The store authenticates nobody: any process that reaches the port reads and writes every
-//! key. So every value gpucast puts there is sealed (HMAC-SHA256 under a key derived from the
-//! job token and the prefix: readable, but not forgeable) and bound to its place (the
-//! instance, the round, the rank) and,
-//! after the first round, to a session id made of every rank's fresh nonce, so that a value
-//! recorded in an earlier launch is refused as well. A value that does not open is an error
-//! that names it, never data. Rank 0 deletes a round's keys once every rank is past it.
+//! Aborts differ by store: in torchrun's store (which anyone who reaches it can write) they are
+//! sealed like values; gpucast's own store, which has proven the token and admits only ranks
+//! that have, keeps the job's failure itself under [`FAILED_KEY`], which a rank that aborts sets.
 
-use std::io::{self, Read, Write};
-use std::net::TcpStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
 
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
-use super::client::{connect_tcp, host_port};
 use super::env::{JobEnv, StoreKind};
 use super::error::{clip, RendezvousError, Result};
+use super::store::{decode_error, encode_error, Admission, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
 const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
 
-/// Query types of the c10d store protocol.
-mod query {
-    pub const VALIDATE: u8 = 0;
-    pub const SET: u8 = 1;
-    pub const GET: u8 = 3;
-    pub const ADD: u8 = 4;
-    pub const CHECK: u8 = 5;
-    pub const DELETE_KEY: u8 = 8;
-}
-/// What VALIDATE carries.
-const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
-/// CHECK's reply when every key exists.
-const READY: u8 = 0;
-/// CHECK's reply when some key is missing.
-const NOT_READY: u8 = 1;
-/// Longest value PyTorch's store servers accept (the libuv server's limit).
-pub(crate) const TORCH_MAX_VALUE: usize = 8 << 20;
 /// Requests may run this long past the end of the wait they serve, so that a wait that times
-/// out can still name what it missed (the same slack as gpucast's own store's replies).
+/// out can still name what it missed.
 const REQUEST_SLACK: Duration = Duration::from_secs(1);
 /// First and longest pause between two looks at the keys of a round.
 const POLL_START: Duration = Duration::from_micros(200);
 const POLL_MAX: Duration = Duration::from_millis(10);
 
-/// A connection to a c10d `TCPStore`. Every call returns by its deadline; after an I/O error
-/// the connection is unusable.
-pub(crate) struct TorchStore {
-    stream: TcpStream,
-    peer: String,
-    broken: Option<String>,
-}
-
-fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
-    buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    buf.extend_from_slice(bytes);
-}
-
-impl TorchStore {
-    /// Connects (retrying until `deadline`, as the agent may still be starting), validates
-    /// and checks that a c10d store answers.
-    pub(crate) fn connect(host: &str, port: u16, deadline: Instant) -> Result<TorchStore> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (stream, _) = connect_tcp(host, port, left)?;
-        let mut store = TorchStore {
-            stream,
-            peer: host_port(host, port),
-            broken: None,
-        };
-        let _ = store.stream.set_nodelay(true);
-        let mut hello = vec![query::VALIDATE];
-        hello.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
-        store.send(&hello, deadline, "validating the connection")?;
-        // A CHECK of a key nobody sets: any c10d store answers it, anything else does not.
-        store
-            .check(&["/gpucast/validate".to_owned()], deadline)
-            .map_err(|e| match e {
-                RendezvousError::Io { .. } | RendezvousError::Protocol { .. } => {
-                    RendezvousError::Protocol {
-                        peer: store.peer.clone(),
-                        reason: format!(
-                            "no c10d TCPStore answers there (torchrun's agent store is expected \
-                             under TORCHELASTIC_USE_AGENT_STORE): {e}"
-                        ),
-                    }
-                }
-                other => other,
-            })?;
-        Ok(store)
-    }
-
-    /// The store's `host:port`.
-    pub(crate) fn peer(&self) -> &str {
-        &self.peer
-    }
-
-    fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
-        self.broken = Some(format!("{during}: {source}"));
-        RendezvousError::Io {
-            peer: self.peer.clone(),
-            during: during.to_owned(),
-            source,
-        }
-    }
-
-    fn usable(&self, during: &str) -> Result<()> {
-        match &self.broken {
-            Some(why) => Err(RendezvousError::unusable(&self.peer, during, why)),
-            None => Ok(()),
-        }
-    }
-
-    /// Writes all of `bytes` by `deadline` (checked between partial writes, not per write).
-    fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
-        self.usable(during)?;
-        let mut sent = 0;
-        while sent < bytes.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let e =
-                    io::Error::new(io::ErrorKind::TimedOut, "the store took no request in time");
-                return Err(self.io_error(during, e));
-            }
-            if let Err(e) = self.stream.set_write_timeout(Some(left)) {
-                return Err(self.io_error(during, e));
-            }
-            match self.stream.write(&bytes[sent..]) {
-                Ok(0) => {
-                    let e =
-                        io::Error::new(io::ErrorKind::WriteZero, "the store closed the connection");
-                    return Err(self.io_error(during, e));
-                }
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.io_error(during, e)),
-            }
-        }
-        Ok(())
-    }
-
-    fn receive(&mut self, buf: &mut [u8], deadline: Instant, during: &str) -> Result<()> {
-        let mut got = 0;
-        while got < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let e = io::Error::new(io::ErrorKind::TimedOut, "no reply from the store in time");
-                return Err(self.io_error(during, e));
-            }
-            if let Err(e) = self.stream.set_read_timeout(Some(left)) {
-                return Err(self.io_error(during, e));
-            }
-            match self.stream.read(&mut buf[got..]) {
-                Ok(0) => {
-                    let e = io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the store closed the connection",
-                    );
-                    return Err(self.io_error(during, e));
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.io_error(during, e)),
-            }
-        }
-        Ok(())
-    }
-
-    fn receive_u8(&mut self, deadline: Instant, during: &str) -> Result<u8> {
-        let mut b = [0u8; 1];
-        self.receive(&mut b, deadline, during)?;
-        Ok(b[0])
-    }
-
-    fn receive_i64(&mut self, deadline: Instant, during: &str) -> Result<i64> {
-        let mut b = [0u8; 8];
-        self.receive(&mut b, deadline, during)?;
-        Ok(i64::from_le_bytes(b))
-    }
-
-    /// Stores `value` under `key`.
-    pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
-        if value.len() > TORCH_MAX_VALUE {
-            return Err(RendezvousError::TooLarge {
-                what: format!("the value of {key}"),
-                len: value.len(),
-                max: TORCH_MAX_VALUE,
-            });
-        }
-        let mut req = vec![query::SET];
-        push_bytes(&mut req, key.as_bytes());
-        push_bytes(&mut req, value);
-        self.send(&req, deadline, &format!("setting {key}"))
-    }
-
-    /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
-    /// any memory is taken.
-    pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
-        let during = format!("getting {key}");
-        let mut req = vec![query::GET];
-        push_bytes(&mut req, key.as_bytes());
-        self.send(&req, deadline, &during)?;
-        let mut len = [0u8; 8];
-        self.receive(&mut len, deadline, &during)?;
-        let len = u64::from_le_bytes(len);
-        // Bounded before any memory is taken: neither the store nor a process that wrote the
-        // key can make this rank allocate more than the value may hold.
-        let max = max.min(TORCH_MAX_VALUE);
-        if len > max as u64 {
-            self.broken = Some(format!("a {len}-byte reply"));
-            return Err(RendezvousError::TooLarge {
-                what: format!("the store's value of {key}"),
-                len: usize::try_from(len).unwrap_or(usize::MAX),
-                max,
-            });
-        }
-        let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
-        self.receive(&mut value, deadline, &during)?;
-        Ok(value)
-    }
-
-    /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
-    pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
-        let during = format!("adding to {key}");
-        let mut req = vec![query::ADD];
-        push_bytes(&mut req, key.as_bytes());
-        req.extend_from_slice(&delta.to_le_bytes());
-        self.send(&req, deadline, &during)?;
-        self.receive_i64(deadline, &during)
-    }
-
-    /// Whether every key of `keys` exists.
-    pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
-        let during = "checking for keys";
-        let mut req = vec![query::CHECK];
-        req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
-        for k in keys {
-            push_bytes(&mut req, k.as_bytes());
-        }
-        self.send(&req, deadline, during)?;
-        match self.receive_u8(deadline, during)? {
-            READY => Ok(true),
-            NOT_READY => Ok(false),
-            other => {
-                self.broken = Some(format!("CHECK answered {other}"));
-                Err(RendezvousError::Protocol {
-                    peer: self.peer.clone(),
-                    reason: format!("CHECK answered {other}, expected 0 or 1"),
-                })
-            }
-        }
-    }
-
-    /// Deletes `key`.
-    pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
-        let during = format!("deleting {key}");
-        let mut req = vec![query::DELETE_KEY];
-        push_bytes(&mut req, key.as_bytes());
-        self.send(&req, deadline, &during)?;
-        self.receive_i64(deadline, &during).map(drop)
-    }
-}
-
-/// The rounds of one [`super::Rendezvous`] over torchrun's store.
+/// The rounds of one [`super::Rendezvous`] through a store.
 ///
 /// Rounds: `hello` (every rank's fresh nonce and world size), `confirm` (a value sealed under
 /// the session id that the nonces give, so that a rank goes on only once every rank has seen
@@ -283,8 +40,10 @@ impl TorchStore {
 /// rounds 0, 1, ... Each rank writes its value, then adds one to the round's counter; a rank
 /// waits by reading that one counter (not every key, which would load the store with
 /// world x world key lookups) and checks the keys once it is full.
-pub(crate) struct TorchSession {
-    store: TorchStore,
+pub(crate) struct Session {
+    store: Store,
+    /// gpucast's own store, which keeps the job's failure itself.
+    own: bool,
     sealer: Sealer,
     /// The wire prefix of this instance's keys, ending in `/`.
     base: String,
@@ -310,14 +69,14 @@ fn u64s(parts: &[u64]) -> Vec<u8> {
 /// Bytes of a first-round value: the nonce and the world size.
 const HELLO_PLAIN: usize = 32 + 8;
 /// Ranks an abort lists at most.
-const ABORT_RANKS: usize = 1 << 12;
+pub(crate) const ABORT_RANKS: usize = 1 << 12;
 /// Longest reason an abort carries.
-const ABORT_REASON: usize = 4096;
-/// Longest sealed abort.
-const ABORT_MAX: usize = 4 + 32 + 4 + 4 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
+pub(crate) const ABORT_REASON: usize = 4096;
+/// Longest abort (sealed, or the failure gpucast's own store keeps).
+const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
 /// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
 /// this many keys in one CHECK.
-pub(crate) const TORCH_MAX_WORLD: usize = 128 * 1024;
+const TORCH_MAX_WORLD: usize = 128 * 1024;
 
 /// Which round a key belongs to.
 #[derive(Clone, Copy)]
@@ -337,17 +96,17 @@ impl Round {
     }
 }
 
-impl TorchSession {
-    /// Joins the job through torchrun's store: takes this rendezvous's instance number, then
-    /// runs the first two rounds (every rank's nonce and world size, then a confirmation under
-    /// the session id), within `deadline`.
-    pub(crate) fn join(env: &JobEnv, deadline: Instant) -> Result<TorchSession> {
-        let StoreKind::Torch { prefix } = &env.store else {
-            return Err(RendezvousError::InvalidArgument {
-                reason: "the job does not use torchrun's store".into(),
-            });
+impl Session {
+    /// Joins the job through the store at `host:port` (gpucast's own, which this rank is
+    /// admitted to first, or torchrun's): takes this rendezvous's instance number, then runs
+    /// the first two rounds (every rank's nonce and world size, then a confirmation under the
+    /// session id), within `deadline`.
+    pub(crate) fn join(env: &JobEnv, host: &str, port: u16, deadline: Instant) -> Result<Session> {
+        let (prefix, own) = match &env.store {
+            StoreKind::Torch { prefix } => (prefix.as_str(), false),
+            StoreKind::Own => ("gpucast-own", true),
         };
-        if env.world_size > TORCH_MAX_WORLD {
+        if !own && env.world_size > TORCH_MAX_WORLD {
             return Err(RendezvousError::InvalidArgument {
                 reason: format!(
                     "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
@@ -359,24 +118,34 @@ impl TorchSession {
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
         if let Some(reason) = weak {
-            auth::warn_weak_token(
-                reason,
+            let exposure = if own {
+                format!("gpucast's rendezvous store listens on port {port}, which every user of this host (and beyond it, unless on loopback) can reach")
+            } else {
                 "gpucast's values in torchrun's store, which any process that reaches \
-                 MASTER_PORT can read, carry tags made with a key derived from it",
-            );
+                 MASTER_PORT can read, carry tags made with a key derived from it"
+                    .to_owned()
+            };
+            auth::warn_weak_token(reason, &exposure);
         }
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let mut store = TorchStore::connect(&env.master_addr, env.master_port, deadline)?;
-        let key = |k: &str| format!("/{prefix}/gpucast/{k}");
-        let instance = store.add(&key(&format!("instance/{}", env.rank)), 1, hard)?;
+        let key = auth::Key::of(&env.job_token);
+        let admission = own.then_some(Admission {
+            key: &key,
+            rank: env.rank,
+            world_size: env.world_size,
+        });
+        let mut store = Store::connect(host, port, admission, deadline)?;
+        let k = |k: &str| format!("/{prefix}/gpucast/{k}");
+        let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
         let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
             peer: store.peer().to_owned(),
             reason: format!("the instance counter is {instance}"),
         })?;
-        let mut s = TorchSession {
+        let mut s = Session {
             store,
-            sealer: Sealer::new(&auth::Key::of(&env.job_token), prefix.as_bytes()),
-            base: key(&format!("{instance}/")),
+            own,
+            sealer: Sealer::new(&key, prefix.as_bytes()),
+            base: k(&format!("{instance}/")),
             instance,
             rank: env.rank,
             world: env.world_size,
@@ -385,7 +154,7 @@ impl TorchSession {
             early_abort: None,
             forged_abort: false,
         };
-        debug!(rank = env.rank, instance, base = %s.base, "rendezvous through torchrun's store");
+        debug!(rank = env.rank, instance, base = %s.base, "rendezvous through a store");
         let first = s.hello(deadline).and_then(|()| s.confirm(deadline));
         if let Err(e) = &first {
             s.abort_after(e);
@@ -422,6 +191,7 @@ impl TorchSession {
     /// The abort key of the first round (bound to its sender's nonce) and of the session.
     fn abort_key(&self) -> String {
         match self.session {
+            _ if self.own => FAILED_KEY.to_owned(),
             None => format!("{}abort-hello", self.base),
             Some(_) => format!("{}abort", self.base),
         }
@@ -672,6 +442,15 @@ impl TorchSession {
     /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
     fn read_abort(&mut self, hard: Instant) -> Result<()> {
         let sealed = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
+        if self.own {
+            // gpucast's own store proved the token, and only proven ranks write to it.
+            return Err(
+                decode_error(&sealed).unwrap_or_else(|| RendezvousError::Protocol {
+                    peer: self.store.peer().to_owned(),
+                    reason: "a malformed failure".into(),
+                }),
+            );
+        }
         let parsed = self.sealer.open(&self.abort_aad(), &sealed).and_then(|p| {
             let sender = u32::from_le_bytes(p.get(..4)?.try_into().ok()?) as usize;
             let nonce: [u8; 32] = p.get(4..36)?.try_into().ok()?;
@@ -688,7 +467,7 @@ impl TorchSession {
         let Some((sender, nonce, missing, reason)) = parsed else {
             if !self.forged_abort {
                 self.forged_abort = true;
-                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in torchrun's store that is not of this job");
+                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in the store that is not of this job");
             }
             return Ok(());
         };
@@ -717,6 +496,16 @@ impl TorchSession {
         timeout: Duration,
     ) -> Result<()> {
         let listed = &missing[..missing.len().min(ABORT_RANKS)];
+        let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
+        if self.own {
+            let failure = RendezvousError::JobFailed {
+                reason,
+                missing: listed.to_vec(),
+            };
+            return self
+                .store
+                .set(FAILED_KEY, &encode_error(&failure), later(timeout));
+        }
         let mut plain = u32::try_from(self.rank)
             .unwrap_or(u32::MAX)
             .to_le_bytes()
@@ -726,9 +515,7 @@ impl TorchSession {
         for &r in listed {
             plain.extend_from_slice(&u32::try_from(r).unwrap_or(u32::MAX).to_le_bytes());
         }
-        plain.extend_from_slice(
-            format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON)).as_bytes(),
-        );
+        plain.extend_from_slice(reason.as_bytes());
         let sealed = self.sealer.seal(&self.abort_aad(), &plain);
         let key = self.abort_key();
         self.store.set(&key, &sealed, later(timeout))

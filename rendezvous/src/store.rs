@@ -1,0 +1,527 @@
+//! The one wire protocol and its one client: the subset of PyTorch's c10d `TCPStore` protocol
+//! that gpucast uses, spoken to torchrun's agent store and to gpucast's own store alike, with
+//! gpucast's admission handshake in front of it on its own store.
+//!
+//! c10d (PyTorch's `TCPStoreBackend.hpp`): the client first sends VALIDATE (query type 0, then
+//! the u32 magic `0x3C85F7CE`); every request is a one-byte query type and its arguments,
+//! little-endian, strings and byte strings as a u64 length and the bytes. gpucast uses SET (no
+//! reply), GET (reply: u64 length, value), ADD (reply: the sum, i64), CHECK (a u64 count of
+//! keys, then the keys; reply: 0 when all exist, 1 when not) and DELETE_KEY (reply: i64).
+//!
+//! Admission, on gpucast's own store only: messages of a 10-byte header (magic `GCRV`, version
+//! 4, kind, u32 body length) and a body. See the crate's documentation.
+
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::debug;
+
+use super::auth::{self, Handshake, Purpose};
+use super::error::{RendezvousError, Result};
+
+/// Query types of the c10d store protocol.
+pub(crate) mod query {
+    pub const VALIDATE: u8 = 0;
+    pub const SET: u8 = 1;
+    pub const GET: u8 = 3;
+    pub const ADD: u8 = 4;
+    pub const CHECK: u8 = 5;
+    pub const DELETE_KEY: u8 = 8;
+}
+/// What VALIDATE carries.
+pub(crate) const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
+/// Longest value PyTorch's store servers accept (the libuv server's limit).
+pub(crate) const TORCH_MAX_VALUE: usize = 8 << 20;
+/// The key under which gpucast's own store keeps the job's failure (a refusal's encoding of
+/// [`RendezvousError::JobFailed`]); a rank that aborts sets it.
+pub(crate) const FAILED_KEY: &str = "/gpucast/failed";
+
+/// Kinds of admission messages.
+pub(crate) mod kind {
+    /// Store: its 32-byte nonce.
+    pub const CHALLENGE: u8 = b'C';
+    /// Client: rank u32, world size u32, its nonce, its proof.
+    pub const HELLO: u8 = b'H';
+    /// Store: its proof.
+    pub const WELCOME: u8 = b'W';
+    /// Store: a refusal's encoding, then its proof over it.
+    pub const REFUSED: u8 = b'R';
+    /// Store, unproven: the HELLO's proof does not hold.
+    pub const TOKEN_REFUSED: u8 = b'T';
+    /// Store, unproven: no room among unproven connections; the reason as text.
+    pub const CROWDED: u8 = b'B';
+}
+/// Bytes of an admission message's header.
+pub(crate) const HEADER_LEN: usize = 10;
+/// Bytes of a HELLO's body.
+pub(crate) const HELLO_LEN: usize = 4 + 4 + auth::NONCE_LEN + auth::PROOF_LEN;
+/// Longest admission message body a client reads from a store that has proven nothing.
+const MAX_UNPROVEN: usize = 64 * 1024;
+/// Longest single TCP connect attempt.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
+
+/// An admission message: header, then `body`.
+pub(crate) fn message(kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut m = b"GCRV".to_vec();
+    m.extend_from_slice(&[4, kind]);
+    m.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
+    m.extend_from_slice(body);
+    m
+}
+
+/// The store's refusals (and its job failure) as bytes: a code, a u32 count of u64 numbers,
+/// the numbers, then UTF-8 text. Variants without a code of their own travel as "rejected".
+pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
+    use RendezvousError as E;
+    let n = |v: &usize| u64::try_from(*v).unwrap_or(u64::MAX);
+    let (code, nums, text): (u8, Vec<u64>, String) = match e {
+        E::WorldSizeMismatch {
+            rank,
+            client,
+            server,
+        } => (1, vec![n(rank), n(client), n(server)], String::new()),
+        E::RankOutOfRange { rank, world_size } => (2, vec![n(rank), n(world_size)], String::new()),
+        E::DuplicateRank { rank, detail } => (3, vec![n(rank)], detail.clone()),
+        E::JobFailed { reason, missing } => (4, missing.iter().map(n).collect(), reason.clone()),
+        E::Rejected { reason } => (5, vec![], reason.clone()),
+        other => (5, vec![], other.to_string()),
+    };
+    let mut out = vec![code];
+    out.extend_from_slice(&u32::try_from(nums.len()).unwrap_or(0).to_le_bytes());
+    nums.iter()
+        .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+    out.extend_from_slice(text.as_bytes());
+    out
+}
+
+/// The error `bytes` encode, if they are one.
+pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
+    use RendezvousError as E;
+    let (&code, rest) = bytes.split_first()?;
+    let count = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let end = count.checked_mul(8)?.checked_add(4)?;
+    let nums: Vec<usize> = rest
+        .get(4..end)?
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
+        .collect();
+    let text = String::from_utf8_lossy(&rest[end..]).into_owned();
+    let num = |i: usize| nums.get(i).copied();
+    Some(match code {
+        1 => E::WorldSizeMismatch {
+            rank: num(0)?,
+            client: num(1)?,
+            server: num(2)?,
+        },
+        2 => E::RankOutOfRange {
+            rank: num(0)?,
+            world_size: num(1)?,
+        },
+        3 => E::DuplicateRank {
+            rank: num(0)?,
+            detail: text,
+        },
+        4 => E::JobFailed {
+            reason: text,
+            missing: nums,
+        },
+        5 => E::Rejected { reason: text },
+        _ => return None,
+    })
+}
+
+/// `host:port`, with brackets around an IPv6 address.
+pub(crate) fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// A TCP connection to `host:port`, resolving the name and retrying (refused, unreachable,
+/// unknown host) with backoff until `deadline`.
+fn connect_tcp(host: &str, port: u16, deadline: Instant) -> Result<TcpStream> {
+    let start = Instant::now();
+    let mut backoff = Duration::from_millis(10);
+    let mut last_error = None;
+    loop {
+        match (host, port).to_socket_addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let attempt = left.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
+                    match TcpStream::connect_timeout(&addr, attempt) {
+                        Ok(stream) => return Ok(stream),
+                        Err(e) => last_error = Some(e),
+                    }
+                }
+            }
+            Err(e) => last_error = Some(e),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(RendezvousError::ConnectTimeout {
+                addr: host_port(host, port),
+                waited: start.elapsed(),
+                last_error,
+            });
+        }
+        thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(250));
+    }
+}
+
+fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+    buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    buf.extend_from_slice(bytes);
+}
+
+/// What a rank proves to gpucast's own store before it speaks c10d there.
+#[derive(Clone, Copy)]
+pub(crate) struct Admission<'a> {
+    /// The key of the job token.
+    pub key: &'a auth::Key,
+    /// The rank claimed.
+    pub rank: usize,
+    /// The world size claimed.
+    pub world_size: usize,
+}
+
+/// A c10d connection to a store (torchrun's, or gpucast's own once admitted). Every call
+/// returns by its deadline; after an I/O or protocol error the connection is unusable.
+pub(crate) struct Store {
+    pub(crate) stream: TcpStream,
+    pub(crate) peer: String,
+    pub(crate) broken: Option<String>,
+}
+
+impl Store {
+    /// Connects to `host:port` and, with `admission`, proves the token and checks the store's
+    /// proof; then validates the c10d connection. Retries until `deadline` while the failure is
+    /// on the connection or on what answered without proof (garbage, "token refused", "turned
+    /// away", a welcome it could not prove): then the last such failure is the error.
+    pub(crate) fn connect(
+        host: &str,
+        port: u16,
+        admission: Option<Admission<'_>>,
+        deadline: Instant,
+    ) -> Result<Store> {
+        let mut backoff = Duration::from_millis(5);
+        let mut last: Option<RendezvousError> = None;
+        loop {
+            let e = match Self::attempt(host, port, admission, deadline) {
+                Ok(store) => return Ok(store),
+                Err(e @ RendezvousError::ConnectTimeout { .. }) => return Err(last.unwrap_or(e)),
+                Err(
+                    e @ (RendezvousError::Io { .. }
+                    | RendezvousError::Protocol { .. }
+                    | RendezvousError::StoreNotAuthentic { .. }
+                    | RendezvousError::JobTokenMismatch { .. }
+                    | RendezvousError::Crowded { .. }),
+                ) => e,
+                Err(e) => return Err(e),
+            };
+            // A closed connection says less than a reason given before it.
+            let named = matches!(
+                last,
+                Some(
+                    RendezvousError::Crowded { .. }
+                        | RendezvousError::JobTokenMismatch { .. }
+                        | RendezvousError::StoreNotAuthentic { .. }
+                )
+            );
+            let e = match last.take() {
+                Some(earlier) if named && matches!(e, RendezvousError::Io { .. }) => earlier,
+                _ => e,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(e);
+            }
+            debug!(error = %e, "rendezvous: connecting to the store failed, again");
+            last = Some(e);
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(250));
+        }
+    }
+
+    fn attempt(
+        host: &str,
+        port: u16,
+        admission: Option<Admission<'_>>,
+        deadline: Instant,
+    ) -> Result<Store> {
+        let stream = connect_tcp(host, port, deadline)?;
+        let _ = stream.set_nodelay(true);
+        // What answers may take a second longer, so that a failure says what it was.
+        let deadline = deadline
+            .checked_add(Duration::from_secs(1))
+            .unwrap_or(deadline);
+        let mut store = Store {
+            stream,
+            peer: host_port(host, port),
+            broken: None,
+        };
+        if let Some(a) = admission {
+            store.admit(a, deadline)?;
+        }
+        let mut validate = vec![query::VALIDATE];
+        validate.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        store.send(&validate, deadline, "validating the connection")?;
+        // A CHECK of a key nobody sets: any c10d store answers it, anything else does not.
+        let probe = store.check(&["/gpucast/validate".to_owned()], deadline);
+        if let Err(e @ (RendezvousError::Io { .. } | RendezvousError::Protocol { .. })) = probe {
+            return Err(RendezvousError::Protocol {
+                peer: store.peer.clone(),
+                reason: format!("no c10d store answers there: {e}"),
+            });
+        }
+        probe.map(|_| store)
+    }
+
+    /// The admission handshake: the store's challenge, this rank's HELLO, the store's proven
+    /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
+    fn admit(&mut self, a: Admission<'_>, deadline: Instant) -> Result<()> {
+        let (k, body) = self.admission_message(deadline)?;
+        let server_nonce: auth::Nonce = match body.as_slice().try_into() {
+            Ok(n) if k == kind::CHALLENGE => n,
+            _ => return Err(self.unproven(k, &body)),
+        };
+        let client_nonce = auth::random()?;
+        let rank = u32::try_from(a.rank).unwrap_or(u32::MAX);
+        let world_size = u32::try_from(a.world_size).unwrap_or(u32::MAX);
+        let hs = Handshake {
+            key: a.key,
+            server_nonce: &server_nonce,
+            client_nonce: &client_nonce,
+            rank,
+            world_size,
+        };
+        let mut hello = rank.to_le_bytes().to_vec();
+        hello.extend_from_slice(&world_size.to_le_bytes());
+        hello.extend_from_slice(&client_nonce);
+        hello.extend_from_slice(&hs.prove(Purpose::Hello, b""));
+        self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
+        let (k, body) = self.admission_message(deadline)?;
+        match k {
+            kind::WELCOME if hs.verify(Purpose::Welcome, b"", &body) => Ok(()),
+            kind::REFUSED if body.len() >= auth::PROOF_LEN => {
+                let (refusal, proof) = body.split_at(body.len() - auth::PROOF_LEN);
+                if !hs.verify(Purpose::Refusal, refusal, proof) {
+                    return Err(self.unproven(0, &[]));
+                }
+                self.broken = Some("the store refused this rank".into());
+                Err(
+                    decode_error(refusal).unwrap_or_else(|| RendezvousError::Protocol {
+                        peer: self.peer.clone(),
+                        reason: "a malformed refusal".into(),
+                    }),
+                )
+            }
+            k => Err(self.unproven(k, &body)),
+        }
+    }
+
+    /// What an unproven answer of kind `k` means: a reason to try again, never a verdict.
+    fn unproven(&mut self, k: u8, body: &[u8]) -> RendezvousError {
+        self.broken = Some("an unproven answer to the admission".into());
+        let store = self.peer.clone();
+        match k {
+            kind::TOKEN_REFUSED => RendezvousError::JobTokenMismatch { store },
+            kind::CROWDED => RendezvousError::Crowded {
+                store,
+                reason: String::from_utf8_lossy(body).into_owned(),
+            },
+            _ => RendezvousError::StoreNotAuthentic { store },
+        }
+    }
+
+    /// One admission message, all of it by `deadline`, of at most 64 KiB.
+    pub(crate) fn admission_message(&mut self, deadline: Instant) -> Result<(u8, Vec<u8>)> {
+        let during = "the admission handshake";
+        let mut h = [0u8; HEADER_LEN];
+        self.receive(&mut h, deadline, during)?;
+        if h[..5] != message(0, &[])[..5] {
+            self.broken = Some("not gpucast's store".into());
+            return Err(RendezvousError::Protocol {
+                peer: self.peer.clone(),
+                reason: "what answers is not gpucast's store (protocol version 4)".into(),
+            });
+        }
+        let len = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as usize;
+        if len > MAX_UNPROVEN {
+            self.broken = Some("an oversize admission message".into());
+            return Err(RendezvousError::TooLarge {
+                what: "an admission message from the store".into(),
+                len,
+                max: MAX_UNPROVEN,
+            });
+        }
+        let mut body = vec![0u8; len];
+        self.receive(&mut body, deadline, during)?;
+        Ok((h[5], body))
+    }
+
+    /// The store's `host:port`.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
+        self.broken = Some(format!("{during}: {source}"));
+        RendezvousError::Io {
+            peer: self.peer.clone(),
+            during: during.to_owned(),
+            source,
+        }
+    }
+
+    fn timed_out(&mut self, during: &str) -> RendezvousError {
+        let e = io::Error::new(io::ErrorKind::TimedOut, "the store did not answer in time");
+        self.io_error(during, e)
+    }
+
+    /// Writes all of `bytes` by `deadline`.
+    fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
+        if let Some(why) = &self.broken {
+            return Err(RendezvousError::unusable(&self.peer, during, why));
+        }
+        let mut sent = 0;
+        while sent < bytes.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.timed_out(during));
+            }
+            let written = self
+                .stream
+                .set_write_timeout(Some(left))
+                .and_then(|()| self.stream.write(&bytes[sent..]));
+            match written {
+                Ok(0) => {
+                    let e = io::Error::new(io::ErrorKind::WriteZero, "the store closed");
+                    return Err(self.io_error(during, e));
+                }
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(during, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills `buf` by `deadline`.
+    fn receive(&mut self, buf: &mut [u8], deadline: Instant, during: &str) -> Result<()> {
+        let mut got = 0;
+        while got < buf.len() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(self.timed_out(during));
+            }
+            let read = self
+                .stream
+                .set_read_timeout(Some(left))
+                .and_then(|()| self.stream.read(&mut buf[got..]));
+            match read {
+                Ok(0) => {
+                    let e = io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the store closed the connection (rank 0 may have exited)",
+                    );
+                    return Err(self.io_error(during, e));
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.io_error(during, e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn receive_i64(&mut self, deadline: Instant, during: &str) -> Result<i64> {
+        let mut b = [0u8; 8];
+        self.receive(&mut b, deadline, during)?;
+        Ok(i64::from_le_bytes(b))
+    }
+
+    /// Stores `value` under `key`.
+    pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
+        if value.len() > TORCH_MAX_VALUE {
+            return Err(RendezvousError::TooLarge {
+                what: format!("the value of {key}"),
+                len: value.len(),
+                max: TORCH_MAX_VALUE,
+            });
+        }
+        let mut req = vec![query::SET];
+        push_bytes(&mut req, key.as_bytes());
+        push_bytes(&mut req, value);
+        self.send(&req, deadline, &format!("setting {key}"))
+    }
+
+    /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
+    /// any memory is taken.
+    pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
+        let during = format!("getting {key}");
+        let mut req = vec![query::GET];
+        push_bytes(&mut req, key.as_bytes());
+        self.send(&req, deadline, &during)?;
+        let len = self.receive_i64(deadline, &during)? as u64;
+        let max = max.min(TORCH_MAX_VALUE);
+        if len > max as u64 {
+            self.broken = Some(format!("a {len}-byte reply"));
+            return Err(RendezvousError::TooLarge {
+                what: format!("the store's value of {key}"),
+                len: usize::try_from(len).unwrap_or(usize::MAX),
+                max,
+            });
+        }
+        let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
+        self.receive(&mut value, deadline, &during)?;
+        Ok(value)
+    }
+
+    /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
+    pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
+        let during = format!("adding to {key}");
+        let mut req = vec![query::ADD];
+        push_bytes(&mut req, key.as_bytes());
+        req.extend_from_slice(&delta.to_le_bytes());
+        self.send(&req, deadline, &during)?;
+        self.receive_i64(deadline, &during)
+    }
+
+    /// Whether every key of `keys` exists.
+    pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
+        let during = "checking for keys";
+        let mut req = vec![query::CHECK];
+        req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        keys.iter().for_each(|k| push_bytes(&mut req, k.as_bytes()));
+        self.send(&req, deadline, during)?;
+        let mut b = [0u8; 1];
+        self.receive(&mut b, deadline, during)?;
+        match b[0] {
+            0 => Ok(true),
+            1 => Ok(false),
+            other => {
+                self.broken = Some(format!("CHECK answered {other}"));
+                Err(RendezvousError::Protocol {
+                    peer: self.peer.clone(),
+                    reason: format!("CHECK answered {other}, expected 0 or 1"),
+                })
+            }
+        }
+    }
+
+    /// Deletes `key`.
+    pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        let during = format!("deleting {key}");
+        let mut req = vec![query::DELETE_KEY];
+        push_bytes(&mut req, key.as_bytes());
+        self.send(&req, deadline, &during)?;
+        self.receive_i64(deadline, &during).map(drop)
+    }
+}
