@@ -88,7 +88,11 @@ fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
         0x1f83_d9ab,
         0x5be0_cd19,
     ];
-    let first: [u8; 32] = mac_raw(password, &[salt, &1u32.to_be_bytes()]);
+    let mut m = <HmacSha256 as Mac>::new_from_slice(password)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+    m.update(salt);
+    m.update(&1u32.to_be_bytes());
+    let first: [u8; 32] = m.finalize().into_bytes().into();
     // HMAC's key block: the password, or its digest when longer than a block.
     let mut key = [0u8; 64];
     if password.len() > 64 {
@@ -134,16 +138,6 @@ fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
     out
 }
 
-/// HMAC-SHA256 of the concatenated `parts` under `key`.
-fn mac_raw(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
-    for p in parts {
-        m.update(p);
-    }
-    m.finalize().into_bytes().into()
-}
-
 /// The key every proof and sealed value of a job is made with, derived from the job token
 /// (never the token itself). Its `Debug` form shows nothing of it.
 #[derive(Clone, PartialEq, Eq)]
@@ -159,35 +153,6 @@ impl std::fmt::Debug for Key {
 /// on purpose, and a process needs it once.
 static KEYS: std::sync::Mutex<Vec<([u8; 32], Key)>> = std::sync::Mutex::new(Vec::new());
 
-impl Key {
-    /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
-    /// process and token.
-    pub(crate) fn of(token: &str) -> Key {
-        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
-        let cached = |keys: &Vec<([u8; 32], Key)>| {
-            keys.iter()
-                .find(|(k, _)| same_secret(k, &id))
-                .map(|(_, key)| key.clone())
-        };
-        let mut keys = KEYS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(key) = cached(&keys) {
-            return key;
-        }
-        let key = Key(pbkdf2_sha256(
-            token.as_bytes(),
-            b"gpucast rendezvous v3: job token",
-            KDF_ROUNDS,
-        ));
-        if keys.len() >= 16 {
-            keys.remove(0);
-        }
-        keys.push((id, key.clone()));
-        key
-    }
-}
-
 /// What a proof is for: the label makes a client's proof useless as the store's, and each
 /// useless anywhere else.
 #[derive(Debug, Clone, Copy)]
@@ -201,50 +166,40 @@ pub(crate) enum Purpose {
     Refusal,
 }
 
-impl Purpose {
-    fn label(self) -> &'static [u8] {
-        match self {
-            Purpose::Hello => b"gpucast rendezvous v3: hello",
-            Purpose::Welcome => b"gpucast rendezvous v3: welcome",
-            Purpose::Refusal => b"gpucast rendezvous v3: refusal",
+impl Key {
+    /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
+    /// process and token.
+    pub(crate) fn of(token: &str) -> Key {
+        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
+        let mut keys = KEYS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, key)) = keys.iter().find(|(k, _)| same_secret(k, &id)) {
+            return key.clone();
         }
-    }
-}
-
-/// One handshake: both nonces (the store's is fresh per connection, so a recorded proof does
-/// not replay) and the rank and world size the HELLO claims.
-pub(crate) struct Handshake<'a> {
-    pub key: &'a Key,
-    pub server_nonce: &'a Nonce,
-    pub client_nonce: &'a Nonce,
-    pub rank: u32,
-    pub world_size: u32,
-}
-
-impl Handshake<'_> {
-    /// The MAC of `purpose` over this handshake and `extra` (a refusal's encoded error).
-    fn mac(&self, purpose: Purpose, extra: &[u8]) -> HmacSha256 {
-        mac(
-            &self.key.0,
-            purpose.label(),
-            &[
-                self.server_nonce,
-                self.client_nonce,
-                &self.rank.to_le_bytes(),
-                &self.world_size.to_le_bytes(),
-                extra,
-            ],
-        )
+        let salt = b"gpucast rendezvous v3: job token";
+        let key = Key(pbkdf2_sha256(token.as_bytes(), salt, KDF_ROUNDS));
+        if keys.len() >= 16 {
+            keys.remove(0);
+        }
+        keys.push((id, key.clone()));
+        key
     }
 
-    /// The proof of knowing the token for `purpose`, over `extra` too.
-    pub(crate) fn prove(&self, purpose: Purpose, extra: &[u8]) -> Proof {
-        self.mac(purpose, extra).finalize().into_bytes().into()
-    }
-
-    /// Whether `claimed` is that proof, compared in constant time.
-    pub(crate) fn verify(&self, purpose: Purpose, extra: &[u8], claimed: &[u8]) -> bool {
-        self.mac(purpose, extra).verify_slice(claimed).is_ok()
+    /// The proof of knowing the token for `purpose` in one handshake: over `claim` (the
+    /// store's fresh nonce, the client's, and the rank and world size the HELLO claims) and
+    /// `extra` (a refusal's encoded error).
+    pub(crate) fn prove(&self, purpose: Purpose, claim: &[&[u8]; 3], extra: &[u8]) -> Proof {
+        let label: &[u8] = match purpose {
+            Purpose::Hello => b"gpucast rendezvous v4: hello",
+            Purpose::Welcome => b"gpucast rendezvous v4: welcome",
+            Purpose::Refusal => b"gpucast rendezvous v4: refusal",
+        };
+        let [a, b, c] = *claim;
+        mac(&self.0, label, &[a, b, c, extra])
+            .finalize()
+            .into_bytes()
+            .into()
     }
 }
 
@@ -399,28 +354,56 @@ mod tests {
     fn proofs_bind_the_token_the_nonces_and_the_claim() {
         let (s, c) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
         let (tok, tok2) = (Key::of("tok"), Key::of("tok2"));
-        let hs = |key, server_nonce, client_nonce, rank, world_size| Handshake {
-            key,
-            server_nonce,
-            client_nonce,
-            rank,
-            world_size,
-        };
-        let p = hs(&tok, &s, &c, 3, 8).prove(Purpose::Hello, b"");
-        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok2, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Welcome, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"", &p));
-        assert!(!hs(&tok, &c, &s, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 4, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 9).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"x", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p[..31]));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &[]));
+        let claim = |rank: u32, world: u32| [rank.to_le_bytes(), world.to_le_bytes()].concat();
+        let p = tok.prove(Purpose::Hello, &[&s, &c, &claim(3, 8)], b"");
+        let same = |q: Proof| same_secret(&p, &q);
+        assert!(same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok2.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Welcome,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Refusal,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&c, &s, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(4, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 9)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b"x"
+        )));
+        assert!(!same_secret(&p, &p[..31]));
         // A refusal's proof covers the error it proves.
-        let r = hs(&tok, &s, &c, 3, 8).prove(Purpose::Refusal, b"error 1");
-        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 1", &r));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 2", &r));
+        let r = tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 1");
+        assert_ne!(
+            r,
+            tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 2")
+        );
         // The token is not in the proof in any readable form.
         assert!(!p.windows(3).any(|w| w == b"tok"));
     }
@@ -477,17 +460,13 @@ mod tests {
         // A HELLO's proof is no single HMAC keyed by the raw token: one capture must cost a
         // guesser a whole derivation per guess.
         let (sn, cn) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let proof = Handshake {
-            key: &key,
-            server_nonce: &sn,
-            client_nonce: &cn,
-            rank: 1,
-            world_size: 2,
-        }
-        .prove(Purpose::Hello, b"");
-        let parts: [&[u8]; 5] = [&sn, &cn, &1u32.to_le_bytes(), &2u32.to_le_bytes(), b""];
-        for label in [&b"gpucast rendezvous v2: hello"[..], Purpose::Hello.label()] {
-            let raw: Proof = mac(b"a job token", label, &parts)
+        let parts: [&[u8]; 3] = [&sn, &cn, &[1, 0, 0, 0, 2, 0, 0, 0]];
+        let proof = key.prove(Purpose::Hello, &parts, b"");
+        for label in [
+            &b"gpucast rendezvous v3: hello"[..],
+            b"gpucast rendezvous v4: hello",
+        ] {
+            let raw: Proof = mac(b"a job token", label, &[&sn, &cn, parts[2], b""])
                 .finalize()
                 .into_bytes()
                 .into();

@@ -175,7 +175,7 @@ impl fmt::Debug for Rendezvous {
             .field("world_size", &self.env.world_size)
             .field("master", &self.env.master())
             .field("timeout", &self.timeout)
-            .field("server", &self.server)
+            .field("server", &self.server_addr())
             .finish_non_exhaustive()
     }
 }

@@ -170,17 +170,6 @@ pub const MAX_TOKEN_LEN: usize = 256;
 /// Largest world size.
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
-/// Connections not yet proven that the store keeps at once.
-const DEFAULT_MAX_PENDING: usize = 1024;
-/// Connections not yet proven that the store keeps at once from one address.
-const DEFAULT_MAX_PENDING_PER_ADDR: usize = 128;
-/// Age below which a connection not yet proven is never closed to make room.
-const DEFAULT_PENDING_FLOOR: Duration = Duration::from_millis(500);
-/// Default time a new connection has to complete its HELLO.
-const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time to finish reading a started frame or writing a reply.
-const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// `timeout` from now, or far in the future when that is beyond what an `Instant` holds (a
 /// caller may pass `Duration::MAX` for "no limit").
 pub(crate) fn later(timeout: Duration) -> std::time::Instant {

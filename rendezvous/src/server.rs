@@ -7,7 +7,7 @@
 //! [`ServerOptions::max_pending_per_addr`] of them from one address, and none is closed to make
 //! room before it is [`ServerOptions::pending_floor`] old: a newcomer finds room by evicting an
 //! older one of its own address, or, when the store is full, of the address that holds the most
-//! (when that is at least two more than the newcomer's), else it is turned away with an error
+//! (when that is at least two more than the newcomer's), else it is turned away with a message
 //! that says so. So a flood from other addresses never takes a rank's place, and a rank, once
 //! admitted, has the floor's time to prove the token.
 //!
@@ -31,20 +31,16 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::auth::{self, Handshake, Purpose, SEAL_OVERHEAD};
-use super::error::{clip, rank_list, RendezvousError, Result};
+use super::auth::{self, Purpose, SEAL_OVERHEAD};
+use super::error::{clip, RendezvousError, Result};
 use super::session::{ABORT_RANKS, ABORT_REASON};
-use super::store::{decode_error, encode_error, kind, message, query, FAILED_KEY};
+use super::store::{decode_error, encode_error, kind, message, query, read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
-use super::{
-    Throttle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_PER_ADDR, DEFAULT_PENDING_FLOOR, MAX_STORE_BYTES, MAX_VALUE_LEN,
-    MAX_WORLD_SIZE,
-};
+use super::{Throttle, MAX_STORE_BYTES, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
 /// Longest key the store takes.
 pub(crate) const MAX_KEY_LEN: usize = 1024;
-/// Longest value the store takes: a sealed contribution, with room for its bookkeeping.
+/// Longest value the store takes: a sealed contribution, with room to spare.
 const MAX_SET_VALUE: usize = MAX_VALUE_LEN + SEAL_OVERHEAD + 1024;
 /// Most keys one connection may have written and not seen deleted.
 pub(crate) const CONN_KEYS: usize = 64;
@@ -53,14 +49,12 @@ pub(crate) const CONN_KEYS: usize = 64;
 pub(crate) const CONN_BYTES: usize = 4 * (MAX_SET_VALUE + MAX_KEY_LEN);
 /// Bytes a key costs beyond its name and value.
 const ENTRY_BYTES: usize = 64;
-/// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag, in ms.
+const ACCEPT_POLL_MS: u16 = 20;
 /// How long a dropped server waits at most for its members to finish what they were reading.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Members quiet this long are done with the store.
 const QUIET: Duration = Duration::from_millis(50);
-/// Stack of a connection thread.
-const CONN_STACK: usize = 256 * 1024;
 
 /// Settings of a [`StoreServer`].
 #[derive(Clone, Debug)]
@@ -78,8 +72,7 @@ pub(crate) struct ServerOptions {
     pub pending_floor: Duration,
     /// How long a new connection has to complete its HELLO, all of it. Default 10 s.
     pub handshake_timeout: Duration,
-    /// Limit for reading the rest of a proven rank's request once it has started, and for
-    /// writing a reply. Default 30 s.
+    /// Limit for each read and write of a proven rank's request and reply. Default 30 s.
     pub io_timeout: Duration,
 }
 
@@ -89,11 +82,11 @@ impl ServerOptions {
         Self {
             world_size,
             key: auth::Key::of(job_token),
-            max_pending: DEFAULT_MAX_PENDING,
-            max_pending_per_addr: DEFAULT_MAX_PENDING_PER_ADDR,
-            pending_floor: DEFAULT_PENDING_FLOOR,
-            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
-            io_timeout: DEFAULT_IO_TIMEOUT,
+            max_pending: 1024,
+            max_pending_per_addr: 128,
+            pending_floor: Duration::from_millis(500),
+            handshake_timeout: Duration::from_secs(10),
+            io_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -119,18 +112,16 @@ struct Shared {
     state: Mutex<State>,
     cond: Condvar,
     shutdown: AtomicBool,
-    /// Logging of strangers' failed proofs and late claims.
+    /// Logging of strangers' failed proofs and late claims, and of connections turned away.
     refused: Throttle,
-    /// Logging of connections turned away for want of room.
     crowded: Throttle,
 }
 
-/// A connection that has not proven the token yet.
+/// A connection that has not proven the token yet, and a handle to close it by.
 struct Pending {
     id: u64,
     ip: IpAddr,
     since: Instant,
-    /// A handle to close it by.
     stream: TcpStream,
 }
 
@@ -141,6 +132,7 @@ struct Member {
     wrote: bool,
 }
 
+#[derive(Default)]
 struct State {
     registered: Vec<Option<Member>>,
     /// Every rank has said hello once.
@@ -151,7 +143,7 @@ struct State {
     departed: Vec<bool>,
     /// Why the job failed, if it has, and the ranks it names as missing.
     failure: Option<(String, Vec<usize>)>,
-    /// The keys: value and the connection that wrote it.
+    /// The keys: value, and the connection that wrote it.
     keys: HashMap<Vec<u8>, (Vec<u8>, u64)>,
     /// Bytes held in `keys`.
     stored: usize,
@@ -159,26 +151,14 @@ struct State {
     usage: HashMap<u64, (usize, usize)>,
     /// Connections that have not proven the token yet, oldest first.
     pending: VecDeque<Pending>,
-    /// How many of them each address holds.
-    pending_per_addr: HashMap<IpAddr, usize>,
     /// Connections of proven ranks.
     members: HashMap<u64, TcpStream>,
-    /// Pending connections closed to make room for newer ones.
+    /// Pending connections closed to make room for newer ones, and newcomers turned away.
     evicted: u64,
-    /// Connections turned away for want of room.
     turned_away: u64,
     /// Connections in the middle of a request, and when the last one started.
     busy: usize,
-    last_request: Instant,
-}
-
-impl std::fmt::Debug for StoreServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreServer")
-            .field("local_addr", &self.local_addr)
-            .field("world_size", &self.shared.opts.world_size)
-            .finish_non_exhaustive()
-    }
+    last_request: Option<Instant>,
 }
 
 impl Shared {
@@ -212,17 +192,15 @@ impl State {
             } else {
                 warn!(%reason, "rendezvous job failed");
             }
-            let (reason, missing) = (
-                clip(reason, ABORT_REASON).to_owned(),
-                missing[..missing.len().min(ABORT_RANKS)].to_vec(),
-            );
+            let reason = clip(reason, ABORT_REASON).to_owned();
+            let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
             let value = encode_error(&RendezvousError::JobFailed {
                 reason: reason.clone(),
                 missing: missing.clone(),
             });
             self.stored += entry_bytes(FAILED_KEY.as_bytes(), &value);
-            self.keys
-                .insert(FAILED_KEY.as_bytes().to_vec(), (value, u64::MAX));
+            let key = FAILED_KEY.as_bytes().to_vec();
+            self.keys.insert(key, (value, u64::MAX));
             self.failure = Some((reason, missing));
         }
         cond.notify_all();
@@ -230,20 +208,14 @@ impl State {
 
     /// Stores `value` under `key` for connection `conn`, within its share and the store's.
     fn put(&mut self, conn: u64, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
-        let old = self.remove(&key);
+        self.remove(&key);
         let bytes = entry_bytes(&key, &value);
         let (keys, held) = self.usage.get(&conn).copied().unwrap_or_default();
-        if keys + 1 > CONN_KEYS || held + bytes > CONN_BYTES {
+        if keys >= CONN_KEYS || held + bytes > CONN_BYTES || self.stored + bytes > MAX_STORE_BYTES {
             return Err(format!(
-                "over its share of {CONN_KEYS} keys and {CONN_BYTES} bytes"
+                "over its share ({CONN_KEYS} keys, {CONN_BYTES} bytes) or the store's"
             ));
         }
-        if self.stored + bytes > MAX_STORE_BYTES {
-            return Err(format!(
-                "the store would hold more than {MAX_STORE_BYTES} bytes"
-            ));
-        }
-        drop(old);
         self.usage.insert(conn, (keys + 1, held + bytes));
         self.stored += bytes;
         self.keys.insert(key, (value, conn));
@@ -251,33 +223,22 @@ impl State {
     }
 
     /// Deletes `key`, returning it to the share of the connection that wrote it.
-    fn remove(&mut self, key: &[u8]) -> Option<Vec<u8>> {
-        let (value, owner) = self.keys.remove(key)?;
+    fn remove(&mut self, key: &[u8]) -> bool {
+        let Some((value, owner)) = self.keys.remove(key) else {
+            return false;
+        };
         let bytes = entry_bytes(key, &value);
         self.stored -= bytes;
         if let Some((keys, held)) = self.usage.get_mut(&owner) {
             *keys -= 1;
             *held -= bytes;
         }
-        Some(value)
+        true
     }
 
-    fn add_pending(&mut self, p: Pending) {
-        *self.pending_per_addr.entry(p.ip).or_insert(0) += 1;
-        self.pending.push_back(p);
-    }
-
-    /// Forgets pending connection `id`, if it is one, and returns it.
-    fn remove_pending(&mut self, id: u64) -> Option<Pending> {
-        let at = self.pending.iter().position(|p| p.id == id)?;
-        let p = self.pending.remove(at)?;
-        if let Some(n) = self.pending_per_addr.get_mut(&p.ip) {
-            *n -= 1;
-            if *n == 0 {
-                self.pending_per_addr.remove(&p.ip);
-            }
-        }
-        Some(p)
+    /// How many pending connections `ip` holds.
+    fn pending_from(&self, ip: IpAddr) -> usize {
+        self.pending.iter().filter(|p| p.ip == ip).count()
     }
 
     /// Makes room for one more pending connection from `ip` at `now`: nothing to do below the
@@ -286,29 +247,34 @@ impl State {
     /// than `ip` holds, is closed (with a message that says why), provided it is
     /// [`ServerOptions::pending_floor`] old. Otherwise the reason the newcomer is turned away.
     fn make_room(&mut self, opts: &ServerOptions, ip: IpAddr, now: Instant) -> Result<(), String> {
-        let mine = self.pending_per_addr.get(&ip).copied().unwrap_or(0);
+        let mine = self.pending_from(ip);
         let (from, why) = if mine >= opts.max_pending_per_addr {
-            let why = format!("{mine} connections from {ip} have not proven the job token yet");
-            (ip, why)
+            (
+                ip,
+                format!("{mine} connections from {ip} have not proven the job token yet"),
+            )
         } else if self.pending.len() >= opts.max_pending {
             let why = format!(
                 "{} connections that have not proven the job token fill the store",
                 self.pending.len()
             );
-            match self.pending_per_addr.iter().max_by_key(|(_, n)| **n) {
-                Some((&most, &n)) if n > mine + 1 => (most, why),
+            let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
+            self.pending
+                .iter()
+                .for_each(|p| *per_addr.entry(p.ip).or_default() += 1);
+            match per_addr.into_iter().max_by_key(|(_, n)| *n) {
+                Some((most, n)) if n > mine + 1 => (most, why),
                 _ => return Err(why),
             }
         } else {
             return Ok(());
         };
         let floor = opts.pending_floor;
-        let victim = self
+        let old = self
             .pending
             .iter()
-            .find(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor)
-            .map(|p| p.id);
-        let Some(old) = victim.and_then(|id| self.remove_pending(id)) else {
+            .position(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor);
+        let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
         tell_crowded(&old.stream, &format!("{why}; this one was the oldest"));
@@ -332,25 +298,18 @@ impl StoreServer {
     /// port, [`RendezvousError::Bind`] for other OS errors, and
     /// [`RendezvousError::InvalidArgument`] for a world size outside 1..=[`MAX_WORLD_SIZE`] or
     /// no room for a pending connection.
-    pub(crate) fn bind(addr: SocketAddr, options: ServerOptions) -> Result<Self> {
-        let n = options.world_size;
-        if n == 0
-            || n > MAX_WORLD_SIZE
-            || options.max_pending == 0
-            || options.max_pending_per_addr == 0
-        {
+    pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
+        let n = opts.world_size;
+        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
             return Err(RendezvousError::InvalidArgument {
                 reason: format!(
                     "world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait"
                 ),
             });
         }
-        let bind_err = |source: io::Error| {
-            if source.kind() == io::ErrorKind::AddrInUse {
-                RendezvousError::PortInUse { addr }
-            } else {
-                RendezvousError::Bind { addr, source }
-            }
+        let bind_err = |source: io::Error| match source.kind() {
+            io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },
+            _ => RendezvousError::Bind { addr, source },
         };
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
         // The longest accept queue the system allows (std asks for 128): a burst of strangers
@@ -360,25 +319,15 @@ impl StoreServer {
         }
         let local_addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
+        let state = State {
+            registered: (0..n).map(|_| None).collect(),
+            told: vec![false; n],
+            departed: vec![false; n],
+            ..State::default()
+        };
         let shared = Arc::new(Shared {
-            opts: options,
-            state: Mutex::new(State {
-                registered: (0..n).map(|_| None).collect(),
-                complete: false,
-                told: vec![false; n],
-                departed: vec![false; n],
-                failure: None,
-                keys: HashMap::new(),
-                stored: 0,
-                usage: HashMap::new(),
-                pending: VecDeque::new(),
-                pending_per_addr: HashMap::new(),
-                members: HashMap::new(),
-                evicted: 0,
-                turned_away: 0,
-                busy: 0,
-                last_request: Instant::now(),
-            }),
+            opts,
+            state: Mutex::new(state),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
             refused: Throttle::new(),
@@ -388,10 +337,7 @@ impl StoreServer {
         let accept = thread::Builder::new()
             .name("gpucast-store-accept".into())
             .spawn(move || accept_loop(&for_thread, &listener))
-            .map_err(|source| RendezvousError::Bind {
-                addr: local_addr,
-                source,
-            })?;
+            .map_err(bind_err)?;
         info!(%local_addr, world_size = n, "rendezvous store listening");
         Ok(Self {
             shared,
@@ -432,14 +378,10 @@ impl StoreServer {
     /// a closed port until their timeout.
     pub(crate) fn linger_until_told(&self, deadline: Instant) {
         let mut st = self.shared.lock();
-        loop {
-            let untold: Vec<usize> = (0..st.told.len()).filter(|&r| !st.told[r]).collect();
-            if st.failure.is_none() || untold.is_empty() {
-                return;
-            }
+        while st.failure.is_some() && st.told.iter().any(|&t| !t) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                debug!(untold = %rank_list(&untold), "store closing before every rank learned of the failure");
+                debug!("rendezvous store closing before every rank learned of the failure");
                 return;
             }
             st = self.shared.wait_on(st, left);
@@ -458,20 +400,22 @@ impl Drop for StoreServer {
         let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
         let missing = st.unregistered();
-        let reason = "the store on rank 0 shut down";
-        st.fail(&self.shared.cond, reason, &missing, true);
+        st.fail(
+            &self.shared.cond,
+            "the store on rank 0 shut down",
+            &missing,
+            true,
+        );
         // Members that still read (the last round's values) finish first.
-        while st.busy > 0 || st.last_request.elapsed() < QUIET {
+        while st.busy > 0 || st.last_request.is_some_and(|t| t.elapsed() < QUIET) {
             let left = grace_end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
             st = self.shared.wait_on(st, left.min(QUIET));
         }
-        for p in &st.pending {
-            let _ = p.stream.shutdown(Shutdown::Both);
-        }
-        for stream in st.members.values() {
+        let pending = st.pending.iter().map(|p| &p.stream);
+        for stream in pending.chain(st.members.values()) {
             let _ = stream.shutdown(Shutdown::Both);
         }
         drop(st);
@@ -494,31 +438,22 @@ fn tell_crowded(stream: &TcpStream, reason: &str) {
     );
 }
 
-/// Waits up to [`ACCEPT_POLL`] for a connection to arrive on `listener`.
-fn wait_readable(listener: &TcpListener) {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-    let ms = u16::try_from(ACCEPT_POLL.as_millis()).unwrap_or(u16::MAX);
-    if poll(&mut fds, PollTimeout::from(ms)).is_err() {
-        thread::sleep(Duration::from_millis(1));
-    }
-}
-
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
     while !shared.shutting_down() {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                wait_readable(listener);
+                let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+                let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
                 continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 // Out of file descriptors and the like: wait, do not spin.
                 warn!(error = %e, "rendezvous store: accept failed");
-                thread::sleep(ACCEPT_POLL * 5);
+                thread::sleep(Duration::from_millis(ACCEPT_POLL_MS.into()));
                 continue;
             }
         };
@@ -528,49 +463,43 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             .set_nonblocking(false)
             .and_then(|()| stream.try_clone())
         else {
-            debug!(%peer, "rendezvous store: dropping a connection it cannot set up");
             continue;
         };
-        let id = next_id;
+        let (id, ip) = (next_id, peer.ip());
         next_id += 1;
-        {
-            let mut st = shared.lock();
-            if let Err(reason) = st.make_room(&shared.opts, peer.ip(), accepted) {
-                st.turned_away += 1;
-                drop(st);
-                if let Some(before) = shared.crowded.allow() {
-                    warn!(%peer, %reason, before, "rendezvous store: turned a connection away");
-                }
-                tell_crowded(&stream, &reason);
-                continue;
+        let mut st = shared.lock();
+        if let Err(reason) = st.make_room(&shared.opts, ip, accepted) {
+            st.turned_away += 1;
+            drop(st);
+            if let Some(before) = shared.crowded.allow() {
+                warn!(%peer, %reason, before, "rendezvous store: turned a connection away");
             }
-            st.add_pending(Pending {
-                id,
-                ip: peer.ip(),
-                since: accepted,
-                stream: clone,
-            });
+            tell_crowded(&stream, &reason);
+            continue;
         }
-        let for_thread = Arc::clone(shared);
+        st.pending.push_back(Pending {
+            id,
+            ip,
+            since: accepted,
+            stream: clone,
+        });
+        drop(st);
+        let mut conn = Conn {
+            shared: Arc::clone(shared),
+            stream,
+            peer,
+            id,
+            accepted,
+            rank: None,
+        };
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
-            .stack_size(CONN_STACK)
-            .spawn(move || {
-                let mut conn = Conn {
-                    shared: for_thread,
-                    stream,
-                    peer,
-                    id,
-                    accepted,
-                    rank: None,
-                };
-                conn.serve();
-            });
+            .stack_size(256 * 1024)
+            .spawn(move || conn.serve());
         match spawned {
             Ok(h) => handles.push(h),
             Err(e) => {
-                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
-                shared.lock().remove_pending(id);
+                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread")
             }
         }
     }
@@ -591,9 +520,8 @@ enum Admission {
 /// without taking any byte from whoever reads it.
 fn closed(stream: &TcpStream) -> bool {
     use nix::sys::socket::{recv, MsgFlags};
-    let mut b = [0u8; 1];
     let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
-    match recv(stream.as_raw_fd(), &mut b, flags) {
+    match recv(stream.as_raw_fd(), &mut [0u8; 1], flags) {
         Ok(n) => n == 0,
         Err(e) => !matches!(e, nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR),
     }
@@ -612,41 +540,23 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        st.remove_pending(self.id);
+        if let Some(at) = st.pending.iter().position(|p| p.id == self.id) {
+            st.pending.remove(at);
+        }
         st.members.remove(&self.id);
         st.usage.remove(&self.id);
-        if let Some(r) = self.rank {
-            let wrote = match &st.registered[r] {
-                Some(m) if m.conn == self.id => m.wrote,
-                _ => return,
-            };
-            st.departed[r] = true;
-            st.told[r] = true;
-            if wrote {
-                let reason = format!("rank {r} closed its connection to the store");
-                st.fail(&self.shared.cond, &reason, &[r], true);
-            }
+        let Some(r) = self.rank else { return };
+        let wrote = match &st.registered[r] {
+            Some(m) if m.conn == self.id => m.wrote,
+            _ => return,
+        };
+        st.departed[r] = true;
+        st.told[r] = true;
+        if wrote {
+            let reason = format!("rank {r} closed its connection to the store");
+            st.fail(&self.shared.cond, &reason, &[r], true);
         }
         self.shared.cond.notify_all();
-    }
-}
-
-/// Counts a connection as busy while it answers a request.
-struct Busy(Arc<Shared>);
-
-impl Busy {
-    fn new(shared: &Arc<Shared>) -> Self {
-        let mut st = shared.lock();
-        st.busy += 1;
-        st.last_request = Instant::now();
-        Self(Arc::clone(shared))
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.lock().busy -= 1;
-        self.0.cond.notify_all();
     }
 }
 
@@ -662,14 +572,17 @@ impl Conn {
         loop {
             let mut q = [0u8; 1];
             match (&self.stream).read(&mut q) {
-                Ok(0) => return,
-                Ok(_) => {}
+                Ok(1) => {}
                 Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
-                Err(_) => return,
+                _ => return,
             }
-            let busy = Busy::new(&self.shared);
+            let mut st = self.shared.lock();
+            st.busy += 1;
+            st.last_request = Some(Instant::now());
+            drop(st);
             let served = self.request(q[0]);
-            drop(busy);
+            self.shared.lock().busy -= 1;
+            self.shared.cond.notify_all();
             if let Err(reason) = served {
                 if !self.shared.shutting_down() {
                     warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
@@ -679,32 +592,8 @@ impl Conn {
         }
     }
 
-    /// Reads `buf` in full by `deadline` (one deadline for all of it, however it dribbles in).
-    fn read_by(&self, buf: &mut [u8], deadline: Instant) -> bool {
-        let mut got = 0;
-        while got < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.stream.set_read_timeout(Some(left)).is_err() {
-                return false;
-            }
-            match (&self.stream).read(&mut buf[got..]) {
-                Ok(0) => return false,
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
     fn send(&self, bytes: &[u8]) -> bool {
-        match (&self.stream).write_all(bytes) {
-            Ok(()) => true,
-            Err(e) => {
-                debug!(peer = %self.peer, rank = ?self.rank, error = %e, "rendezvous store: reply not delivered");
-                false
-            }
-        }
+        (&self.stream).write_all(bytes).is_ok()
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
@@ -715,24 +604,24 @@ impl Conn {
         let hello_by = self
             .accepted
             .checked_add(opts.handshake_timeout)
-            .unwrap_or_else(|| super::later(opts.handshake_timeout));
+            .unwrap_or(self.accepted);
         let left = hello_by.saturating_duration_since(Instant::now());
         let _ = self
             .stream
             .set_write_timeout(Some(left.max(Duration::from_millis(1))));
-        let Ok(server_nonce) = auth::random() else {
-            warn!("rendezvous store: no nonce for a connection");
+        let Ok(server_nonce) = auth::random::<{ auth::NONCE_LEN }>() else {
             return false;
         };
         if !self.send(&message(kind::CHALLENGE, &server_nonce)) {
             return false;
         }
-        // Nothing but one HELLO is read from a connection that has not proven the token.
+        // Nothing but one HELLO is read from a connection that has not proven the token, all
+        // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
         let expected = &message(kind::HELLO, &body)[..HEADER_LEN];
-        if !self.read_by(&mut header, hello_by)
+        if read_full(&self.stream, &mut header, hello_by).is_err()
             || header != expected
-            || !self.read_by(&mut body, hello_by)
+            || read_full(&self.stream, &mut body, hello_by).is_err()
         {
             debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
             return false;
@@ -740,15 +629,9 @@ impl Conn {
         let u32_at =
             |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
         let (rank, world_size) = (u32_at(0), u32_at(4));
-        let client_nonce: auth::Nonce = body[8..40].try_into().unwrap_or_default();
-        let handshake = Handshake {
-            key: &opts.key,
-            server_nonce: &server_nonce,
-            client_nonce: &client_nonce,
-            rank,
-            world_size,
-        };
-        if !handshake.verify(Purpose::Hello, b"", &body[40..]) {
+        let claim = [&server_nonce[..], &body[8..40], &body[..8]];
+        let proof = |purpose, extra: &[u8]| opts.key.prove(purpose, &claim, extra);
+        if !auth::same_secret(&proof(Purpose::Hello, b""), &body[40..]) {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
@@ -757,14 +640,12 @@ impl Conn {
         }
         match self.admit(rank as usize, world_size as usize) {
             Admission::Admitted => {
-                let welcome = handshake.prove(Purpose::Welcome, b"");
-                self.send(&message(kind::WELCOME, &welcome))
+                self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b"")))
             }
             Admission::Refused(e) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let mut refusal = encode_error(&e);
-                let proof = handshake.prove(Purpose::Refusal, &refusal);
-                refusal.extend_from_slice(&proof);
+                refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
                 self.send(&message(kind::REFUSED, &refusal));
                 false
             }
@@ -778,14 +659,10 @@ impl Conn {
         let n = self.shared.opts.world_size;
         let mut st = self.shared.lock();
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
-        // take a rank (its welcome could not be delivered). The client reconnects.
-        if !st.pending.iter().any(|p| p.id == self.id) {
-            debug!(peer = %self.peer, rank, "rendezvous store: a proven HELLO on an evicted connection");
-            return Admission::Dropped;
-        }
-        // A member the store cannot close at shutdown would hold Drop forever.
-        let Ok(handle) = self.stream.try_clone() else {
-            warn!(peer = %self.peer, rank, "rendezvous store: no descriptor to keep for a rank; it will reconnect");
+        // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
+        // member be kept that the store cannot close at shutdown.
+        let at = st.pending.iter().position(|p| p.id == self.id);
+        let Some(handle) = at.and_then(|_| self.stream.try_clone().ok()) else {
             return Admission::Dropped;
         };
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
@@ -793,7 +670,6 @@ impl Conn {
         if let Some(Some(old)) = st.registered.get(rank) {
             let gone = st.departed[rank] || st.members.get(&old.conn).is_none_or(closed);
             if gone && !old.wrote {
-                debug!(peer = %self.peer, rank, "rendezvous store: a rank comes again");
                 st.registered[rank] = None;
                 st.departed[rank] = false;
                 st.told[rank] = false;
@@ -802,119 +678,113 @@ impl Conn {
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
-        if let Some((reason, missing)) = st.failure.clone() {
-            if claims_free_rank {
-                st.told[rank] = true;
-            }
-            return Admission::Refused(RendezvousError::JobFailed { reason, missing });
-        }
-        let refusal = if world_size != n {
-            Some(RendezvousError::WorldSizeMismatch {
+        let refusal = if let Some((reason, missing)) = st.failure.clone() {
+            RendezvousError::JobFailed { reason, missing }
+        } else if world_size != n {
+            RendezvousError::WorldSizeMismatch {
                 rank,
                 client: world_size,
                 server: n,
-            })
+            }
         } else if rank >= n {
-            Some(RendezvousError::RankOutOfRange {
+            RendezvousError::RankOutOfRange {
                 rank,
                 world_size: n,
-            })
+            }
+        } else if let Some(first) = &st.registered[rank] {
+            let detail = format!(
+                "{} registered it first, then {} claimed it too",
+                first.peer, self.peer
+            );
+            RendezvousError::DuplicateRank { rank, detail }
         } else {
-            st.registered[rank]
-                .as_ref()
-                .map(|first| RendezvousError::DuplicateRank {
-                    rank,
-                    detail: format!(
-                        "{} registered it first, then {} claimed it too",
-                        first.peer, self.peer
-                    ),
-                })
+            st.registered[rank] = Some(Member {
+                conn: self.id,
+                peer: self.peer,
+                wrote: false,
+            });
+            st.complete = st.registered.iter().all(Option::is_some);
+            if let Some(at) = at {
+                st.pending.remove(at);
+            }
+            st.members.insert(self.id, handle);
+            self.rank = Some(rank);
+            self.shared.cond.notify_all();
+            return Admission::Admitted;
         };
-        if let Some(e) = refusal {
-            if st.complete {
-                // The job has formed: a late or stray claim costs it nothing.
-                drop(st);
-                if let Some(before) = self.shared.refused.allow() {
-                    warn!(peer = %self.peer, reason = %e, before, "rendezvous store: refused a claim after the job formed");
-                }
-                return Admission::Refused(RendezvousError::Rejected {
-                    reason: format!("every rank of the job has joined already: {e}"),
-                });
+        if st.failure.is_none() && st.complete {
+            // The job has formed: a late or stray claim costs it nothing.
+            if let Some(before) = self.shared.refused.allow() {
+                warn!(peer = %self.peer, reason = %refusal, before, "rendezvous store: refused a claim after the job formed");
             }
-            if claims_free_rank {
-                st.told[rank] = true;
-            }
-            st.fail(&self.shared.cond, &e.to_string(), &[], false);
-            return Admission::Refused(e);
+            let reason = format!("every rank of the job has joined already: {refusal}");
+            return Admission::Refused(RendezvousError::Rejected { reason });
         }
-        st.registered[rank] = Some(Member {
-            conn: self.id,
-            peer: self.peer,
-            wrote: false,
-        });
-        st.complete = st.registered.iter().all(Option::is_some);
-        st.remove_pending(self.id);
-        st.members.insert(self.id, handle);
-        self.rank = Some(rank);
-        self.shared.cond.notify_all();
-        drop(st);
-        debug!(peer = %self.peer, rank, "rendezvous: rank said hello");
-        Admission::Admitted
+        if claims_free_rank {
+            st.told[rank] = true;
+        }
+        st.fail(&self.shared.cond, &refusal.to_string(), &[], false);
+        Admission::Refused(refusal)
+    }
+
+    /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
+    fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
+        let len = self.read_u64()?;
+        if len > max as u64 {
+            return Err(format!(
+                "a key or value of {len} bytes, over the limit of {max}"
+            ));
+        }
+        let mut v = Vec::new();
+        (&self.stream)
+            .take(len)
+            .read_to_end(&mut v)
+            .map_err(|e| e.to_string())?;
+        match v.len() as u64 == len {
+            true => Ok(v),
+            false => Err("the connection closed in the middle of a request".into()),
+        }
     }
 
     fn read_u64(&self) -> Result<u64, String> {
         let mut b = [0u8; 8];
         (&self.stream)
             .read_exact(&mut b)
-            .map_err(|e| format!("reading a request: {e}"))?;
+            .map_err(|e| e.to_string())?;
         Ok(u64::from_le_bytes(b))
-    }
-
-    /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
-    fn read_bytes(&self, max: usize, what: &str) -> Result<Vec<u8>, String> {
-        let len = self.read_u64()?;
-        if len > max as u64 {
-            return Err(format!("a {what} of {len} bytes, over the limit of {max}"));
-        }
-        let mut v = Vec::new();
-        (&self.stream)
-            .take(len)
-            .read_to_end(&mut v)
-            .map_err(|e| format!("reading a request: {e}"))?;
-        if v.len() as u64 == len {
-            Ok(v)
-        } else {
-            Err("the connection closed in the middle of a request".into())
-        }
     }
 
     /// Serves one c10d request of query type `q` from a proven rank; an error closes the
     /// connection.
     fn request(&mut self, q: u8) -> Result<(), String> {
-        let rank = self.rank.unwrap_or(usize::MAX);
+        let told = |st: &mut State, rank: Option<usize>| {
+            if let Some(t) = rank.and_then(|r| st.told.get_mut(r)) {
+                *t = true;
+            }
+        };
         let reply: Vec<u8> = match q {
             query::VALIDATE => {
                 let mut m = [0u8; 4];
                 (&self.stream)
                     .read_exact(&mut m)
                     .map_err(|e| e.to_string())?;
-                if u32::from_le_bytes(m) != VALIDATION_MAGIC {
-                    return Err("a VALIDATE with the wrong magic".into());
-                }
-                return Ok(());
+                return match u32::from_le_bytes(m) == VALIDATION_MAGIC {
+                    true => Ok(()),
+                    false => Err("a VALIDATE with the wrong magic".into()),
+                };
             }
             query::SET => {
-                let key = self.read_bytes(MAX_KEY_LEN, "key")?;
-                let value = self.read_bytes(MAX_SET_VALUE, "value")?;
+                let (key, value) = (
+                    self.read_bytes(MAX_KEY_LEN)?,
+                    self.read_bytes(MAX_SET_VALUE)?,
+                );
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
                     let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
                     else {
                         return Err("a malformed abort".into());
                     };
-                    if let Some(t) = st.told.get_mut(rank) {
-                        *t = true;
-                    }
+                    told(&mut st, self.rank);
                     st.fail(&self.shared.cond, &reason, &missing, false);
                 } else if st.failure.is_none() {
                     self.wrote(&mut st);
@@ -923,31 +793,28 @@ impl Conn {
                 return Ok(());
             }
             query::GET => {
-                let key = self.read_bytes(MAX_KEY_LEN, "key")?;
+                let key = self.read_bytes(MAX_KEY_LEN)?;
                 let mut st = self.shared.lock();
-                if let (true, Some(t)) = (key == FAILED_KEY.as_bytes(), st.told.get_mut(rank)) {
-                    *t = true;
+                if key == FAILED_KEY.as_bytes() {
+                    told(&mut st, self.rank);
                     self.shared.cond.notify_all();
                 }
                 let value = st.keys.get(&key).map(|(v, _)| v.clone());
                 drop(st);
                 let value = value.ok_or("a GET of a key that does not exist")?;
-                let mut reply = (value.len() as u64).to_le_bytes().to_vec();
-                reply.extend_from_slice(&value);
-                reply
+                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
             }
             query::ADD => {
-                let key = self.read_bytes(MAX_KEY_LEN, "key")?;
+                let key = self.read_bytes(MAX_KEY_LEN)?;
                 let delta = i64::from_le_bytes(self.read_u64()?.to_le_bytes());
                 let mut st = self.shared.lock();
                 let now = match st.keys.get(&key) {
                     Some((v, _)) => std::str::from_utf8(v)
                         .ok()
-                        .and_then(|v| v.parse::<i64>().ok())
-                        .ok_or("an ADD to a key that holds no number")?,
-                    None => 0,
+                        .and_then(|v| v.parse::<i64>().ok()),
+                    None => Some(0),
                 };
-                let sum = now.checked_add(delta).ok_or("an ADD that overflows")?;
+                let sum = now.and_then(|n| n.checked_add(delta)).ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
                     self.wrote(&mut st);
                     st.put(self.id, key, sum.to_string().into_bytes())?;
@@ -961,15 +828,14 @@ impl Conn {
                 }
                 let mut all = true;
                 for _ in 0..count {
-                    let key = self.read_bytes(MAX_KEY_LEN, "key")?;
+                    let key = self.read_bytes(MAX_KEY_LEN)?;
                     all &= self.shared.lock().keys.contains_key(&key);
                 }
                 vec![u8::from(!all)]
             }
             query::DELETE_KEY => {
-                let key = self.read_bytes(MAX_KEY_LEN, "key")?;
-                let mut st = self.shared.lock();
-                let gone = key != FAILED_KEY.as_bytes() && st.remove(&key).is_some();
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let gone = key != FAILED_KEY.as_bytes() && self.shared.lock().remove(&key);
                 i64::from(gone).to_le_bytes().to_vec()
             }
             other => {
@@ -978,19 +844,16 @@ impl Conn {
                 ))
             }
         };
-        if self.send(&reply) {
-            Ok(())
-        } else {
-            Err("the reply was not delivered".into())
+        match self.send(&reply) {
+            true => Ok(()),
+            false => Err("the reply was not delivered".into()),
         }
     }
 
     /// Records that this rank has written to the store: it may not come again.
     fn wrote(&self, st: &mut State) {
         if let Some(Some(m)) = self.rank.map(|r| &mut st.registered[r]) {
-            if m.conn == self.id {
-                m.wrote = true;
-            }
+            m.wrote |= m.conn == self.id;
         }
     }
 }
@@ -1001,6 +864,7 @@ fn is_timeout(e: &io::Error) -> bool {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
     )
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tracing::debug;
 
-use super::auth::{self, Handshake, Purpose};
+use super::auth::{self, Purpose};
 use super::error::{RendezvousError, Result};
 
 /// Query types of the c10d store protocol.
@@ -175,6 +175,35 @@ fn connect_tcp(host: &str, port: u16, deadline: Instant) -> Result<TcpStream> {
     }
 }
 
+/// Fills `buf` from `stream` by `deadline`, however slowly the bytes come.
+pub(crate) fn read_full(
+    mut stream: &TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer did not answer in time",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => {
+                let closed = "the peer closed the connection (rank 0 may have exited)";
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, closed));
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
@@ -291,27 +320,20 @@ impl Store {
             Ok(n) if k == kind::CHALLENGE => n,
             _ => return Err(self.unproven(k, &body)),
         };
-        let client_nonce = auth::random()?;
+        let client_nonce = auth::random::<{ auth::NONCE_LEN }>()?;
         let rank = u32::try_from(a.rank).unwrap_or(u32::MAX);
         let world_size = u32::try_from(a.world_size).unwrap_or(u32::MAX);
-        let hs = Handshake {
-            key: a.key,
-            server_nonce: &server_nonce,
-            client_nonce: &client_nonce,
-            rank,
-            world_size,
-        };
-        let mut hello = rank.to_le_bytes().to_vec();
-        hello.extend_from_slice(&world_size.to_le_bytes());
-        hello.extend_from_slice(&client_nonce);
-        hello.extend_from_slice(&hs.prove(Purpose::Hello, b""));
+        let claimed = [rank.to_le_bytes(), world_size.to_le_bytes()].concat();
+        let claim = [&server_nonce[..], &client_nonce, &claimed];
+        let proof = |purpose, extra: &[u8]| a.key.prove(purpose, &claim, extra);
+        let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
         self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
         let (k, body) = self.admission_message(deadline)?;
         match k {
-            kind::WELCOME if hs.verify(Purpose::Welcome, b"", &body) => Ok(()),
+            kind::WELCOME if auth::same_secret(&proof(Purpose::Welcome, b""), &body) => Ok(()),
             kind::REFUSED if body.len() >= auth::PROOF_LEN => {
-                let (refusal, proof) = body.split_at(body.len() - auth::PROOF_LEN);
-                if !hs.verify(Purpose::Refusal, refusal, proof) {
+                let (refusal, claimed_proof) = body.split_at(body.len() - auth::PROOF_LEN);
+                if !auth::same_secret(&proof(Purpose::Refusal, refusal), claimed_proof) {
                     return Err(self.unproven(0, &[]));
                 }
                 self.broken = Some("the store refused this rank".into());
@@ -380,65 +402,22 @@ impl Store {
         }
     }
 
-    fn timed_out(&mut self, during: &str) -> RendezvousError {
-        let e = io::Error::new(io::ErrorKind::TimedOut, "the store did not answer in time");
-        self.io_error(during, e)
-    }
-
     /// Writes all of `bytes` by `deadline`.
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
         if let Some(why) = &self.broken {
             return Err(RendezvousError::unusable(&self.peer, during, why));
         }
-        let mut sent = 0;
-        while sent < bytes.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(self.timed_out(during));
-            }
-            let written = self
-                .stream
-                .set_write_timeout(Some(left))
-                .and_then(|()| self.stream.write(&bytes[sent..]));
-            match written {
-                Ok(0) => {
-                    let e = io::Error::new(io::ErrorKind::WriteZero, "the store closed");
-                    return Err(self.io_error(during, e));
-                }
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.io_error(during, e)),
-            }
-        }
-        Ok(())
+        let left = deadline.saturating_duration_since(Instant::now());
+        let sent = self
+            .stream
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
+            .and_then(|()| self.stream.write_all(bytes));
+        sent.map_err(|e| self.io_error(during, e))
     }
 
     /// Fills `buf` by `deadline`.
     fn receive(&mut self, buf: &mut [u8], deadline: Instant, during: &str) -> Result<()> {
-        let mut got = 0;
-        while got < buf.len() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(self.timed_out(during));
-            }
-            let read = self
-                .stream
-                .set_read_timeout(Some(left))
-                .and_then(|()| self.stream.read(&mut buf[got..]));
-            match read {
-                Ok(0) => {
-                    let e = io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the store closed the connection (rank 0 may have exited)",
-                    );
-                    return Err(self.io_error(during, e));
-                }
-                Ok(n) => got += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.io_error(during, e)),
-            }
-        }
-        Ok(())
+        read_full(&self.stream, buf, deadline).map_err(|e| self.io_error(during, e))
     }
 
     fn receive_i64(&mut self, deadline: Instant, during: &str) -> Result<i64> {
