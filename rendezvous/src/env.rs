@@ -492,141 +492,78 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
     Err(format!("lists fewer nodes than node index {node} needs"))
 }
 
-/// One piece of a host pattern: literal text, or a bracketed set of numeric ranges.
-#[derive(Debug)]
-enum Piece {
-    Text(String),
-    /// Ranges `(low, high, width)`; `width` is the zero-padded width of `low`.
-    Ranges(Vec<(u64, u64, usize)>),
-}
-
-/// Splits a host list at the commas outside brackets.
-fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
-    let mut items = Vec::new();
-    let mut depth = 0usize;
-    let mut start = 0;
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' if depth == 0 => depth = 1,
-            '[' => return Err("nested brackets".to_owned()),
-            ']' if depth == 1 => depth = 0,
-            ']' => return Err("unbalanced ']'".to_owned()),
-            ',' if depth == 0 => {
-                items.push(&list[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    if depth != 0 {
-        return Err("unbalanced '['".to_owned());
-    }
-    items.push(&list[start..]);
-    if items.iter().any(|item| item.trim().is_empty()) {
-        return Err("empty host name".to_owned());
-    }
-    Ok(items)
-}
-
-fn parse_pattern(item: &str) -> Result<Vec<Piece>, String> {
-    let mut pieces = Vec::new();
-    let mut rest = item.trim();
-    while !rest.is_empty() {
-        match rest.find('[') {
-            None => {
-                pieces.push(Piece::Text(rest.to_owned()));
-                break;
-            }
-            Some(open) => {
-                if open > 0 {
-                    pieces.push(Piece::Text(rest[..open].to_owned()));
-                }
-                let close = rest[open..]
-                    .find(']')
-                    .map(|c| open + c)
-                    .ok_or_else(|| "unbalanced '['".to_owned())?;
-                let mut ranges = Vec::new();
-                for part in rest[open + 1..close].split(',') {
-                    let part = part.trim();
-                    let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-                    let num = |s: &str| {
-                        if s.is_empty() || s.len() > 18 || !s.bytes().all(|b| b.is_ascii_digit()) {
-                            Err(format!("malformed range {part:?} in {item:?}"))
-                        } else {
-                            s.parse::<u64>().map_err(|e| e.to_string())
-                        }
-                    };
-                    let (l, h) = (num(lo)?, num(hi)?);
-                    if l > h {
-                        return Err(format!("descending range {part:?} in {item:?}"));
-                    }
-                    ranges.push((l, h, lo.len()));
-                }
-                pieces.push(Piece::Ranges(ranges));
-                rest = &rest[close + 1..];
-            }
-        }
-    }
-    Ok(pieces)
-}
-
 /// Expands a Slurm host list such as `gpu[01-04,07],login1` (into `gpu01`, `gpu02`, `gpu03`,
 /// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
 /// product), keeping zero padding. At most 65536 hosts; a malformed list is
 /// [`RendezvousError::InvalidArgument`].
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
-    expand(list).map_err(|reason| RendezvousError::InvalidArgument {
+    hosts(list, false).map_err(|reason| RendezvousError::InvalidArgument {
         reason: format!("host list {list:?}: {reason}"),
     })
 }
 
-fn expand(list: &str) -> Result<Vec<String>, String> {
-    let mut hosts = Vec::new();
-    for item in split_top_level(list)? {
-        let mut expanded = vec![String::new()];
-        for piece in parse_pattern(item)? {
-            match piece {
-                Piece::Text(t) => expanded.iter_mut().for_each(|h| h.push_str(&t)),
-                Piece::Ranges(ranges) => {
-                    let count: u64 = ranges.iter().map(|(l, h, _)| h - l + 1).sum();
-                    let total = u64::try_from(expanded.len())
-                        .unwrap_or(u64::MAX)
-                        .saturating_mul(count)
-                        .saturating_add(u64::try_from(hosts.len()).unwrap_or(u64::MAX));
-                    if total > MAX_HOSTS as u64 {
-                        return Err(format!("expands to more than {MAX_HOSTS} hosts"));
-                    }
-                    let mut next = Vec::new();
-                    for prefix in &expanded {
-                        for &(l, h, width) in &ranges {
-                            for n in l..=h {
-                                next.push(format!("{prefix}{n:0width$}"));
-                            }
-                        }
-                    }
-                    expanded = next;
-                }
-            }
-        }
-        hosts.extend(expanded);
-    }
-    Ok(hosts)
-}
-
 /// The first host of a Slurm host list, without expanding the rest.
 pub(crate) fn first_host(list: &str) -> Result<String, String> {
-    let items = split_top_level(list)?;
-    let mut host = String::new();
-    for piece in parse_pattern(items[0])? {
-        match piece {
-            Piece::Text(t) => host.push_str(&t),
-            Piece::Ranges(ranges) => {
-                let (l, _, width) = ranges[0];
-                host.push_str(&format!("{l:0width$}"));
+    Ok(hosts(list, true)?.remove(0))
+}
+
+/// The hosts of `list` (only the first with `first_only`).
+fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in list.char_indices().chain([(list.len(), ',')]) {
+        match c {
+            '[' if depth == 0 => depth = 1,
+            ']' if depth == 1 => depth = 0,
+            '[' | ']' => return Err("unbalanced or nested brackets".into()),
+            ',' if depth == 0 => {
+                let item = list[start..i].trim();
+                if item.is_empty() {
+                    return Err("empty host name".into());
+                }
+                expand_item(String::new(), item, first_only, &mut out)?;
+                if first_only {
+                    return Ok(out);
+                }
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    match depth {
+        0 => Ok(out),
+        _ => Err("unbalanced '['".into()),
+    }
+}
+
+/// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
+fn expand_item(prefix: String, rest: &str, first: bool, out: &mut Vec<String>) -> Result<(), String> {
+    let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
+        if out.len() >= MAX_HOSTS {
+            return Err(format!("expands to more than {MAX_HOSTS} hosts"));
+        }
+        out.push(prefix + rest);
+        return Ok(());
+    };
+    for part in rest[open + 1..close].split(',').map(str::trim) {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let num = |s: &str| {
+            let digits = !s.is_empty() && s.len() <= 18 && s.bytes().all(|b| b.is_ascii_digit());
+            let n = s.parse::<u64>().ok().filter(|_| digits);
+            n.ok_or_else(|| format!("malformed range {part:?} in {rest:?}"))
+        };
+        let (l, h) = (num(lo)?, num(hi)?);
+        if l > h {
+            return Err(format!("descending range {part:?} in {rest:?}"));
+        }
+        for n in l..=h {
+            let host = format!("{prefix}{}{n:0w$}", &rest[..open], w = lo.len());
+            expand_item(host, &rest[close + 1..], first, out)?;
+            if first {
+                return Ok(());
             }
         }
     }
-    Ok(host)
+    Ok(())
 }
 
 fn read_trimmed(path: &str) -> Option<String> {

@@ -78,21 +78,20 @@ const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL
 /// this many keys in one CHECK.
 const TORCH_MAX_WORLD: usize = 128 * 1024;
 
-/// Which round a key belongs to.
-#[derive(Clone, Copy)]
-enum Round {
-    Hello,
-    Confirm,
-    Gather(u64),
-}
+/// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
+/// of the session id; the all-gather rounds are 0, 1, ...
+const HELLO: u64 = u64::MAX;
+const CONFIRM: u64 = u64::MAX - 1;
 
-impl Round {
-    fn name(self) -> String {
-        match self {
-            Round::Hello => "hello".into(),
-            Round::Confirm => "confirm".into(),
-            Round::Gather(r) => r.to_string(),
-        }
+/// A round's name in keys, and what its values are, in errors.
+fn round_name(round: u64) -> (String, String) {
+    match round {
+        HELLO => ("hello".into(), "hello".into()),
+        CONFIRM => ("confirm".into(), "confirmation of the session".into()),
+        r => (
+            r.to_string(),
+            format!("contribution to all-gather round {r}"),
+        ),
     }
 }
 
@@ -155,40 +154,43 @@ impl Session {
             forged_abort: false,
         };
         debug!(rank = env.rank, instance, base = %s.base, "rendezvous through a store");
-        let first = s.hello(deadline).and_then(|()| s.confirm(deadline));
+        // The second round: an empty value sealed under the session id, from every rank. A
+        // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
+        // that never came) has another session id, and its confirmation does not open here.
+        let first = s
+            .hello(deadline)
+            .and_then(|()| s.round(CONFIRM, &[], 0, deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
-        first.map(|()| s)
+        first.map(|_| s)
     }
 
-    fn aad(&self, what: &[u8], round: Round, rank: usize) -> Vec<u8> {
-        let mut aad = what.to_vec();
-        if let Some(session) = &self.session {
-            aad.extend_from_slice(session);
-        }
-        let r = match round {
-            Round::Hello => u64::MAX,
-            Round::Confirm => u64::MAX - 1,
-            Round::Gather(r) => r,
+    fn aad(&self, round: u64, rank: usize) -> Vec<u8> {
+        let mut aad = match round {
+            HELLO => b"gpucast hello".to_vec(),
+            CONFIRM => b"gpucast confirm".to_vec(),
+            _ => b"gpucast round".to_vec(),
         };
-        aad.extend(u64s(&[self.instance, r, rank as u64]));
+        aad.extend(self.session.iter().flatten());
+        aad.extend(u64s(&[self.instance, round, rank as u64]));
         aad
     }
 
-    fn key(&self, round: Round, rank: usize) -> String {
-        format!("{}{}/{rank}", self.base, round.name())
+    fn key(&self, round: u64, rank: usize) -> String {
+        format!("{}{}/{rank}", self.base, round_name(round).0)
     }
 
-    fn counter(&self, round: Round) -> String {
-        format!("{}{}/count", self.base, round.name())
+    fn counter(&self, round: u64) -> String {
+        format!("{}{}/count", self.base, round_name(round).0)
     }
 
-    fn keys(&self, round: Round) -> Vec<String> {
+    fn keys(&self, round: u64) -> Vec<String> {
         (0..self.world).map(|r| self.key(round, r)).collect()
     }
 
-    /// The abort key of the first round (bound to its sender's nonce) and of the session.
+    /// The abort key of the first round (bound to its sender's nonce) and of the session; in
+    /// gpucast's own store, the failure it keeps.
     fn abort_key(&self) -> String {
         match self.session {
             _ if self.own => FAILED_KEY.to_owned(),
@@ -199,60 +201,102 @@ impl Session {
 
     fn abort_aad(&self) -> Vec<u8> {
         let mut aad = b"gpucast abort".to_vec();
-        if let Some(session) = &self.session {
-            aad.extend_from_slice(session);
-        }
+        aad.extend(self.session.iter().flatten());
         aad.extend(u64s(&[self.instance]));
         aad
     }
 
-    fn forged(&self, what: String) -> RendezvousError {
-        RendezvousError::Forged {
-            what,
-            store: self.store.peer().to_owned(),
-        }
-    }
-
     /// Rank `r`'s first-round value, opened: its nonce and world size.
     fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
-        let plain = self
-            .sealer
-            .open(&self.aad(b"gpucast hello", Round::Hello, r), sealed)?;
+        let plain = self.sealer.open(&self.aad(HELLO, r), sealed)?;
         let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
         let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
         (plain.len() == HELLO_PLAIN).then_some((nonce, world))
     }
 
-    /// Writes this rank's sealed `plain` for `round` and counts it in.
-    fn put(&mut self, round: Round, what: &[u8], plain: &[u8], hard: Instant) -> Result<()> {
-        let sealed = self.sealer.seal(&self.aad(what, round, self.rank), plain);
+    /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
+    /// then reads each (at most `max` bytes, opened at once: a process that overwrites keys
+    /// with junk costs no more memory than a real round) and returns them in rank order. Rank
+    /// 0 then deletes the round before, which every rank is past.
+    fn round(
+        &mut self,
+        round: u64,
+        plain: &[u8],
+        max: usize,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
         self.store.set(&self.key(round, self.rank), &sealed, hard)?;
-        self.store.add(&self.counter(round), 1, hard).map(drop)
+        self.store.add(&self.counter(round), 1, hard)?;
+        self.wait_round(round, deadline, timeout)?;
+        let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
+        let what = round_name(round).1;
+        for (r, k) in self.keys(round).iter().enumerate() {
+            let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
+            let value = self
+                .sealer
+                .open(&self.aad(round, r), &sealed)
+                .ok_or_else(|| RendezvousError::Forged {
+                    what: format!("rank {r}'s {what}"),
+                    store: self.store.peer().to_owned(),
+                })?;
+            total += value.len();
+            if total > MAX_GATHER_BYTES {
+                return Err(RendezvousError::TooLarge {
+                    what: format!("all-gather round {round}"),
+                    len: total,
+                    max: MAX_GATHER_BYTES,
+                });
+            }
+            out.push(value);
+        }
+        if out[self.rank] != plain {
+            return Err(RendezvousError::DuplicateRank {
+                rank: self.rank,
+                detail: format!("another process of the job wrote this rank's {what}"),
+            });
+        }
+        let previous = match round {
+            HELLO => None,
+            CONFIRM => Some(HELLO),
+            0 => Some(CONFIRM),
+            r => Some(r - 1),
+        };
+        if let (0, Some(previous)) = (self.rank, previous) {
+            let mut old = self.keys(previous);
+            old.push(self.counter(previous));
+            for k in old {
+                if let Err(e) = self.store.delete(&k, hard) {
+                    debug!(error = %e, "rendezvous: could not delete a finished key");
+                    break;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
-        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let mut plain = self.nonce.to_vec();
-        plain.extend_from_slice(&(self.world as u64).to_le_bytes());
-        self.put(Round::Hello, b"gpucast hello", &plain, hard)?;
-        let what = format!("hello from all {} ranks", self.world);
-        let timeout = deadline.saturating_duration_since(Instant::now());
-        if let Err(e) = self.wait_round(Round::Hello, deadline, &what, timeout) {
-            // Another rank's abort of this round says more than the timeout it caused.
-            return Err(match (e, self.early_abort.take()) {
-                (RendezvousError::Timeout { .. }, Some((reason, missing))) => {
-                    RendezvousError::JobFailed { reason, missing }
+        let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
+        let hellos = self
+            .round(HELLO, &plain, HELLO_PLAIN, deadline)
+            .map_err(|e| {
+                // Another rank's abort of this round says more than the timeout it caused.
+                match (e, self.early_abort.take()) {
+                    (RendezvousError::Timeout { .. }, Some((reason, missing))) => {
+                        RendezvousError::JobFailed { reason, missing }
+                    }
+                    (e, _) => e,
                 }
-                (e, _) => e,
-            });
-        }
-        let mut nonces = Vec::with_capacity(self.world);
-        for (r, k) in self.keys(Round::Hello).iter().enumerate() {
-            let sealed = self.store.get(k, HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
-            let (nonce, world) = self
-                .open_hello(r, &sealed)
-                .ok_or_else(|| self.forged(format!("rank {r}'s hello")))?;
+            })?;
+        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
+        let instance = self.instance.to_le_bytes();
+        parts.push(&instance);
+        for (r, hello) in hellos.iter().enumerate() {
+            let world = hello.get(32..).and_then(|w| w.try_into().ok());
+            let world = world.map_or(u64::MAX, u64::from_le_bytes);
             if world != self.world as u64 {
                 return Err(RendezvousError::WorldSizeMismatch {
                     rank: r,
@@ -260,61 +304,10 @@ impl Session {
                     server: self.world,
                 });
             }
-            nonces.push(nonce);
+            parts.push(&hello[..32]);
         }
-        if nonces[self.rank] != self.nonce {
-            return Err(RendezvousError::DuplicateRank {
-                rank: self.rank,
-                detail: "another process of the job wrote this rank's hello in torchrun's store"
-                    .into(),
-            });
-        }
-        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
-        let instance = self.instance.to_le_bytes();
-        parts.push(&instance);
-        parts.extend(nonces.iter().map(|n| n.as_slice()));
         self.session = Some(auth::digest(&parts));
         Ok(())
-    }
-
-    /// The second round: an empty value sealed under the session id, from every rank. A rank
-    /// that saw other hellos (one recorded in an earlier launch, planted for a rank that never
-    /// came) has another session id, and its confirmation does not open here.
-    fn confirm(&mut self, deadline: Instant) -> Result<()> {
-        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        self.put(Round::Confirm, b"gpucast confirm", &[], hard)?;
-        let what = format!(
-            "every one of the {} ranks to confirm the session",
-            self.world
-        );
-        let timeout = deadline.saturating_duration_since(Instant::now());
-        self.wait_round(Round::Confirm, deadline, &what, timeout)?;
-        for (r, k) in self.keys(Round::Confirm).iter().enumerate() {
-            let sealed = self.store.get(k, SEAL_OVERHEAD, hard)?;
-            let aad = self.aad(b"gpucast confirm", Round::Confirm, r);
-            if self.sealer.open(&aad, &sealed).is_none() {
-                return Err(self.forged(format!(
-                    "rank {r}'s confirmation (it saw other ranks' hellos than this rank)"
-                )));
-            }
-        }
-        if self.rank == 0 {
-            // Every rank wrote its confirmation after reading every hello.
-            self.forget(Round::Hello, hard);
-        }
-        Ok(())
-    }
-
-    /// Deletes a round's keys and counter (rank 0, once every rank is past it).
-    fn forget(&mut self, round: Round, hard: Instant) {
-        let mut old = self.keys(round);
-        old.push(self.counter(round));
-        for k in old {
-            if let Err(e) = self.store.delete(&k, hard) {
-                debug!(error = %e, "rendezvous: could not delete a finished key");
-                return;
-            }
-        }
     }
 
     /// Every rank's contribution to round `round`, in rank order.
@@ -331,63 +324,13 @@ impl Session {
                 max: MAX_VALUE_LEN,
             });
         }
-        let deadline = later(timeout);
-        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let this = Round::Gather(round);
-        self.put(this, b"gpucast round", mine, hard)?;
-        let what = format!("all-gather round {round}");
-        self.wait_round(this, deadline, &what, timeout)?;
-        // Each value is read at most as long as a contribution can be, and opened at once: a
-        // process that overwrites keys with junk costs no more memory than a real round.
-        let mut out = Vec::with_capacity(self.world);
-        let mut total = 0usize;
-        for (r, k) in self.keys(this).iter().enumerate() {
-            let sealed = self.store.get(k, MAX_VALUE_LEN + SEAL_OVERHEAD, hard)?;
-            let aad = self.aad(b"gpucast round", this, r);
-            let plain = self.sealer.open(&aad, &sealed).ok_or_else(|| {
-                self.forged(format!(
-                    "rank {r}'s contribution to all-gather round {round}"
-                ))
-            })?;
-            total += plain.len();
-            if total > MAX_GATHER_BYTES {
-                return Err(RendezvousError::TooLarge {
-                    what: format!("all-gather round {round}"),
-                    len: total,
-                    max: MAX_GATHER_BYTES,
-                });
-            }
-            out.push(plain);
-        }
-        if out[self.rank] != mine {
-            return Err(RendezvousError::DuplicateRank {
-                rank: self.rank,
-                detail: format!(
-                    "another process of the job wrote this rank's contribution to round {round}"
-                ),
-            });
-        }
-        if self.rank == 0 {
-            // Every rank wrote this round after reading the previous one: that one is done.
-            let previous = match round {
-                0 => Round::Confirm,
-                r => Round::Gather(r - 1),
-            };
-            self.forget(previous, hard);
-        }
-        Ok(out)
+        self.round(round, mine, MAX_VALUE_LEN, later(timeout))
     }
 
     /// Waits until every rank has counted itself into `round` and its keys exist, an abort of
     /// this session appears, or `deadline` passes (requests may take a second longer, to name
     /// the missing ranks).
-    fn wait_round(
-        &mut self,
-        round: Round,
-        deadline: Instant,
-        what: &str,
-        timeout: Duration,
-    ) -> Result<()> {
+    fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let counter = self.counter(round);
         let keys = self.keys(round);
@@ -425,8 +368,16 @@ impl Session {
                         missing.push(r);
                     }
                 }
+                let what = match round {
+                    HELLO => format!("hello from all {} ranks", self.world),
+                    CONFIRM => format!(
+                        "every one of the {} ranks to confirm the session",
+                        self.world
+                    ),
+                    r => format!("all-gather round {r}"),
+                };
                 return Err(RendezvousError::Timeout {
-                    what: what.to_owned(),
+                    what,
                     timeout,
                     missing,
                 });
@@ -475,7 +426,7 @@ impl Session {
             return Err(RendezvousError::JobFailed { reason, missing });
         }
         // First round: the sender's hello must be there and carry the same nonce.
-        let key = vec![self.key(Round::Hello, sender.min(self.world))];
+        let key = vec![self.key(HELLO, sender.min(self.world))];
         if sender < self.world && self.store.check(&key, hard)? {
             let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
             if self
