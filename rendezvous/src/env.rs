@@ -4,7 +4,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use super::error::{RendezvousError, Result};
-use super::MAX_TOKEN_LEN;
+use super::{MAX_TOKEN_LEN, MAX_WORLD_SIZE};
 
 /// Overrides `MASTER_ADDR` (and the Slurm node list) for gpucast's rendezvous only.
 pub const MASTER_ADDR_ENV: &str = "GPUCAST_MASTER_ADDR";
@@ -331,33 +331,35 @@ impl JobEnv {
             None => return Err(missing("master port", PORT)),
         };
 
-        let (job_token, token_source) = if let Some(t) = vars.get(JOB_TOKEN_ENV) {
-            (t, TokenSource::Explicit)
-        } else if let Some(t) = vars.get("TORCHELASTIC_RUN_ID") {
-            (t, TokenSource::TorchRunId)
-        } else if let Some(job) = vars.get("SLURM_JOB_ID") {
-            let t = match vars.get("SLURM_STEP_ID") {
+        let slurm = vars
+            .get("SLURM_JOB_ID")
+            .map(|job| match vars.get("SLURM_STEP_ID") {
                 Some(step) => format!("{job}.{step}"),
                 None => job,
-            };
-            (t, TokenSource::SlurmJobId)
-        } else {
-            (String::new(), TokenSource::Unset)
-        };
+            });
+        let sources = [
+            (
+                JOB_TOKEN_ENV,
+                vars.get(JOB_TOKEN_ENV),
+                TokenSource::Explicit,
+            ),
+            (
+                "TORCHELASTIC_RUN_ID",
+                vars.get("TORCHELASTIC_RUN_ID"),
+                TokenSource::TorchRunId,
+            ),
+            ("SLURM_JOB_ID", slurm, TokenSource::SlurmJobId),
+        ];
+        let (var, job_token, token_source) = sources
+            .into_iter()
+            .find_map(|(var, t, source)| Some((var, t?, source)))
+            .unwrap_or((JOB_TOKEN_ENV, String::new(), TokenSource::Unset));
         if job_token.len() > MAX_TOKEN_LEN {
-            let var = match token_source {
-                TokenSource::TorchRunId => "TORCHELASTIC_RUN_ID",
-                TokenSource::SlurmJobId => "SLURM_JOB_ID",
-                _ => JOB_TOKEN_ENV,
-            };
-            return Err(invalid(
-                var,
-                &format!("<{} bytes, not shown>", job_token.len()),
-                format!("the job token is limited to {MAX_TOKEN_LEN} bytes"),
-            ));
+            let shown = format!("<{} bytes, not shown>", job_token.len());
+            let why = format!("the job token is limited to {MAX_TOKEN_LEN} bytes");
+            return Err(invalid(var, &shown, why));
         }
-
-        let env = Self {
+        Ok(Self {
             rank,
             world_size,
             local_rank,
@@ -368,8 +370,7 @@ impl JobEnv {
             job_token,
             token_source,
             store,
-        };
-        Ok(env)
+        })
     }
 
     /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`,
@@ -412,45 +413,44 @@ impl JobEnv {
     /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
     /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(RendezvousError::InvalidArgument { reason });
-        if self.world_size == 0 || self.world_size > super::MAX_WORLD_SIZE {
-            return bad(format!(
-                "world size {} is not in 1..={}",
-                self.world_size,
-                super::MAX_WORLD_SIZE
-            ));
+        let (rank, world, local) = (self.rank, self.world_size, self.local_world_size);
+        let checks = [
+            (
+                world == 0 || world > MAX_WORLD_SIZE,
+                format!("world size {world} is not in 1..={MAX_WORLD_SIZE}"),
+            ),
+            (
+                rank >= world,
+                format!("rank {rank} is not below the world size {world}"),
+            ),
+            (
+                local == 0 || local > world,
+                format!("local world size {local} is not in 1..={world}"),
+            ),
+            (
+                self.local_rank >= local,
+                format!(
+                    "local rank {} is not below the local world size {local}",
+                    self.local_rank
+                ),
+            ),
+            (
+                self.master_addr.is_empty(),
+                "the master address is empty".into(),
+            ),
+            (self.master_port == 0, "the master port is 0".into()),
+            (
+                self.job_token.len() > MAX_TOKEN_LEN,
+                format!(
+                    "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
+                    self.job_token.len()
+                ),
+            ),
+        ];
+        match checks.into_iter().find(|(bad, _)| *bad) {
+            Some((_, reason)) => Err(RendezvousError::InvalidArgument { reason }),
+            None => Ok(()),
         }
-        if self.rank >= self.world_size {
-            return bad(format!(
-                "rank {} is not below the world size {}",
-                self.rank, self.world_size
-            ));
-        }
-        if self.local_world_size == 0 || self.local_world_size > self.world_size {
-            return bad(format!(
-                "local world size {} is not in 1..={}",
-                self.local_world_size, self.world_size
-            ));
-        }
-        if self.local_rank >= self.local_world_size {
-            return bad(format!(
-                "local rank {} is not below the local world size {}",
-                self.local_rank, self.local_world_size
-            ));
-        }
-        if self.master_addr.is_empty() {
-            return bad("the master address is empty".to_owned());
-        }
-        if self.master_port == 0 {
-            return bad("the master port is 0".to_owned());
-        }
-        if self.job_token.len() > MAX_TOKEN_LEN {
-            return bad(format!(
-                "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
-                self.job_token.len()
-            ));
-        }
-        Ok(())
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.
@@ -536,7 +536,12 @@ fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
 }
 
 /// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
-fn expand_item(prefix: String, rest: &str, first: bool, out: &mut Vec<String>) -> Result<(), String> {
+fn expand_item(
+    prefix: String,
+    rest: &str,
+    first: bool,
+    out: &mut Vec<String>,
+) -> Result<(), String> {
     let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
         if out.len() >= MAX_HOSTS {
             return Err(format!("expands to more than {MAX_HOSTS} hosts"));

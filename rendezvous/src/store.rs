@@ -420,10 +420,23 @@ impl Store {
         read_full(&self.stream, buf, deadline).map_err(|e| self.io_error(during, e))
     }
 
-    fn receive_i64(&mut self, deadline: Instant, during: &str) -> Result<i64> {
+    /// Sends request `q` on `key` with `tail`, and reads a reply of `reply` bytes.
+    fn call(
+        &mut self,
+        q: u8,
+        key: &str,
+        tail: &[u8],
+        reply: usize,
+        deadline: Instant,
+    ) -> Result<[u8; 8]> {
+        let during = format!("request {q} on {key}");
+        let mut req = vec![q];
+        push_bytes(&mut req, key.as_bytes());
+        req.extend_from_slice(tail);
+        self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
-        self.receive(&mut b, deadline, during)?;
-        Ok(i64::from_le_bytes(b))
+        self.receive(&mut b[..reply], deadline, &during)?;
+        Ok(b)
     }
 
     /// Stores `value` under `key`.
@@ -435,20 +448,15 @@ impl Store {
                 max: TORCH_MAX_VALUE,
             });
         }
-        let mut req = vec![query::SET];
-        push_bytes(&mut req, key.as_bytes());
-        push_bytes(&mut req, value);
-        self.send(&req, deadline, &format!("setting {key}"))
+        let mut tail = Vec::with_capacity(value.len() + 8);
+        push_bytes(&mut tail, value);
+        self.call(query::SET, key, &tail, 0, deadline).map(drop)
     }
 
     /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
     /// any memory is taken.
     pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
-        let during = format!("getting {key}");
-        let mut req = vec![query::GET];
-        push_bytes(&mut req, key.as_bytes());
-        self.send(&req, deadline, &during)?;
-        let len = self.receive_i64(deadline, &during)? as u64;
+        let len = u64::from_le_bytes(self.call(query::GET, key, &[], 8, deadline)?);
         let max = max.min(TORCH_MAX_VALUE);
         if len > max as u64 {
             self.broken = Some(format!("a {len}-byte reply"));
@@ -459,18 +467,20 @@ impl Store {
             });
         }
         let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
-        self.receive(&mut value, deadline, &during)?;
+        self.receive(&mut value, deadline, &format!("getting {key}"))?;
         Ok(value)
     }
 
     /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
     pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
-        let during = format!("adding to {key}");
-        let mut req = vec![query::ADD];
-        push_bytes(&mut req, key.as_bytes());
-        req.extend_from_slice(&delta.to_le_bytes());
-        self.send(&req, deadline, &during)?;
-        self.receive_i64(deadline, &during)
+        let sum = self.call(query::ADD, key, &delta.to_le_bytes(), 8, deadline)?;
+        Ok(i64::from_le_bytes(sum))
+    }
+
+    /// Deletes `key`.
+    pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
+        self.call(query::DELETE_KEY, key, &[], 8, deadline)
+            .map(drop)
     }
 
     /// Whether every key of `keys` exists.
@@ -493,14 +503,5 @@ impl Store {
                 })
             }
         }
-    }
-
-    /// Deletes `key`.
-    pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
-        let during = format!("deleting {key}");
-        let mut req = vec![query::DELETE_KEY];
-        push_bytes(&mut req, key.as_bytes());
-        self.send(&req, deadline, &during)?;
-        self.receive_i64(deadline, &during).map(drop)
     }
 }
