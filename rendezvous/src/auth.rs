@@ -61,7 +61,7 @@ pub fn random_token() -> Result<String> {
 
 /// The MAC of `label` and `parts` (each length-prefixed, so no two inputs share an encoding)
 /// under `key`.
-fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length: `new_from_slice` cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
@@ -70,70 +70,24 @@ fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
         m.update(&(p.len() as u64).to_le_bytes());
         m.update(p);
     }
-    m
+    m.finalize().into_bytes().into()
 }
 
 /// PBKDF2-HMAC-SHA256 of `password` and `salt` with `rounds` rounds: the first 32 bytes
-/// (RFC 8018, section 5.2). After the first round, each HMAC is two SHA-256 blocks from the
-/// key's inner and outer states, run on SHA-256's compression function directly.
+/// (RFC 8018, section 5.2), each round's HMAC from the password's keyed state.
 fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
-    use sha2::digest::generic_array::GenericArray;
-    const IV: [u32; 8] = [
-        0x6a09_e667,
-        0xbb67_ae85,
-        0x3c6e_f372,
-        0xa54f_f53a,
-        0x510e_527f,
-        0x9b05_688c,
-        0x1f83_d9ab,
-        0x5be0_cd19,
-    ];
-    let mut m = <HmacSha256 as Mac>::new_from_slice(password)
+    let keyed = <HmacSha256 as Mac>::new_from_slice(password)
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
-    m.update(salt);
-    m.update(&1u32.to_be_bytes());
-    let first: [u8; 32] = m.finalize().into_bytes().into();
-    // HMAC's key block: the password, or its digest when longer than a block.
-    let mut key = [0u8; 64];
-    if password.len() > 64 {
-        key[..32].copy_from_slice(&Sha256::digest(password));
-    } else {
-        key[..password.len()].copy_from_slice(password);
-    }
-    let state_after = |pad: u8| {
-        let mut state = IV;
-        let block: [u8; 64] = std::array::from_fn(|i| key[i] ^ pad);
-        sha2::compress256(&mut state, &[GenericArray::from(block)]);
-        state
+    let round = |parts: &[&[u8]]| -> [u8; 32] {
+        let mut m = keyed.clone();
+        parts.iter().for_each(|p| m.update(p));
+        m.finalize().into_bytes().into()
     };
-    let (inner, outer) = (state_after(0x36), state_after(0x5c));
-    // A 32-byte message after the key block, padded: 0x80, zeros, then 96 * 8 bits. Plain
-    // loops over arrays: this runs 2^18 times, and must be quick in unoptimised builds too.
-    let mut block = [0u8; 64];
-    block[32] = 0x80;
-    block[62] = 3;
-    let (mut u, mut out) = (first, first);
+    let mut u = round(&[salt, &1u32.to_be_bytes()]);
+    let mut out = u;
     for _ in 1..rounds {
-        block[..32].copy_from_slice(&u);
-        let mut st = inner;
-        sha2::compress256(
-            &mut st,
-            std::slice::from_ref(GenericArray::from_slice(&block)),
-        );
-        for k in 0..8 {
-            block[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
-        }
-        let mut st = outer;
-        sha2::compress256(
-            &mut st,
-            std::slice::from_ref(GenericArray::from_slice(&block)),
-        );
-        for k in 0..8 {
-            u[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
-        }
-        for k in 0..32 {
-            out[k] ^= u[k];
-        }
+        u = round(&[&u]);
+        out.iter_mut().zip(u).for_each(|(o, x)| *o ^= x);
     }
     out
 }
@@ -197,9 +151,6 @@ impl Key {
         };
         let [a, b, c] = *claim;
         mac(&self.0, label, &[a, b, c, extra])
-            .finalize()
-            .into_bytes()
-            .into()
     }
 }
 
@@ -225,40 +176,29 @@ pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
 /// session. Values are not hidden: what gpucast puts in torchrun's store (nonces, world sizes,
 /// the NCCL id, which PyTorch itself writes there in the clear) is readable by whoever reaches
 /// that store, and worth no cipher's crates.
-pub(crate) struct Sealer {
-    key: [u8; 32],
-}
+pub(crate) struct Sealer([u8; 32]);
 
 impl Sealer {
     /// The sealer of `key` for `context` (e.g. the key prefix of one job in a shared store).
     pub(crate) fn new(key: &Key, context: &[u8]) -> Sealer {
-        Sealer {
-            key: mac(&key.0, b"gpucast rendezvous v3: value key", &[context])
-                .finalize()
-                .into_bytes()
-                .into(),
-        }
-    }
-
-    fn tag(&self, aad: &[u8], value: &[u8]) -> HmacSha256 {
-        mac(&self.key, b"gpucast rendezvous v3: value", &[aad, value])
+        Sealer(mac(&key.0, b"gpucast rendezvous v3: value key", &[context]))
     }
 
     /// `value`, then its tag for `aad`.
     pub(crate) fn seal(&self, aad: &[u8], value: &[u8]) -> Vec<u8> {
-        let mut out = value.to_vec();
-        out.extend_from_slice(&self.tag(aad, value).finalize().into_bytes());
-        out
+        [
+            value,
+            &mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]),
+        ]
+        .concat()
     }
 
     /// The value of `sealed` if its tag is this key's for `aad` (compared in constant time),
     /// else `None`.
     pub(crate) fn open(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
         let (value, tag) = sealed.split_at(sealed.len().checked_sub(SEAL_OVERHEAD)?);
-        self.tag(aad, value)
-            .verify_slice(tag)
-            .is_ok()
-            .then(|| value.to_vec())
+        let expected = mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]);
+        same_secret(&expected, tag).then(|| value.to_vec())
     }
 }
 
@@ -466,10 +406,7 @@ mod tests {
             &b"gpucast rendezvous v3: hello"[..],
             b"gpucast rendezvous v4: hello",
         ] {
-            let raw: Proof = mac(b"a job token", label, &[&sn, &cn, parts[2], b""])
-                .finalize()
-                .into_bytes()
-                .into();
+            let raw: Proof = mac(b"a job token", label, &[&sn, &cn, parts[2], b""]);
             assert_ne!(proof, raw);
         }
     }

@@ -1,6 +1,5 @@
 //! The rendezvous module's error type.
 
-use std::fmt::Write as _;
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -271,23 +270,14 @@ fn last_error_text(e: &Option<io::Error>) -> String {
     }
 }
 
-/// How many ranks a message lists before it abbreviates.
-const LISTED_RANKS: usize = 32;
-
-/// `[2, 5]`, or the first ranks and a count when there are many.
-pub(crate) fn rank_list(ranks: &[usize]) -> String {
-    let mut s = String::from("[");
-    for (i, r) in ranks.iter().take(LISTED_RANKS).enumerate() {
-        if i > 0 {
-            s.push_str(", ");
-        }
-        let _ = write!(s, "{r}");
-    }
-    if ranks.len() > LISTED_RANKS {
-        let _ = write!(s, ", ... ({} in all)", ranks.len());
-    }
-    s.push(']');
-    s
+/// `[2, 5]`, or the first 32 ranks and a count when there are more.
+fn rank_list(ranks: &[usize]) -> String {
+    let listed: Vec<String> = ranks.iter().take(32).map(ToString::to_string).collect();
+    let more = match ranks.len() {
+        n if n > 32 => format!(", ... ({n} in all)"),
+        _ => String::new(),
+    };
+    format!("[{}{more}]", listed.join(", "))
 }
 
 fn missing_text(missing: &[usize]) -> String {

@@ -16,10 +16,8 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use tracing::debug;
-
 use super::auth::{self, Purpose};
-use super::error::{RendezvousError, Result};
+use super::error::{RendezvousError, RendezvousError as E, Result};
 
 /// Query types of the c10d store protocol.
 pub(crate) mod query {
@@ -74,7 +72,6 @@ pub(crate) fn message(kind: u8, body: &[u8]) -> Vec<u8> {
 /// The store's refusals (and its job failure) as bytes: a code, a u32 count of u64 numbers,
 /// the numbers, then UTF-8 text. Variants without a code of their own travel as "rejected".
 pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
-    use RendezvousError as E;
     let n = |v: &usize| u64::try_from(*v).unwrap_or(u64::MAX);
     let (code, nums, text): (u8, Vec<u64>, String) = match e {
         E::WorldSizeMismatch {
@@ -98,7 +95,6 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
 
 /// The error `bytes` encode, if they are one.
 pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
-    use RendezvousError as E;
     let (&code, rest) = bytes.split_first()?;
     let count = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
     let end = count.checked_mul(8)?.checked_add(4)?;
@@ -142,37 +138,20 @@ pub(crate) fn host_port(host: &str, port: u16) -> String {
     }
 }
 
-/// A TCP connection to `host:port`, resolving the name and retrying (refused, unreachable,
-/// unknown host) with backoff until `deadline`.
-fn connect_tcp(host: &str, port: u16, deadline: Instant) -> Result<TcpStream> {
-    let start = Instant::now();
-    let mut backoff = Duration::from_millis(10);
-    let mut last_error = None;
-    loop {
-        match (host, port).to_socket_addrs() {
-            Ok(addrs) => {
-                for addr in addrs {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let attempt = left.min(CONNECT_ATTEMPT).max(Duration::from_millis(1));
-                    match TcpStream::connect_timeout(&addr, attempt) {
-                        Ok(stream) => return Ok(stream),
-                        Err(e) => last_error = Some(e),
-                    }
-                }
-            }
-            Err(e) => last_error = Some(e),
-        }
+/// A TCP connection to `host:port`: one try of each address the name resolves to.
+fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
+    let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
+    for addr in (host, port).to_socket_addrs()? {
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(RendezvousError::ConnectTimeout {
-                addr: host_port(host, port),
-                waited: start.elapsed(),
-                last_error,
-            });
+        match TcpStream::connect_timeout(
+            &addr,
+            left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT),
+        ) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = e,
         }
-        thread::sleep(backoff.min(left));
-        backoff = (backoff * 2).min(Duration::from_millis(250));
     }
+    Err(last)
 }
 
 /// Fills `buf` from `stream` by `deadline`, however slowly the bytes come.
@@ -239,52 +218,54 @@ impl Store {
         admission: Option<Admission<'_>>,
         deadline: Instant,
     ) -> Result<Store> {
-        let mut backoff = Duration::from_millis(5);
-        let mut last: Option<RendezvousError> = None;
+        let (start, mut backoff) = (Instant::now(), Duration::from_millis(5));
+        let (mut last, mut last_error) = (None, None);
         loop {
-            let e = match Self::attempt(host, port, admission, deadline) {
-                Ok(store) => return Ok(store),
-                Err(e @ RendezvousError::ConnectTimeout { .. }) => return Err(last.unwrap_or(e)),
-                Err(
-                    e @ (RendezvousError::Io { .. }
-                    | RendezvousError::Protocol { .. }
-                    | RendezvousError::StoreNotAuthentic { .. }
-                    | RendezvousError::JobTokenMismatch { .. }
-                    | RendezvousError::Crowded { .. }),
-                ) => e,
-                Err(e) => return Err(e),
-            };
-            // A closed connection says less than a reason given before it.
-            let named = matches!(
-                last,
-                Some(
-                    RendezvousError::Crowded { .. }
-                        | RendezvousError::JobTokenMismatch { .. }
-                        | RendezvousError::StoreNotAuthentic { .. }
-                )
-            );
-            let e = match last.take() {
-                Some(earlier) if named && matches!(e, RendezvousError::Io { .. }) => earlier,
-                _ => e,
-            };
+            // Refused, unreachable, unknown host: rank 0 may not listen yet.
+            match connect_tcp(host, port, deadline) {
+                Err(e) => last_error = Some(e),
+                Ok(stream) => match Self::attempt(stream, host, port, admission, deadline) {
+                    Ok(store) => return Ok(store),
+                    Err(e @ (E::Io { .. } | E::Protocol { .. } | E::StoreNotAuthentic { .. }))
+                    | Err(e @ (E::JobTokenMismatch { .. } | E::Crowded { .. })) => {
+                        // A closed connection says less than a reason given before it.
+                        let named = matches!(
+                            last,
+                            Some(
+                                E::Crowded { .. }
+                                    | E::JobTokenMismatch { .. }
+                                    | E::StoreNotAuthentic { .. }
+                            )
+                        );
+                        if !(named && matches!(e, E::Io { .. })) {
+                            last = Some(e);
+                        }
+                    }
+                    Err(e) => return Err(e),
+                },
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(e);
+                let addr = host_port(host, port);
+                let waited = start.elapsed();
+                return Err(last.unwrap_or(E::ConnectTimeout {
+                    addr,
+                    waited,
+                    last_error,
+                }));
             }
-            debug!(error = %e, "rendezvous: connecting to the store failed, again");
-            last = Some(e);
             thread::sleep(backoff.min(left));
             backoff = (backoff * 2).min(Duration::from_millis(250));
         }
     }
 
     fn attempt(
+        stream: TcpStream,
         host: &str,
         port: u16,
         admission: Option<Admission<'_>>,
         deadline: Instant,
     ) -> Result<Store> {
-        let stream = connect_tcp(host, port, deadline)?;
         let _ = stream.set_nodelay(true);
         // What answers may take a second longer, so that a failure says what it was.
         let deadline = deadline
@@ -298,15 +279,15 @@ impl Store {
         if let Some(a) = admission {
             store.admit(a, deadline)?;
         }
-        let mut validate = vec![query::VALIDATE];
-        validate.extend_from_slice(&VALIDATION_MAGIC.to_le_bytes());
+        let validate = [&[query::VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat();
         store.send(&validate, deadline, "validating the connection")?;
         // A CHECK of a key nobody sets: any c10d store answers it, anything else does not.
         let probe = store.check(&["/gpucast/validate".to_owned()], deadline);
-        if let Err(e @ (RendezvousError::Io { .. } | RendezvousError::Protocol { .. })) = probe {
-            return Err(RendezvousError::Protocol {
-                peer: store.peer.clone(),
-                reason: format!("no c10d store answers there: {e}"),
+        if let Err(e @ (E::Io { .. } | E::Protocol { .. })) = probe {
+            let reason = format!("no c10d store answers there: {e}");
+            return Err(E::Protocol {
+                peer: store.peer,
+                reason,
             });
         }
         probe.map(|_| store)
