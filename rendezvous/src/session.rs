@@ -57,7 +57,7 @@ pub(crate) struct Session {
     /// aborts, to this session.
     session: Option<[u8; 32]>,
     /// A genuine abort seen during the first round, reported if that round fails.
-    early_abort: Option<(String, Vec<usize>)>,
+    early_abort: Option<RendezvousError>,
     /// Whether an abort that failed authentication was seen (reported once).
     forged_abort: bool,
 }
@@ -280,16 +280,12 @@ impl Session {
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
         let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
+        // Another rank's abort of this round says more than the timeout it caused.
         let hellos = self
             .round(HELLO, &plain, HELLO_PLAIN, deadline)
-            .map_err(|e| {
-                // Another rank's abort of this round says more than the timeout it caused.
-                match (e, self.early_abort.take()) {
-                    (RendezvousError::Timeout { .. }, Some((reason, missing))) => {
-                        RendezvousError::JobFailed { reason, missing }
-                    }
-                    (e, _) => e,
-                }
+            .map_err(|e| match (e, self.early_abort.take()) {
+                (RendezvousError::Timeout { .. }, Some(failure)) => failure,
+                (e, _) => e,
             })?;
         let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
         let instance = self.instance.to_le_bytes();
@@ -392,30 +388,25 @@ impl Session {
     /// sender's hello is kept, and reported if the round fails: it cannot prove itself of
     /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
     fn read_abort(&mut self, hard: Instant) -> Result<()> {
-        let sealed = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
+        let value = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
+        let malformed = || RendezvousError::Protocol {
+            peer: self.store.peer().to_owned(),
+            reason: "a malformed failure".into(),
+        };
         if self.own {
             // gpucast's own store proved the token, and only proven ranks write to it.
-            return Err(
-                decode_error(&sealed).unwrap_or_else(|| RendezvousError::Protocol {
-                    peer: self.store.peer().to_owned(),
-                    reason: "a malformed failure".into(),
-                }),
-            );
+            return Err(decode_error(&value).unwrap_or_else(malformed));
         }
-        let parsed = self.sealer.open(&self.abort_aad(), &sealed).and_then(|p| {
-            let sender = u32::from_le_bytes(p.get(..4)?.try_into().ok()?) as usize;
-            let nonce: [u8; 32] = p.get(4..36)?.try_into().ok()?;
-            let count = u32::from_le_bytes(p.get(36..40)?.try_into().ok()?) as usize;
-            let end = 40usize.checked_add(count.checked_mul(4)?)?;
-            let missing: Vec<usize> = p
-                .get(40..end)?
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-                .collect();
-            let reason = String::from_utf8_lossy(p.get(end..)?).into_owned();
-            Some((sender, nonce, missing, reason))
+        let parsed = self.sealer.open(&self.abort_aad(), &value).and_then(|p| {
+            let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
+            let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
+            Some((
+                usize::try_from(sender).ok()?,
+                nonce,
+                decode_error(&p[40..])?,
+            ))
         });
-        let Some((sender, nonce, missing, reason)) = parsed else {
+        let Some((sender, nonce, failure)) = parsed else {
             if !self.forged_abort {
                 self.forged_abort = true;
                 warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in the store that is not of this job");
@@ -423,7 +414,7 @@ impl Session {
             return Ok(());
         };
         if self.session.is_some() {
-            return Err(RendezvousError::JobFailed { reason, missing });
+            return Err(failure);
         }
         // First round: the sender's hello must be there and carry the same nonce.
         let key = vec![self.key(HELLO, sender.min(self.world))];
@@ -433,43 +424,31 @@ impl Session {
                 .open_hello(sender, &hello)
                 .is_some_and(|(n, _)| auth::same_secret(&n, &nonce))
             {
-                self.early_abort = Some((reason, missing));
+                self.early_abort = Some(failure);
             }
         }
         Ok(())
     }
 
-    /// Fails the job for every rank with `reason`.
+    /// Fails the job for every rank with `reason`: in torchrun's store, a sealed value of this
+    /// rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
     pub(crate) fn abort(
         &mut self,
         reason: &str,
         missing: &[usize],
         timeout: Duration,
     ) -> Result<()> {
-        let listed = &missing[..missing.len().min(ABORT_RANKS)];
         let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
-        if self.own {
-            let failure = RendezvousError::JobFailed {
-                reason,
-                missing: listed.to_vec(),
-            };
-            return self
-                .store
-                .set(FAILED_KEY, &encode_error(&failure), later(timeout));
-        }
-        let mut plain = u32::try_from(self.rank)
-            .unwrap_or(u32::MAX)
-            .to_le_bytes()
-            .to_vec();
-        plain.extend_from_slice(&self.nonce);
-        plain.extend_from_slice(&u32::try_from(listed.len()).unwrap_or(0).to_le_bytes());
-        for &r in listed {
-            plain.extend_from_slice(&u32::try_from(r).unwrap_or(u32::MAX).to_le_bytes());
-        }
-        plain.extend_from_slice(reason.as_bytes());
-        let sealed = self.sealer.seal(&self.abort_aad(), &plain);
-        let key = self.abort_key();
-        self.store.set(&key, &sealed, later(timeout))
+        let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
+        let failure = encode_error(&RendezvousError::JobFailed { reason, missing });
+        let value = match self.own {
+            true => failure,
+            false => {
+                let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &failure].concat();
+                self.sealer.seal(&self.abort_aad(), &plain)
+            }
+        };
+        self.store.set(&self.abort_key(), &value, later(timeout))
     }
 
     /// After a local failure, tells the others (best effort), unless the failure came from
