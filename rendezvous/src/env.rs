@@ -117,24 +117,6 @@ impl fmt::Debug for JobEnv {
     }
 }
 
-/// Reads variables through a lookup function, treating empty values as unset.
-struct Vars<F> {
-    lookup: F,
-}
-
-impl<F: Fn(&str) -> Option<String>> Vars<F> {
-    fn get(&self, var: &str) -> Option<String> {
-        (self.lookup)(var)
-            .map(|v| v.trim().to_owned())
-            .filter(|v| !v.is_empty())
-    }
-
-    /// The first of `vars` that is set, with its name.
-    fn first(&self, vars: &[&'static str]) -> Option<(&'static str, String)> {
-        vars.iter().find_map(|&var| self.get(var).map(|v| (var, v)))
-    }
-}
-
 fn invalid(var: &str, value: &str, reason: impl Into<String>) -> RendezvousError {
     RendezvousError::InvalidEnv {
         var: var.to_owned(),
@@ -189,7 +171,13 @@ impl JobEnv {
     /// variables; unparsable or inconsistent values (rank not below world size, local rank not
     /// below local world size, port 0) are [`RendezvousError::InvalidEnv`] naming the variable.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let vars = Vars { lookup };
+        // Empty values count as unset.
+        let get = |var: &str| {
+            lookup(var)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        let first = |vars: &[&'static str]| vars.iter().find_map(|&var| get(var).map(|v| (var, v)));
         let missing = |what, vars: &[&'static str]| RendezvousError::MissingEnv {
             what,
             vars: vars.to_vec(),
@@ -214,11 +202,9 @@ impl JobEnv {
         ];
         const PORT: &[&str] = &[MASTER_PORT_ENV, "MASTER_PORT", "SLURM_JOB_ID"];
 
-        let (rank_var, rank_value) = vars.first(RANK).ok_or_else(|| missing("rank", RANK))?;
+        let (rank_var, rank_value) = first(RANK).ok_or_else(|| missing("rank", RANK))?;
         let rank = parse_count(rank_var, &rank_value)?;
-        let (world_var, world_value) = vars
-            .first(WORLD)
-            .ok_or_else(|| missing("world size", WORLD))?;
+        let (world_var, world_value) = first(WORLD).ok_or_else(|| missing("world size", WORLD))?;
         let world_size = parse_count(world_var, &world_value)?;
         if world_size == 0 {
             return Err(invalid(
@@ -236,12 +222,12 @@ impl JobEnv {
         }
         let single = world_size == 1;
 
-        let node = match vars.first(NODE) {
+        let node = match first(NODE) {
             Some((var, value)) => Some((var, parse_count(var, &value)?)),
             None => None,
         };
 
-        let (local_world_var, local_world_size) = match vars.first(LOCAL_WORLD) {
+        let (local_world_var, local_world_size) = match first(LOCAL_WORLD) {
             Some((var @ ("SLURM_STEP_TASKS_PER_NODE" | "SLURM_TASKS_PER_NODE"), value)) => {
                 let (_, node) = node.ok_or_else(|| missing("node index", NODE))?;
                 let n =
@@ -261,7 +247,7 @@ impl JobEnv {
         }
         let one_node = local_world_size == world_size;
 
-        let local_rank = match vars.first(LOCAL_RANK) {
+        let local_rank = match first(LOCAL_RANK) {
             Some((var, value)) => {
                 let local_rank = parse_count(var, &value)?;
                 if local_rank >= local_world_size {
@@ -285,7 +271,7 @@ impl JobEnv {
             None => return Err(missing("node index", NODE)),
         };
 
-        let master_addr = match vars.first(ADDR) {
+        let master_addr = match first(ADDR) {
             Some((var @ (MASTER_ADDR_ENV | "MASTER_ADDR"), value)) => {
                 if value.chars().any(char::is_whitespace) {
                     return Err(invalid(var, &value, "a host name has no white space"));
@@ -300,16 +286,15 @@ impl JobEnv {
         };
 
         let mut store = StoreKind::Own;
-        let master_port = match vars.first(PORT) {
+        let master_port = match first(PORT) {
             Some((var @ MASTER_PORT_ENV, value)) => parse_port(var, &value)?,
             Some((var @ "MASTER_PORT", value)) => {
                 let port = parse_port(var, &value)?;
-                let agent_store = vars
-                    .get("TORCHELASTIC_USE_AGENT_STORE")
+                let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store {
                     const RESTART: &str = "TORCHELASTIC_RESTART_COUNT";
-                    let attempt = match vars.get(RESTART) {
+                    let attempt = match get(RESTART) {
                         Some(v) => parse_count(RESTART, &v)?,
                         None => 0,
                     };
@@ -331,21 +316,15 @@ impl JobEnv {
             None => return Err(missing("master port", PORT)),
         };
 
-        let slurm = vars
-            .get("SLURM_JOB_ID")
-            .map(|job| match vars.get("SLURM_STEP_ID") {
-                Some(step) => format!("{job}.{step}"),
-                None => job,
-            });
+        let slurm = get("SLURM_JOB_ID").map(|job| match get("SLURM_STEP_ID") {
+            Some(step) => format!("{job}.{step}"),
+            None => job,
+        });
         let sources = [
-            (
-                JOB_TOKEN_ENV,
-                vars.get(JOB_TOKEN_ENV),
-                TokenSource::Explicit,
-            ),
+            (JOB_TOKEN_ENV, get(JOB_TOKEN_ENV), TokenSource::Explicit),
             (
                 "TORCHELASTIC_RUN_ID",
-                vars.get("TORCHELASTIC_RUN_ID"),
+                get("TORCHELASTIC_RUN_ID"),
                 TokenSource::TorchRunId,
             ),
             ("SLURM_JOB_ID", slurm, TokenSource::SlurmJobId),
@@ -389,24 +368,13 @@ impl JobEnv {
             token_source: TokenSource::Unset,
             store: StoreKind::Own,
         };
-        env.validate()?;
-        Ok(env)
+        env.validate().map(|()| env)
     }
 
     /// A job of one process (no store is ever opened).
     pub fn single_process() -> Self {
-        Self {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: 1,
-            node: 0,
-            master_addr: "127.0.0.1".to_owned(),
-            master_port: DEFAULT_MASTER_PORT,
-            job_token: String::new(),
-            token_source: TokenSource::Unset,
-            store: StoreKind::Own,
-        }
+        let one = Self::single_node(0, 1, DEFAULT_MASTER_PORT);
+        one.unwrap_or_else(|_| unreachable!("rank 0 of 1 on port {DEFAULT_MASTER_PORT} is valid"))
     }
 
     /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=

@@ -141,12 +141,6 @@ where
     }
 }
 
-struct State {
-    /// `None` for a job of one process.
-    session: Option<Box<Session>>,
-    round: u64,
-}
-
 /// The processes of one job, connected through a store: gpucast's own, which rank 0 hosts
 /// ([`StoreKind::Own`]), or torchrun's ([`StoreKind::Torch`]).
 ///
@@ -163,7 +157,8 @@ struct State {
 pub struct Rendezvous {
     env: JobEnv,
     timeout: Duration,
-    state: Mutex<State>,
+    /// The connection to the store (`None` for a job of one process), and the next round.
+    state: Mutex<(Option<Box<Session>>, u64)>,
     /// Declared last: dropped after rank 0's own connection.
     server: Option<StoreServer>,
 }
@@ -273,7 +268,7 @@ impl Rendezvous {
         let rendezvous = |session, server| Self {
             env: env.clone(),
             timeout,
-            state: Mutex::new(State { session, round: 0 }),
+            state: Mutex::new((session, 0)),
             server,
         };
         if env.world_size == 1 {
@@ -372,7 +367,7 @@ impl Rendezvous {
         self.server.as_ref().map(StoreServer::local_addr)
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
+    fn state(&self) -> MutexGuard<'_, (Option<Box<Session>>, u64)> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -382,9 +377,9 @@ impl Rendezvous {
     /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
     pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let mut state = self.state();
-        let round = state.round;
-        state.round += 1;
-        let Some(session) = &mut state.session else {
+        let round = state.1;
+        state.1 += 1;
+        let Some(session) = &mut state.0 else {
             return Ok(vec![mine.to_vec()]);
         };
         let result = session.all_gather(round, mine, self.timeout);
@@ -407,7 +402,7 @@ impl Rendezvous {
     /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
-        match &mut self.state().session {
+        match &mut self.state().0 {
             None => Ok(()),
             Some(session) => session.abort(reason, &[], self.timeout),
         }

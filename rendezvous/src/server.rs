@@ -135,12 +135,8 @@ struct Member {
 #[derive(Default)]
 struct State {
     registered: Vec<Option<Member>>,
-    /// Every rank has said hello once.
-    complete: bool,
     /// Ranks that have learned of the failure (or can no longer be told: disconnected).
     told: Vec<bool>,
-    /// Ranks whose connection closed after HELLO.
-    departed: Vec<bool>,
     /// Why the job failed, if it has, and the ranks it names as missing.
     failure: Option<(String, Vec<usize>)>,
     /// The keys: value, and the connection that wrote it.
@@ -322,7 +318,6 @@ impl StoreServer {
         let state = State {
             registered: (0..n).map(|_| None).collect(),
             told: vec![false; n],
-            departed: vec![false; n],
             ..State::default()
         };
         let shared = Arc::new(Shared {
@@ -550,7 +545,6 @@ impl Drop for Conn {
             Some(m) if m.conn == self.id => m.wrote,
             _ => return,
         };
-        st.departed[r] = true;
         st.told[r] = true;
         if wrote {
             let reason = format!("rank {r} closed its connection to the store");
@@ -668,10 +662,9 @@ impl Conn {
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
         // its welcome may never have reached it.
         if let Some(Some(old)) = st.registered.get(rank) {
-            let gone = st.departed[rank] || st.members.get(&old.conn).is_none_or(closed);
+            let gone = st.members.get(&old.conn).is_none_or(closed);
             if gone && !old.wrote {
                 st.registered[rank] = None;
-                st.departed[rank] = false;
                 st.told[rank] = false;
             }
         }
@@ -703,7 +696,6 @@ impl Conn {
                 peer: self.peer,
                 wrote: false,
             });
-            st.complete = st.registered.iter().all(Option::is_some);
             if let Some(at) = at {
                 st.pending.remove(at);
             }
@@ -712,7 +704,7 @@ impl Conn {
             self.shared.cond.notify_all();
             return Admission::Admitted;
         };
-        if st.failure.is_none() && st.complete {
+        if st.failure.is_none() && st.registered.iter().all(Option::is_some) {
             // The job has formed: a late or stray claim costs it nothing.
             if let Some(before) = self.shared.refused.allow() {
                 warn!(peer = %self.peer, reason = %refusal, before, "rendezvous store: refused a claim after the job formed");
