@@ -486,3 +486,74 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admission_messages_have_the_documented_layout() {
+        let m = message(kind::HELLO, &[7; HELLO_LEN]);
+        assert_eq!(&m[..6], b"GCRV\x04H");
+        assert_eq!(m[6..HEADER_LEN], 72u32.to_le_bytes());
+        assert_eq!(m.len(), HEADER_LEN + HELLO_LEN);
+    }
+
+    /// Every refusal the store sends comes back as the same error, and no bytes (cut,
+    /// flipped, or a count of numbers beyond the message) make decoding panic or allocate
+    /// beyond the message.
+    #[test]
+    fn refusals_round_trip_and_garbage_decodes_to_nothing_worse() {
+        let errors = [
+            E::WorldSizeMismatch {
+                rank: 1,
+                client: 4,
+                server: 3,
+            },
+            E::RankOutOfRange {
+                rank: 9,
+                world_size: 2,
+            },
+            E::DuplicateRank {
+                rank: 1,
+                detail: "a then b".into(),
+            },
+            E::JobFailed {
+                reason: "rank 2 aborted: out of memory".into(),
+                missing: vec![2, 5],
+            },
+            E::Rejected {
+                reason: "late".into(),
+            },
+        ];
+        for e in &errors {
+            let bytes = encode_error(e);
+            let back = decode_error(&bytes).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{e:?}"));
+            assert_eq!(back.missing_ranks(), e.missing_ranks());
+            for cut in 0..bytes.len() {
+                let _ = decode_error(&bytes[..cut]);
+            }
+        }
+        // Anything else travels as a rejection with its message.
+        let other = E::InvalidArgument { reason: "x".into() };
+        let back = decode_error(&encode_error(&other)).unwrap();
+        assert!(matches!(&back, E::Rejected { reason } if reason.contains("invalid argument")));
+        let mut huge = vec![4u8];
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_error(&huge).is_none());
+        assert!(decode_error(&[9, 0, 0, 0, 0]).is_none());
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2000 {
+            let noise: Vec<u8> = (0..(x % 64))
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x.to_le_bytes()[0] % 8
+                })
+                .collect();
+            let _ = decode_error(&noise);
+        }
+    }
+}
