@@ -54,7 +54,7 @@ const ACCEPT_POLL_MS: u16 = 20;
 /// How long a dropped server waits at most for its members to finish what they were reading.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Members quiet this long are done with the store.
-const QUIET: Duration = Duration::from_millis(50);
+const QUIET: Duration = Duration::from_millis(100);
 
 /// Settings of a [`StoreServer`].
 #[derive(Clone, Debug)]
@@ -1123,6 +1123,41 @@ mod tests {
             "the handshake took {took:?}: {e}"
         );
         fake.join().unwrap();
+    }
+
+    /// Whatever holds the port cannot end a rank early with an oversize message either: the
+    /// rank tries again until its deadline.
+    #[test]
+    fn an_oversize_unproven_message_is_tried_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            listener.set_nonblocking(true).unwrap();
+            let until = Instant::now() + Duration::from_millis(600);
+            let mut served = 0;
+            while Instant::now() < until {
+                if let Ok((mut s, _)) = listener.accept() {
+                    let mut m = message(kind::CHALLENGE, &[])[..6].to_vec();
+                    m.extend_from_slice(&(200u32 << 20).to_le_bytes());
+                    let _ = s.write_all(&m);
+                    served += 1;
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            served
+        });
+        let started = Instant::now();
+        let e = client_of(port, Duration::from_millis(400)).err().unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "gave up after {:?}",
+            started.elapsed()
+        );
+        assert!(
+            matches!(&e, RendezvousError::Protocol { reason, .. } if reason.contains("limit")),
+            "{e:?}"
+        );
+        assert!(fake.join().unwrap() > 1, "never tried again");
     }
 
     #[test]

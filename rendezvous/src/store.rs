@@ -357,11 +357,13 @@ impl Store {
         }
         let len = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as usize;
         if len > MAX_UNPROVEN {
+            // Unproven, like every answer before the store's proof: a reason to try again.
             self.broken = Some("an oversize admission message".into());
-            return Err(RendezvousError::TooLarge {
-                what: "an admission message from the store".into(),
-                len,
-                max: MAX_UNPROVEN,
+            let reason =
+                format!("an admission message of {len} bytes, over the limit of {MAX_UNPROVEN}");
+            return Err(E::Protocol {
+                peer: self.peer.clone(),
+                reason,
             });
         }
         let mut body = vec![0u8; len];
