@@ -239,7 +239,7 @@ fn five_hundred_idle_connections_do_not_delay_the_job() {
     drop(idle);
 }
 
-/// Sockets that reconnect as soon as the store drops them, and sockets that dribble a frame
+/// Sockets that reconnect as soon as the store drops them, and sockets that dribble a HELLO
 /// one byte at a time, all the while the ranks join.
 #[test]
 fn reconnecting_and_dribbling_sockets_do_not_keep_the_ranks_out() {

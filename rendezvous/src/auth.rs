@@ -3,7 +3,7 @@
 //! a captured proof is worth nothing on another connection), values sealed under a key derived
 //! from it, random nonces and tokens, and the warning for a token that does not look random.
 //!
-//! The token itself never leaves the process: not in a frame, a log line or an error.
+//! The token itself never leaves the process: not in a message, a log line or an error.
 //!
 //! Why PBKDF2 and not a memory-hard function: one captured HELLO (or sealed value) lets anyone
 //! test guesses of the token offline, each guess costing one derivation. A random token of 128

@@ -86,8 +86,9 @@ pub struct JobEnv {
     /// The store's TCP port.
     pub master_port: u16,
     /// The job's secret; every rank must have the same. Each rank proves it knows the token
-    /// (never sending it) and the store proves it back, so a process without it joins nothing,
-    /// and gpucast's values in torchrun's store carry tags made with a key derived from it. From
+    /// (never sending it) to gpucast's store and the store proves it back, so a process without
+    /// it joins nothing, and gpucast's values in either store carry tags made with a key
+    /// derived from it. From
     /// `GPUCAST_JOB_TOKEN`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`,
     /// else empty; only the first can be a real secret (see [`TokenSource`]).
     pub job_token: String,

@@ -10,9 +10,10 @@ pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;
 /// Everything that can go wrong while processes of a job find each other and exchange bytes.
 ///
 /// Each variant carries what was being done or waited for, and the addresses, ranks and
-/// variables involved. Errors that the store server reports ([`RendezvousError::WorldSizeMismatch`],
-/// [`RendezvousError::DuplicateRank`], [`RendezvousError::Timeout`],
-/// [`RendezvousError::JobFailed`], ...) travel over the wire and arrive as the same variant.
+/// variables involved. The refusals that gpucast's store proves
+/// ([`RendezvousError::WorldSizeMismatch`], [`RendezvousError::DuplicateRank`],
+/// [`RendezvousError::JobFailed`], ...) and the failures ranks leave in a store arrive as the
+/// same variant.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RendezvousError {
@@ -83,7 +84,7 @@ pub enum RendezvousError {
         /// The OS error (`UnexpectedEof` when the other end closed the connection).
         source: io::Error,
     },
-    /// The other end sent bytes that are not a valid frame or message.
+    /// The other end sent bytes that are not a valid message of the protocol.
     #[error("rendezvous protocol error with {peer}: {reason}")]
     Protocol {
         /// The other end of the connection.

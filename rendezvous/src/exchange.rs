@@ -146,7 +146,7 @@ where
 ///
 /// With its own store, rank 0 listens on the master port and every rank (rank 0 too) connects
 /// and proves the job token. Under torchrun every rank joins the agent's store as a client and
-/// no port is opened. All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
+/// no port is opened. Both speak the same protocol and run the same rounds. All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
 /// [`Rendezvous::broadcast_from`]) are bounded by the timeout given to
 /// [`Rendezvous::connect`] (see [`Rendezvous::set_timeout`]). When a rank fails locally (a
 /// timeout, an oversize contribution), it aborts the job so that every other rank fails at
@@ -241,9 +241,10 @@ impl Rendezvous {
     /// `MASTER_ADDR` itself when that is a loopback address and the job has one node, else on
     /// the address `MASTER_ADDR` resolves to here, or on every interface when it resolves to
     /// no address of this host. Every rank connects (retrying until the deadline, since rank 0
-    /// may start last), proves the job token, checks the store's proof, and waits until all
-    /// `world_size` ranks have joined. Under torchrun ([`StoreKind::Torch`]) every rank joins
-    /// the agent's store instead and runs the same steps there, with sealed values. A token
+    /// may start last), proves the job token and checks the store's proof. Under torchrun
+    /// ([`StoreKind::Torch`]) every rank joins the agent's store instead. Then, in either
+    /// store, by the same code, every rank waits until all `world_size` ranks have put their
+    /// sealed nonce there and confirmed the session they make. A token
     /// that does not look random (empty, torchrun's run id, Slurm's job id, under 128 bits
     /// for its length and alphabet, repetitive) is said once, by rank 0 on standard error, on
     /// loopback too, with how to set a secret one. An answer nobody proved ("token refused",
