@@ -42,7 +42,13 @@ pub trait Exchange {
 
     /// `bytes` of rank `root`, on every rank (other ranks' `bytes` are ignored).
     fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
-        check_root(root, self.world_size())?;
+        if root >= self.world_size() {
+            let reason = format!(
+                "broadcast root {root} is out of range for {} ranks",
+                self.world_size()
+            );
+            return Err(RendezvousError::InvalidArgument { reason });
+        }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
         let got = all.len();
@@ -52,15 +58,6 @@ pub trait Exchange {
                 reason: format!("{got} entries, none for root {root}"),
             })
     }
-}
-
-fn check_root(root: usize, world_size: usize) -> Result<()> {
-    if root >= world_size {
-        return Err(RendezvousError::InvalidArgument {
-            reason: format!("broadcast root {root} is out of range for {world_size} ranks"),
-        });
-    }
-    Ok(())
 }
 
 /// An [`Exchange`] driven by a caller-supplied all-gather closure (MPI's `Allgatherv`, a

@@ -501,16 +501,6 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     handles
 }
 
-/// What becomes of a proven HELLO.
-enum Admission {
-    /// The connection is the rank's.
-    Admitted,
-    /// Refused with this error (sent with the store's proof).
-    Refused(RendezvousError),
-    /// Closed without an answer: the connection was evicted, or cannot be kept.
-    Dropped,
-}
-
 /// Whether the peer of `stream` has closed it (or it broke), looked at without blocking and
 /// without taking any byte from whoever reads it.
 fn closed(stream: &TcpStream) -> bool {
@@ -633,23 +623,23 @@ impl Conn {
             return false;
         }
         match self.admit(rank as usize, world_size as usize) {
-            Admission::Admitted => {
-                self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b"")))
-            }
-            Admission::Refused(e) => {
+            Ok(()) => self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b""))),
+            Err(Some(e)) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let mut refusal = encode_error(&e);
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
                 self.send(&message(kind::REFUSED, &refusal));
                 false
             }
-            Admission::Dropped => false,
+            // Evicted, or no handle to keep: closed without an answer.
+            Err(None) => false,
         }
     }
 
-    /// Registers a proven HELLO's rank, or refuses it (failing the job when two processes of
-    /// one launch disagree before the job has formed).
-    fn admit(&mut self, rank: usize, world_size: usize) -> Admission {
+    /// Registers a proven HELLO's rank, or refuses it with an error to send with the store's
+    /// proof (failing the job when two processes of one launch disagree before the job has
+    /// formed), or with none: then the connection is closed without an answer.
+    fn admit(&mut self, rank: usize, world_size: usize) -> Result<(), Option<RendezvousError>> {
         let n = self.shared.opts.world_size;
         let mut st = self.shared.lock();
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
@@ -657,7 +647,7 @@ impl Conn {
         // member be kept that the store cannot close at shutdown.
         let at = st.pending.iter().position(|p| p.id == self.id);
         let Some(handle) = at.and_then(|_| self.stream.try_clone().ok()) else {
-            return Admission::Dropped;
+            return Err(None);
         };
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
         // its welcome may never have reached it.
@@ -702,7 +692,7 @@ impl Conn {
             st.members.insert(self.id, handle);
             self.rank = Some(rank);
             self.shared.cond.notify_all();
-            return Admission::Admitted;
+            return Ok(());
         };
         if st.failure.is_none() && st.registered.iter().all(Option::is_some) {
             // The job has formed: a late or stray claim costs it nothing.
@@ -710,13 +700,13 @@ impl Conn {
                 warn!(peer = %self.peer, reason = %refusal, before, "rendezvous store: refused a claim after the job formed");
             }
             let reason = format!("every rank of the job has joined already: {refusal}");
-            return Admission::Refused(RendezvousError::Rejected { reason });
+            return Err(Some(RendezvousError::Rejected { reason }));
         }
         if claims_free_rank {
             st.told[rank] = true;
         }
         st.fail(&self.shared.cond, &refusal.to_string(), &[], false);
-        Admission::Refused(refusal)
+        Err(Some(refusal))
     }
 
     /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.

@@ -137,7 +137,7 @@ impl Session {
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
         let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
-            peer: store.peer().to_owned(),
+            peer: store.peer.clone(),
             reason: format!("the instance counter is {instance}"),
         })?;
         let mut s = Session {
@@ -240,7 +240,7 @@ impl Session {
                 .open(&self.aad(round, r), &sealed)
                 .ok_or_else(|| RendezvousError::Forged {
                     what: format!("rank {r}'s {what}"),
-                    store: self.store.peer().to_owned(),
+                    store: self.store.peer.clone(),
                 })?;
             total += value.len();
             if total > MAX_GATHER_BYTES {
@@ -390,7 +390,7 @@ impl Session {
     fn read_abort(&mut self, hard: Instant) -> Result<()> {
         let value = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
         let malformed = || RendezvousError::Protocol {
-            peer: self.store.peer().to_owned(),
+            peer: self.store.peer.clone(),
             reason: "a malformed failure".into(),
         };
         if self.own {
@@ -409,7 +409,7 @@ impl Session {
         let Some((sender, nonce, failure)) = parsed else {
             if !self.forged_abort {
                 self.forged_abort = true;
-                warn!(store = %self.store.peer(), "rendezvous: ignoring an abort in the store that is not of this job");
+                warn!(store = %self.store.peer, "rendezvous: ignoring an abort in the store that is not of this job");
             }
             return Ok(());
         };

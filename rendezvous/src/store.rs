@@ -371,11 +371,6 @@ impl Store {
         Ok((h[5], body))
     }
 
-    /// The store's `host:port`.
-    pub(crate) fn peer(&self) -> &str {
-        &self.peer
-    }
-
     fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
         self.broken = Some(format!("{during}: {source}"));
         RendezvousError::Io {
