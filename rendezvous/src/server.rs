@@ -1263,7 +1263,7 @@ mod tests {
     /// job as a duplicate.
     #[test]
     fn a_rank_evicted_during_its_hello_joins_on_its_retry() {
-        for trial in 0..20 {
+        for trial in 0..40 {
             let mut opts = ServerOptions::new(2, TOKEN);
             opts.max_pending_per_addr = 1;
             opts.pending_floor = Duration::ZERO;
