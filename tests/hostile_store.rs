@@ -99,34 +99,29 @@ fn read_all(s: &mut TcpStream, limit: Duration) -> Vec<u8> {
     }
 }
 
-/// A frame header of the store's framing: magic, version, op, reserved, payload length.
-fn header(version: u8, op: u8, len: u32) -> Vec<u8> {
+/// An admission message header of gpucast's store: magic, version, kind, body length.
+fn header(version: u8, kind: u8, len: u32) -> Vec<u8> {
     let mut h = b"GCRV".to_vec();
-    h.extend_from_slice(&[version, op, 0, 0]);
+    h.extend_from_slice(&[version, kind]);
     h.extend_from_slice(&len.to_le_bytes());
     h
 }
 
-/// The version the store speaks: from the first frame it sends unasked, else 1 (a store that
-/// waits for the client to speak first).
+/// The version the store speaks, from the challenge it sends unasked.
 fn store_version(addr: SocketAddr) -> u8 {
     let mut s = TcpStream::connect(addr).unwrap();
     let got = read_all(&mut s, Duration::from_millis(300));
-    if got.len() >= 5 && got.starts_with(b"GCRV") {
-        got[4]
-    } else {
-        1
-    }
+    assert!(got.starts_with(b"GCRV") && got.len() >= 5, "{got:?}");
+    got[4]
 }
 
-/// A HELLO in the first protocol's layout (rank, world size, token), with `token`.
-fn plain_hello(version: u8, rank: u32, world: u32, token: &str) -> Vec<u8> {
-    let mut p = rank.to_le_bytes().to_vec();
-    p.extend_from_slice(&world.to_le_bytes());
-    p.extend_from_slice(&u16::try_from(token.len()).unwrap().to_le_bytes());
-    p.extend_from_slice(token.as_bytes());
-    let mut f = header(version, 0x01, u32::try_from(p.len()).unwrap());
-    f.extend(p);
+/// A HELLO of the right shape for `rank` of `world`, with a proof made without the token.
+fn forged_hello(version: u8, rank: u32, world: u32, proof: u8) -> Vec<u8> {
+    let mut f = header(version, b'H', 72);
+    f.extend_from_slice(&rank.to_le_bytes());
+    f.extend_from_slice(&world.to_le_bytes());
+    f.extend_from_slice(&[9; 32]);
+    f.extend_from_slice(&[proof; 32]);
     f
 }
 
@@ -162,15 +157,17 @@ fn a_wrong_token_learns_nothing_and_hurts_nobody() {
     wait_listening(port);
     let addr: SocketAddr = ([127, 0, 0, 1], port).into();
     let version = store_version(addr);
-    for token in ["", "none", "wrong-token-of-another-job"] {
+    for proof in [0u8, 1, 0xff] {
         let mut s = TcpStream::connect(addr).unwrap();
-        // Whatever the store says first, then a HELLO with the wrong token.
+        // The store's challenge, then a HELLO whose proof was made without the token.
         let mut got = read_all(&mut s, Duration::from_millis(100));
-        let _ = s.write_all(&plain_hello(version, 1, 2, token));
-        got.extend(read_all(&mut s, Duration::from_secs(3)));
+        let _ = s.write_all(&forged_hello(version, 1, 2, proof));
+        let answer = read_all(&mut s, Duration::from_secs(3));
+        assert_eq!(answer, header(version, b'T', 0), "not refused as unproven");
+        got.extend(answer);
         assert!(
             !contains(&got, SECRET.as_bytes()),
-            "the store sent its token to a client with token {token:?}: {:?}",
+            "the store sent its token to a forged HELLO: {:?}",
             String::from_utf8_lossy(&got)
         );
     }
@@ -242,7 +239,7 @@ fn five_hundred_idle_connections_do_not_delay_the_job() {
     drop(idle);
 }
 
-/// Sockets that reconnect as soon as the store drops them, and sockets that dribble a frame
+/// Sockets that reconnect as soon as the store drops them, and sockets that dribble a HELLO
 /// one byte at a time, all the while the ranks join.
 #[test]
 fn reconnecting_and_dribbling_sockets_do_not_keep_the_ranks_out() {
@@ -274,8 +271,8 @@ fn reconnecting_and_dribbling_sockets_do_not_keep_the_ranks_out() {
                         }
                     }
                 } else {
-                    // A header, one byte every 50 ms.
-                    for b in header(2, 0x01, 64) {
+                    // A HELLO, one byte every 50 ms.
+                    for b in forged_hello(4, 1, 3, 0) {
                         if stop.load(Ordering::Relaxed) || s.write_all(&[b]).is_err() {
                             break;
                         }
@@ -307,7 +304,7 @@ fn reconnecting_and_dribbling_sockets_do_not_keep_the_ranks_out() {
     );
 }
 
-/// Frames that announce a large payload before any HELLO, then stream it: the store must not
+/// Messages that announce a large body before any HELLO, then stream it: the store must not
 /// buffer them (66 connections of 16 MiB each would be over 1 GiB).
 #[test]
 fn large_frames_before_hello_cost_no_memory() {
@@ -324,7 +321,7 @@ fn large_frames_before_hello_cost_no_memory() {
                     return;
                 };
                 let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
-                if s.write_all(&header(version, 0x05, (16 << 20) - 64))
+                if s.write_all(&header(version, b'H', (16 << 20) - 64))
                     .is_err()
                 {
                     return;
@@ -389,17 +386,18 @@ fn proxy(listener: TcpListener, store: SocketAddr, sent: Arc<Mutex<Vec<u8>>>) {
     up.join().unwrap();
 }
 
-/// Frames in `bytes`: (op, payload) of each complete frame.
+/// Admission messages at the start of `bytes`: (kind, body) of each complete one, up to the
+/// first that is not one (the c10d requests after a HELLO).
 fn frames(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
     let mut out = Vec::new();
     let mut rest = bytes;
-    while rest.len() >= 12 {
-        let len = u32::from_le_bytes(rest[8..12].try_into().unwrap()) as usize;
-        if rest.len() < 12 + len {
+    while rest.len() >= 10 && rest.starts_with(b"GCRV") {
+        let len = u32::from_le_bytes(rest[6..10].try_into().unwrap()) as usize;
+        if rest.len() < 10 + len {
             break;
         }
-        out.push((rest[5], rest[12..12 + len].to_vec()));
-        rest = &rest[12 + len..];
+        out.push((rest[5], rest[10..10 + len].to_vec()));
+        rest = &rest[10 + len..];
     }
     out
 }
@@ -430,12 +428,13 @@ fn a_captured_hello_replays_nowhere() {
     let captured = Arc::clone(&sent);
     let proxy = thread::spawn(move || proxy(listener, store, captured));
     let rank1 = member(1, proxy_port);
-    // The first frame rank 1 sends is its HELLO (12-byte header, then the payload).
+    // The first message rank 1 sends is its HELLO (10-byte header, then the body).
     let deadline = Instant::now() + Duration::from_secs(5);
     let hello = loop {
         let bytes = sent.lock().unwrap().clone();
-        if let Some((_, payload)) = frames(&bytes).first() {
-            let mut f = bytes[..12].to_vec();
+        if let Some((kind, payload)) = frames(&bytes).first() {
+            assert_eq!(*kind, b'H');
+            let mut f = bytes[..10].to_vec();
             f.extend_from_slice(payload);
             break f;
         }
@@ -447,16 +446,10 @@ fn a_captured_hello_replays_nowhere() {
     let _ = replay.write_all(&hello);
     let reply = read_all(&mut replay, Duration::from_secs(2));
     let answers = frames(&reply);
-    // The store's challenge, then an error with code 4: the proof does not hold.
-    let error = answers
-        .iter()
-        .find(|(op, _)| *op == 0x83)
-        .unwrap_or_else(|| panic!("no error reply to the replay: {answers:?}"));
-    assert_eq!(
-        error.1.first(),
-        Some(&4),
-        "not refused as unproven: {error:?}"
-    );
+    // The store's challenge (a fresh nonce), then "token refused": the proof does not hold.
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    assert_eq!(answers[0].0, b'C');
+    assert_eq!(answers[1], (b'T', vec![]), "not refused as unproven");
     let rank2 = member(2, port);
     let want = vec![b"after".to_vec(); world];
     for r in [rank0, rank1, rank2] {
@@ -772,16 +765,14 @@ fn an_unproven_token_refusal_does_not_end_a_rank() {
                 continue;
             };
             s.set_nonblocking(false).unwrap();
-            let mut challenge = header(version, 0x84, 32);
+            let mut challenge = header(version, b'C', 32);
             challenge.extend_from_slice(&[7; 32]);
             let _ = s.write_all(&challenge);
-            let mut hello = [0u8; 12 + 72];
+            let mut hello = [0u8; 10 + 72];
             let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
             if s.read_exact(&mut hello).is_ok() {
-                // ERROR, code 4 (token refused), no numbers, no strings: nothing proven.
-                let mut refusal = header(version, 0x83, 7);
-                refusal.extend_from_slice(&[4, 0, 0, 0, 0, 0, 0]);
-                let _ = s.write_all(&refusal);
+                // "Token refused": nothing proven.
+                let _ = s.write_all(&header(version, b'T', 0));
                 counted.fetch_add(1, Ordering::Relaxed);
             }
         }

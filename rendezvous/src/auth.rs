@@ -3,7 +3,7 @@
 //! a captured proof is worth nothing on another connection), values sealed under a key derived
 //! from it, random nonces and tokens, and the warning for a token that does not look random.
 //!
-//! The token itself never leaves the process: not in a frame, a log line or an error.
+//! The token itself never leaves the process: not in a message, a log line or an error.
 //!
 //! Why PBKDF2 and not a memory-hard function: one captured HELLO (or sealed value) lets anyone
 //! test guesses of the token offline, each guess costing one derivation. A random token of 128
@@ -61,7 +61,7 @@ pub fn random_token() -> Result<String> {
 
 /// The MAC of `label` and `parts` (each length-prefixed, so no two inputs share an encoding)
 /// under `key`.
-fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
+fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length: `new_from_slice` cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
@@ -70,78 +70,26 @@ fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
         m.update(&(p.len() as u64).to_le_bytes());
         m.update(p);
     }
-    m
+    m.finalize().into_bytes().into()
 }
 
 /// PBKDF2-HMAC-SHA256 of `password` and `salt` with `rounds` rounds: the first 32 bytes
-/// (RFC 8018, section 5.2). After the first round, each HMAC is two SHA-256 blocks from the
-/// key's inner and outer states, run on SHA-256's compression function directly.
+/// (RFC 8018, section 5.2), each round's HMAC from the password's keyed state.
 fn pbkdf2_sha256(password: &[u8], salt: &[u8], rounds: u32) -> [u8; 32] {
-    use sha2::digest::generic_array::GenericArray;
-    const IV: [u32; 8] = [
-        0x6a09_e667,
-        0xbb67_ae85,
-        0x3c6e_f372,
-        0xa54f_f53a,
-        0x510e_527f,
-        0x9b05_688c,
-        0x1f83_d9ab,
-        0x5be0_cd19,
-    ];
-    let first: [u8; 32] = mac_raw(password, &[salt, &1u32.to_be_bytes()]);
-    // HMAC's key block: the password, or its digest when longer than a block.
-    let mut key = [0u8; 64];
-    if password.len() > 64 {
-        key[..32].copy_from_slice(&Sha256::digest(password));
-    } else {
-        key[..password.len()].copy_from_slice(password);
-    }
-    let state_after = |pad: u8| {
-        let mut state = IV;
-        let block: [u8; 64] = std::array::from_fn(|i| key[i] ^ pad);
-        sha2::compress256(&mut state, &[GenericArray::from(block)]);
-        state
+    let keyed = <HmacSha256 as Mac>::new_from_slice(password)
+        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
+    let round = |parts: &[&[u8]]| -> [u8; 32] {
+        let mut m = keyed.clone();
+        parts.iter().for_each(|p| m.update(p));
+        m.finalize().into_bytes().into()
     };
-    let (inner, outer) = (state_after(0x36), state_after(0x5c));
-    // A 32-byte message after the key block, padded: 0x80, zeros, then 96 * 8 bits. Plain
-    // loops over arrays: this runs 2^18 times, and must be quick in unoptimised builds too.
-    let mut block = [0u8; 64];
-    block[32] = 0x80;
-    block[62] = 3;
-    let (mut u, mut out) = (first, first);
+    let mut u = round(&[salt, &1u32.to_be_bytes()]);
+    let mut out = u;
     for _ in 1..rounds {
-        block[..32].copy_from_slice(&u);
-        let mut st = inner;
-        sha2::compress256(
-            &mut st,
-            std::slice::from_ref(GenericArray::from_slice(&block)),
-        );
-        for k in 0..8 {
-            block[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
-        }
-        let mut st = outer;
-        sha2::compress256(
-            &mut st,
-            std::slice::from_ref(GenericArray::from_slice(&block)),
-        );
-        for k in 0..8 {
-            u[4 * k..4 * k + 4].copy_from_slice(&st[k].to_be_bytes());
-        }
-        for k in 0..32 {
-            out[k] ^= u[k];
-        }
+        u = round(&[&u]);
+        out.iter_mut().zip(u).for_each(|(o, x)| *o ^= x);
     }
     out
-}
-
-/// HMAC-SHA256 of the concatenated `parts` under `key`.
-fn mac_raw(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
-    let mut m = <HmacSha256 as Mac>::new_from_slice(key)
-        .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
-    for p in parts {
-        m.update(p);
-    }
-    m.finalize().into_bytes().into()
 }
 
 /// The key every proof and sealed value of a job is made with, derived from the job token
@@ -159,35 +107,6 @@ impl std::fmt::Debug for Key {
 /// on purpose, and a process needs it once.
 static KEYS: std::sync::Mutex<Vec<([u8; 32], Key)>> = std::sync::Mutex::new(Vec::new());
 
-impl Key {
-    /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
-    /// process and token.
-    pub(crate) fn of(token: &str) -> Key {
-        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
-        let cached = |keys: &Vec<([u8; 32], Key)>| {
-            keys.iter()
-                .find(|(k, _)| same_secret(k, &id))
-                .map(|(_, key)| key.clone())
-        };
-        let mut keys = KEYS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(key) = cached(&keys) {
-            return key;
-        }
-        let key = Key(pbkdf2_sha256(
-            token.as_bytes(),
-            b"gpucast rendezvous v3: job token",
-            KDF_ROUNDS,
-        ));
-        if keys.len() >= 16 {
-            keys.remove(0);
-        }
-        keys.push((id, key.clone()));
-        key
-    }
-}
-
 /// What a proof is for: the label makes a client's proof useless as the store's, and each
 /// useless anywhere else.
 #[derive(Debug, Clone, Copy)]
@@ -201,50 +120,37 @@ pub(crate) enum Purpose {
     Refusal,
 }
 
-impl Purpose {
-    fn label(self) -> &'static [u8] {
-        match self {
-            Purpose::Hello => b"gpucast rendezvous v3: hello",
-            Purpose::Welcome => b"gpucast rendezvous v3: welcome",
-            Purpose::Refusal => b"gpucast rendezvous v3: refusal",
+impl Key {
+    /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
+    /// process and token.
+    pub(crate) fn of(token: &str) -> Key {
+        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
+        let mut keys = KEYS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, key)) = keys.iter().find(|(k, _)| same_secret(k, &id)) {
+            return key.clone();
         }
-    }
-}
-
-/// One handshake: both nonces (the store's is fresh per connection, so a recorded proof does
-/// not replay) and the rank and world size the HELLO claims.
-pub(crate) struct Handshake<'a> {
-    pub key: &'a Key,
-    pub server_nonce: &'a Nonce,
-    pub client_nonce: &'a Nonce,
-    pub rank: u32,
-    pub world_size: u32,
-}
-
-impl Handshake<'_> {
-    /// The MAC of `purpose` over this handshake and `extra` (a refusal's encoded error).
-    fn mac(&self, purpose: Purpose, extra: &[u8]) -> HmacSha256 {
-        mac(
-            &self.key.0,
-            purpose.label(),
-            &[
-                self.server_nonce,
-                self.client_nonce,
-                &self.rank.to_le_bytes(),
-                &self.world_size.to_le_bytes(),
-                extra,
-            ],
-        )
+        let salt = b"gpucast rendezvous v3: job token";
+        let key = Key(pbkdf2_sha256(token.as_bytes(), salt, KDF_ROUNDS));
+        if keys.len() >= 16 {
+            keys.remove(0);
+        }
+        keys.push((id, key.clone()));
+        key
     }
 
-    /// The proof of knowing the token for `purpose`, over `extra` too.
-    pub(crate) fn prove(&self, purpose: Purpose, extra: &[u8]) -> Proof {
-        self.mac(purpose, extra).finalize().into_bytes().into()
-    }
-
-    /// Whether `claimed` is that proof, compared in constant time.
-    pub(crate) fn verify(&self, purpose: Purpose, extra: &[u8], claimed: &[u8]) -> bool {
-        self.mac(purpose, extra).verify_slice(claimed).is_ok()
+    /// The proof of knowing the token for `purpose` in one handshake: over `claim` (the
+    /// store's fresh nonce, the client's, and the rank and world size the HELLO claims) and
+    /// `extra` (a refusal's encoded error).
+    pub(crate) fn prove(&self, purpose: Purpose, claim: &[&[u8]; 3], extra: &[u8]) -> Proof {
+        let label: &[u8] = match purpose {
+            Purpose::Hello => b"gpucast rendezvous v4: hello",
+            Purpose::Welcome => b"gpucast rendezvous v4: welcome",
+            Purpose::Refusal => b"gpucast rendezvous v4: refusal",
+        };
+        let [a, b, c] = *claim;
+        mac(&self.0, label, &[a, b, c, extra])
     }
 }
 
@@ -270,40 +176,29 @@ pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
 /// session. Values are not hidden: what gpucast puts in torchrun's store (nonces, world sizes,
 /// the NCCL id, which PyTorch itself writes there in the clear) is readable by whoever reaches
 /// that store, and worth no cipher's crates.
-pub(crate) struct Sealer {
-    key: [u8; 32],
-}
+pub(crate) struct Sealer([u8; 32]);
 
 impl Sealer {
     /// The sealer of `key` for `context` (e.g. the key prefix of one job in a shared store).
     pub(crate) fn new(key: &Key, context: &[u8]) -> Sealer {
-        Sealer {
-            key: mac(&key.0, b"gpucast rendezvous v3: value key", &[context])
-                .finalize()
-                .into_bytes()
-                .into(),
-        }
-    }
-
-    fn tag(&self, aad: &[u8], value: &[u8]) -> HmacSha256 {
-        mac(&self.key, b"gpucast rendezvous v3: value", &[aad, value])
+        Sealer(mac(&key.0, b"gpucast rendezvous v3: value key", &[context]))
     }
 
     /// `value`, then its tag for `aad`.
     pub(crate) fn seal(&self, aad: &[u8], value: &[u8]) -> Vec<u8> {
-        let mut out = value.to_vec();
-        out.extend_from_slice(&self.tag(aad, value).finalize().into_bytes());
-        out
+        [
+            value,
+            &mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]),
+        ]
+        .concat()
     }
 
     /// The value of `sealed` if its tag is this key's for `aad` (compared in constant time),
     /// else `None`.
     pub(crate) fn open(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
         let (value, tag) = sealed.split_at(sealed.len().checked_sub(SEAL_OVERHEAD)?);
-        self.tag(aad, value)
-            .verify_slice(tag)
-            .is_ok()
-            .then(|| value.to_vec())
+        let expected = mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]);
+        same_secret(&expected, tag).then(|| value.to_vec())
     }
 }
 
@@ -399,28 +294,56 @@ mod tests {
     fn proofs_bind_the_token_the_nonces_and_the_claim() {
         let (s, c) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
         let (tok, tok2) = (Key::of("tok"), Key::of("tok2"));
-        let hs = |key, server_nonce, client_nonce, rank, world_size| Handshake {
-            key,
-            server_nonce,
-            client_nonce,
-            rank,
-            world_size,
-        };
-        let p = hs(&tok, &s, &c, 3, 8).prove(Purpose::Hello, b"");
-        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok2, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Welcome, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"", &p));
-        assert!(!hs(&tok, &c, &s, 3, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 4, 8).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 9).verify(Purpose::Hello, b"", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"x", &p));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &p[..31]));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Hello, b"", &[]));
+        let claim = |rank: u32, world: u32| [rank.to_le_bytes(), world.to_le_bytes()].concat();
+        let p = tok.prove(Purpose::Hello, &[&s, &c, &claim(3, 8)], b"");
+        let same = |q: Proof| same_secret(&p, &q);
+        assert!(same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok2.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Welcome,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Refusal,
+            &[&s, &c, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&c, &s, &claim(3, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(4, 8)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 9)],
+            b""
+        )));
+        assert!(!same(tok.prove(
+            Purpose::Hello,
+            &[&s, &c, &claim(3, 8)],
+            b"x"
+        )));
+        assert!(!same_secret(&p, &p[..31]));
         // A refusal's proof covers the error it proves.
-        let r = hs(&tok, &s, &c, 3, 8).prove(Purpose::Refusal, b"error 1");
-        assert!(hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 1", &r));
-        assert!(!hs(&tok, &s, &c, 3, 8).verify(Purpose::Refusal, b"error 2", &r));
+        let r = tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 1");
+        assert_ne!(
+            r,
+            tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 2")
+        );
         // The token is not in the proof in any readable form.
         assert!(!p.windows(3).any(|w| w == b"tok"));
     }
@@ -477,20 +400,13 @@ mod tests {
         // A HELLO's proof is no single HMAC keyed by the raw token: one capture must cost a
         // guesser a whole derivation per guess.
         let (sn, cn) = ([1u8; NONCE_LEN], [2u8; NONCE_LEN]);
-        let proof = Handshake {
-            key: &key,
-            server_nonce: &sn,
-            client_nonce: &cn,
-            rank: 1,
-            world_size: 2,
-        }
-        .prove(Purpose::Hello, b"");
-        let parts: [&[u8]; 5] = [&sn, &cn, &1u32.to_le_bytes(), &2u32.to_le_bytes(), b""];
-        for label in [&b"gpucast rendezvous v2: hello"[..], Purpose::Hello.label()] {
-            let raw: Proof = mac(b"a job token", label, &parts)
-                .finalize()
-                .into_bytes()
-                .into();
+        let parts: [&[u8]; 3] = [&sn, &cn, &[1, 0, 0, 0, 2, 0, 0, 0]];
+        let proof = key.prove(Purpose::Hello, &parts, b"");
+        for label in [
+            &b"gpucast rendezvous v3: hello"[..],
+            b"gpucast rendezvous v4: hello",
+        ] {
+            let raw: Proof = mac(b"a job token", label, &[&sn, &cn, parts[2], b""]);
             assert_ne!(proof, raw);
         }
     }

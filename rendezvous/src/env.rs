@@ -4,7 +4,7 @@ use std::fmt;
 use std::net::IpAddr;
 
 use super::error::{RendezvousError, Result};
-use super::MAX_TOKEN_LEN;
+use super::{MAX_TOKEN_LEN, MAX_WORLD_SIZE};
 
 /// Overrides `MASTER_ADDR` (and the Slurm node list) for gpucast's rendezvous only.
 pub const MASTER_ADDR_ENV: &str = "GPUCAST_MASTER_ADDR";
@@ -86,8 +86,9 @@ pub struct JobEnv {
     /// The store's TCP port.
     pub master_port: u16,
     /// The job's secret; every rank must have the same. Each rank proves it knows the token
-    /// (never sending it) and the store proves it back, so a process without it joins nothing,
-    /// and gpucast's values in torchrun's store carry tags made with a key derived from it. From
+    /// (never sending it) to gpucast's store and the store proves it back, so a process without
+    /// it joins nothing, and gpucast's values in either store carry tags made with a key
+    /// derived from it. From
     /// `GPUCAST_JOB_TOKEN`, else `TORCHELASTIC_RUN_ID`, else `SLURM_JOB_ID[.SLURM_STEP_ID]`,
     /// else empty; only the first can be a real secret (see [`TokenSource`]).
     pub job_token: String,
@@ -114,24 +115,6 @@ impl fmt::Debug for JobEnv {
             .field("token_source", &self.token_source)
             .field("store", &self.store)
             .finish()
-    }
-}
-
-/// Reads variables through a lookup function, treating empty values as unset.
-struct Vars<F> {
-    lookup: F,
-}
-
-impl<F: Fn(&str) -> Option<String>> Vars<F> {
-    fn get(&self, var: &str) -> Option<String> {
-        (self.lookup)(var)
-            .map(|v| v.trim().to_owned())
-            .filter(|v| !v.is_empty())
-    }
-
-    /// The first of `vars` that is set, with its name.
-    fn first(&self, vars: &[&'static str]) -> Option<(&'static str, String)> {
-        vars.iter().find_map(|&var| self.get(var).map(|v| (var, v)))
     }
 }
 
@@ -189,7 +172,13 @@ impl JobEnv {
     /// variables; unparsable or inconsistent values (rank not below world size, local rank not
     /// below local world size, port 0) are [`RendezvousError::InvalidEnv`] naming the variable.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let vars = Vars { lookup };
+        // Empty values count as unset.
+        let get = |var: &str| {
+            lookup(var)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        let first = |vars: &[&'static str]| vars.iter().find_map(|&var| get(var).map(|v| (var, v)));
         let missing = |what, vars: &[&'static str]| RendezvousError::MissingEnv {
             what,
             vars: vars.to_vec(),
@@ -214,11 +203,9 @@ impl JobEnv {
         ];
         const PORT: &[&str] = &[MASTER_PORT_ENV, "MASTER_PORT", "SLURM_JOB_ID"];
 
-        let (rank_var, rank_value) = vars.first(RANK).ok_or_else(|| missing("rank", RANK))?;
+        let (rank_var, rank_value) = first(RANK).ok_or_else(|| missing("rank", RANK))?;
         let rank = parse_count(rank_var, &rank_value)?;
-        let (world_var, world_value) = vars
-            .first(WORLD)
-            .ok_or_else(|| missing("world size", WORLD))?;
+        let (world_var, world_value) = first(WORLD).ok_or_else(|| missing("world size", WORLD))?;
         let world_size = parse_count(world_var, &world_value)?;
         if world_size == 0 {
             return Err(invalid(
@@ -236,12 +223,12 @@ impl JobEnv {
         }
         let single = world_size == 1;
 
-        let node = match vars.first(NODE) {
+        let node = match first(NODE) {
             Some((var, value)) => Some((var, parse_count(var, &value)?)),
             None => None,
         };
 
-        let (local_world_var, local_world_size) = match vars.first(LOCAL_WORLD) {
+        let (local_world_var, local_world_size) = match first(LOCAL_WORLD) {
             Some((var @ ("SLURM_STEP_TASKS_PER_NODE" | "SLURM_TASKS_PER_NODE"), value)) => {
                 let (_, node) = node.ok_or_else(|| missing("node index", NODE))?;
                 let n =
@@ -261,7 +248,7 @@ impl JobEnv {
         }
         let one_node = local_world_size == world_size;
 
-        let local_rank = match vars.first(LOCAL_RANK) {
+        let local_rank = match first(LOCAL_RANK) {
             Some((var, value)) => {
                 let local_rank = parse_count(var, &value)?;
                 if local_rank >= local_world_size {
@@ -285,7 +272,7 @@ impl JobEnv {
             None => return Err(missing("node index", NODE)),
         };
 
-        let master_addr = match vars.first(ADDR) {
+        let master_addr = match first(ADDR) {
             Some((var @ (MASTER_ADDR_ENV | "MASTER_ADDR"), value)) => {
                 if value.chars().any(char::is_whitespace) {
                     return Err(invalid(var, &value, "a host name has no white space"));
@@ -300,16 +287,15 @@ impl JobEnv {
         };
 
         let mut store = StoreKind::Own;
-        let master_port = match vars.first(PORT) {
+        let master_port = match first(PORT) {
             Some((var @ MASTER_PORT_ENV, value)) => parse_port(var, &value)?,
             Some((var @ "MASTER_PORT", value)) => {
                 let port = parse_port(var, &value)?;
-                let agent_store = vars
-                    .get("TORCHELASTIC_USE_AGENT_STORE")
+                let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store {
                     const RESTART: &str = "TORCHELASTIC_RESTART_COUNT";
-                    let attempt = match vars.get(RESTART) {
+                    let attempt = match get(RESTART) {
                         Some(v) => parse_count(RESTART, &v)?,
                         None => 0,
                     };
@@ -331,33 +317,29 @@ impl JobEnv {
             None => return Err(missing("master port", PORT)),
         };
 
-        let (job_token, token_source) = if let Some(t) = vars.get(JOB_TOKEN_ENV) {
-            (t, TokenSource::Explicit)
-        } else if let Some(t) = vars.get("TORCHELASTIC_RUN_ID") {
-            (t, TokenSource::TorchRunId)
-        } else if let Some(job) = vars.get("SLURM_JOB_ID") {
-            let t = match vars.get("SLURM_STEP_ID") {
-                Some(step) => format!("{job}.{step}"),
-                None => job,
-            };
-            (t, TokenSource::SlurmJobId)
-        } else {
-            (String::new(), TokenSource::Unset)
-        };
+        let slurm = get("SLURM_JOB_ID").map(|job| match get("SLURM_STEP_ID") {
+            Some(step) => format!("{job}.{step}"),
+            None => job,
+        });
+        let sources = [
+            (JOB_TOKEN_ENV, get(JOB_TOKEN_ENV), TokenSource::Explicit),
+            (
+                "TORCHELASTIC_RUN_ID",
+                get("TORCHELASTIC_RUN_ID"),
+                TokenSource::TorchRunId,
+            ),
+            ("SLURM_JOB_ID", slurm, TokenSource::SlurmJobId),
+        ];
+        let (var, job_token, token_source) = sources
+            .into_iter()
+            .find_map(|(var, t, source)| Some((var, t?, source)))
+            .unwrap_or((JOB_TOKEN_ENV, String::new(), TokenSource::Unset));
         if job_token.len() > MAX_TOKEN_LEN {
-            let var = match token_source {
-                TokenSource::TorchRunId => "TORCHELASTIC_RUN_ID",
-                TokenSource::SlurmJobId => "SLURM_JOB_ID",
-                _ => JOB_TOKEN_ENV,
-            };
-            return Err(invalid(
-                var,
-                &format!("<{} bytes, not shown>", job_token.len()),
-                format!("the job token is limited to {MAX_TOKEN_LEN} bytes"),
-            ));
+            let shown = format!("<{} bytes, not shown>", job_token.len());
+            let why = format!("the job token is limited to {MAX_TOKEN_LEN} bytes");
+            return Err(invalid(var, &shown, why));
         }
-
-        let env = Self {
+        Ok(Self {
             rank,
             world_size,
             local_rank,
@@ -368,8 +350,7 @@ impl JobEnv {
             job_token,
             token_source,
             store,
-        };
-        Ok(env)
+        })
     }
 
     /// A job whose processes all run on this node, with the store on `127.0.0.1:master_port`,
@@ -388,69 +369,57 @@ impl JobEnv {
             token_source: TokenSource::Unset,
             store: StoreKind::Own,
         };
-        env.validate()?;
-        Ok(env)
+        env.validate().map(|()| env)
     }
 
     /// A job of one process (no store is ever opened).
     pub fn single_process() -> Self {
-        Self {
-            rank: 0,
-            world_size: 1,
-            local_rank: 0,
-            local_world_size: 1,
-            node: 0,
-            master_addr: "127.0.0.1".to_owned(),
-            master_port: DEFAULT_MASTER_PORT,
-            job_token: String::new(),
-            token_source: TokenSource::Unset,
-            store: StoreKind::Own,
-        }
+        let one = Self::single_node(0, 1, DEFAULT_MASTER_PORT);
+        one.unwrap_or_else(|_| unreachable!("rank 0 of 1 on port {DEFAULT_MASTER_PORT} is valid"))
     }
 
     /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=
     /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
     /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Err(RendezvousError::InvalidArgument { reason });
-        if self.world_size == 0 || self.world_size > super::MAX_WORLD_SIZE {
-            return bad(format!(
-                "world size {} is not in 1..={}",
-                self.world_size,
-                super::MAX_WORLD_SIZE
-            ));
+        let (rank, world, local) = (self.rank, self.world_size, self.local_world_size);
+        let checks = [
+            (
+                world == 0 || world > MAX_WORLD_SIZE,
+                format!("world size {world} is not in 1..={MAX_WORLD_SIZE}"),
+            ),
+            (
+                rank >= world,
+                format!("rank {rank} is not below the world size {world}"),
+            ),
+            (
+                local == 0 || local > world,
+                format!("local world size {local} is not in 1..={world}"),
+            ),
+            (
+                self.local_rank >= local,
+                format!(
+                    "local rank {} is not below the local world size {local}",
+                    self.local_rank
+                ),
+            ),
+            (
+                self.master_addr.is_empty(),
+                "the master address is empty".into(),
+            ),
+            (self.master_port == 0, "the master port is 0".into()),
+            (
+                self.job_token.len() > MAX_TOKEN_LEN,
+                format!(
+                    "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
+                    self.job_token.len()
+                ),
+            ),
+        ];
+        match checks.into_iter().find(|(bad, _)| *bad) {
+            Some((_, reason)) => Err(RendezvousError::InvalidArgument { reason }),
+            None => Ok(()),
         }
-        if self.rank >= self.world_size {
-            return bad(format!(
-                "rank {} is not below the world size {}",
-                self.rank, self.world_size
-            ));
-        }
-        if self.local_world_size == 0 || self.local_world_size > self.world_size {
-            return bad(format!(
-                "local world size {} is not in 1..={}",
-                self.local_world_size, self.world_size
-            ));
-        }
-        if self.local_rank >= self.local_world_size {
-            return bad(format!(
-                "local rank {} is not below the local world size {}",
-                self.local_rank, self.local_world_size
-            ));
-        }
-        if self.master_addr.is_empty() {
-            return bad("the master address is empty".to_owned());
-        }
-        if self.master_port == 0 {
-            return bad("the master port is 0".to_owned());
-        }
-        if self.job_token.len() > MAX_TOKEN_LEN {
-            return bad(format!(
-                "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
-                self.job_token.len()
-            ));
-        }
-        Ok(())
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.
@@ -492,141 +461,83 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
     Err(format!("lists fewer nodes than node index {node} needs"))
 }
 
-/// One piece of a host pattern: literal text, or a bracketed set of numeric ranges.
-#[derive(Debug)]
-enum Piece {
-    Text(String),
-    /// Ranges `(low, high, width)`; `width` is the zero-padded width of `low`.
-    Ranges(Vec<(u64, u64, usize)>),
-}
-
-/// Splits a host list at the commas outside brackets.
-fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
-    let mut items = Vec::new();
-    let mut depth = 0usize;
-    let mut start = 0;
-    for (i, c) in list.char_indices() {
-        match c {
-            '[' if depth == 0 => depth = 1,
-            '[' => return Err("nested brackets".to_owned()),
-            ']' if depth == 1 => depth = 0,
-            ']' => return Err("unbalanced ']'".to_owned()),
-            ',' if depth == 0 => {
-                items.push(&list[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    if depth != 0 {
-        return Err("unbalanced '['".to_owned());
-    }
-    items.push(&list[start..]);
-    if items.iter().any(|item| item.trim().is_empty()) {
-        return Err("empty host name".to_owned());
-    }
-    Ok(items)
-}
-
-fn parse_pattern(item: &str) -> Result<Vec<Piece>, String> {
-    let mut pieces = Vec::new();
-    let mut rest = item.trim();
-    while !rest.is_empty() {
-        match rest.find('[') {
-            None => {
-                pieces.push(Piece::Text(rest.to_owned()));
-                break;
-            }
-            Some(open) => {
-                if open > 0 {
-                    pieces.push(Piece::Text(rest[..open].to_owned()));
-                }
-                let close = rest[open..]
-                    .find(']')
-                    .map(|c| open + c)
-                    .ok_or_else(|| "unbalanced '['".to_owned())?;
-                let mut ranges = Vec::new();
-                for part in rest[open + 1..close].split(',') {
-                    let part = part.trim();
-                    let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-                    let num = |s: &str| {
-                        if s.is_empty() || s.len() > 18 || !s.bytes().all(|b| b.is_ascii_digit()) {
-                            Err(format!("malformed range {part:?} in {item:?}"))
-                        } else {
-                            s.parse::<u64>().map_err(|e| e.to_string())
-                        }
-                    };
-                    let (l, h) = (num(lo)?, num(hi)?);
-                    if l > h {
-                        return Err(format!("descending range {part:?} in {item:?}"));
-                    }
-                    ranges.push((l, h, lo.len()));
-                }
-                pieces.push(Piece::Ranges(ranges));
-                rest = &rest[close + 1..];
-            }
-        }
-    }
-    Ok(pieces)
-}
-
 /// Expands a Slurm host list such as `gpu[01-04,07],login1` (into `gpu01`, `gpu02`, `gpu03`,
 /// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
 /// product), keeping zero padding. At most 65536 hosts; a malformed list is
 /// [`RendezvousError::InvalidArgument`].
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
-    expand(list).map_err(|reason| RendezvousError::InvalidArgument {
+    hosts(list, false).map_err(|reason| RendezvousError::InvalidArgument {
         reason: format!("host list {list:?}: {reason}"),
     })
 }
 
-fn expand(list: &str) -> Result<Vec<String>, String> {
-    let mut hosts = Vec::new();
-    for item in split_top_level(list)? {
-        let mut expanded = vec![String::new()];
-        for piece in parse_pattern(item)? {
-            match piece {
-                Piece::Text(t) => expanded.iter_mut().for_each(|h| h.push_str(&t)),
-                Piece::Ranges(ranges) => {
-                    let count: u64 = ranges.iter().map(|(l, h, _)| h - l + 1).sum();
-                    let total = u64::try_from(expanded.len())
-                        .unwrap_or(u64::MAX)
-                        .saturating_mul(count)
-                        .saturating_add(u64::try_from(hosts.len()).unwrap_or(u64::MAX));
-                    if total > MAX_HOSTS as u64 {
-                        return Err(format!("expands to more than {MAX_HOSTS} hosts"));
-                    }
-                    let mut next = Vec::new();
-                    for prefix in &expanded {
-                        for &(l, h, width) in &ranges {
-                            for n in l..=h {
-                                next.push(format!("{prefix}{n:0width$}"));
-                            }
-                        }
-                    }
-                    expanded = next;
-                }
-            }
-        }
-        hosts.extend(expanded);
-    }
-    Ok(hosts)
-}
-
 /// The first host of a Slurm host list, without expanding the rest.
 pub(crate) fn first_host(list: &str) -> Result<String, String> {
-    let items = split_top_level(list)?;
-    let mut host = String::new();
-    for piece in parse_pattern(items[0])? {
-        match piece {
-            Piece::Text(t) => host.push_str(&t),
-            Piece::Ranges(ranges) => {
-                let (l, _, width) = ranges[0];
-                host.push_str(&format!("{l:0width$}"));
+    Ok(hosts(list, true)?.remove(0))
+}
+
+/// The hosts of `list` (only the first with `first_only`).
+fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in list.char_indices().chain([(list.len(), ',')]) {
+        match c {
+            '[' if depth == 0 => depth = 1,
+            ']' if depth == 1 => depth = 0,
+            '[' | ']' => return Err("unbalanced or nested brackets".into()),
+            ',' if depth == 0 => {
+                let item = list[start..i].trim();
+                if item.is_empty() {
+                    return Err("empty host name".into());
+                }
+                expand_item(String::new(), item, first_only, &mut out)?;
+                if first_only {
+                    return Ok(out);
+                }
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    match depth {
+        0 => Ok(out),
+        _ => Err("unbalanced '['".into()),
+    }
+}
+
+/// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
+fn expand_item(
+    prefix: String,
+    rest: &str,
+    first: bool,
+    out: &mut Vec<String>,
+) -> Result<(), String> {
+    let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
+        if out.len() >= MAX_HOSTS {
+            return Err(format!("expands to more than {MAX_HOSTS} hosts"));
+        }
+        out.push(prefix + rest);
+        return Ok(());
+    };
+    for part in rest[open + 1..close].split(',').map(str::trim) {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let num = |s: &str| {
+            let digits = !s.is_empty() && s.len() <= 18 && s.bytes().all(|b| b.is_ascii_digit());
+            let n = s.parse::<u64>().ok().filter(|_| digits);
+            n.ok_or_else(|| format!("malformed range {part:?} in {rest:?}"))
+        };
+        let (l, h) = (num(lo)?, num(hi)?);
+        if l > h {
+            return Err(format!("descending range {part:?} in {rest:?}"));
+        }
+        for n in l..=h {
+            let host = format!("{prefix}{}{n:0w$}", &rest[..open], w = lo.len());
+            expand_item(host, &rest[close + 1..], first, out)?;
+            if first {
+                return Ok(());
             }
         }
     }
-    Ok(host)
+    Ok(())
 }
 
 fn read_trimmed(path: &str) -> Option<String> {

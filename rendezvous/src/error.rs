@@ -1,6 +1,5 @@
 //! The rendezvous module's error type.
 
-use std::fmt::Write as _;
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,9 +10,10 @@ pub type Result<T, E = RendezvousError> = std::result::Result<T, E>;
 /// Everything that can go wrong while processes of a job find each other and exchange bytes.
 ///
 /// Each variant carries what was being done or waited for, and the addresses, ranks and
-/// variables involved. Errors that the store server reports ([`RendezvousError::WorldSizeMismatch`],
-/// [`RendezvousError::DuplicateRank`], [`RendezvousError::Timeout`],
-/// [`RendezvousError::JobFailed`], ...) travel over the wire and arrive as the same variant.
+/// variables involved. The refusals that gpucast's store proves
+/// ([`RendezvousError::WorldSizeMismatch`], [`RendezvousError::DuplicateRank`],
+/// [`RendezvousError::JobFailed`], ...) and the failures ranks leave in a store arrive as the
+/// same variant.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RendezvousError {
@@ -84,7 +84,7 @@ pub enum RendezvousError {
         /// The OS error (`UnexpectedEof` when the other end closed the connection).
         source: io::Error,
     },
-    /// The other end sent bytes that are not a valid frame or message.
+    /// The other end sent bytes that are not a valid message of the protocol.
     #[error("rendezvous protocol error with {peer}: {reason}")]
     Protocol {
         /// The other end of the connection.
@@ -271,23 +271,14 @@ fn last_error_text(e: &Option<io::Error>) -> String {
     }
 }
 
-/// How many ranks a message lists before it abbreviates.
-const LISTED_RANKS: usize = 32;
-
-/// `[2, 5]`, or the first ranks and a count when there are many.
-pub(crate) fn rank_list(ranks: &[usize]) -> String {
-    let mut s = String::from("[");
-    for (i, r) in ranks.iter().take(LISTED_RANKS).enumerate() {
-        if i > 0 {
-            s.push_str(", ");
-        }
-        let _ = write!(s, "{r}");
-    }
-    if ranks.len() > LISTED_RANKS {
-        let _ = write!(s, ", ... ({} in all)", ranks.len());
-    }
-    s.push(']');
-    s
+/// `[2, 5]`, or the first 32 ranks and a count when there are more.
+fn rank_list(ranks: &[usize]) -> String {
+    let listed: Vec<String> = ranks.iter().take(32).map(ToString::to_string).collect();
+    let more = match ranks.len() {
+        n if n > 32 => format!(", ... ({n} in all)"),
+        _ => String::new(),
+    };
+    format!("[{}{more}]", listed.join(", "))
 }
 
 fn missing_text(missing: &[usize]) -> String {

@@ -9,12 +9,10 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info};
 
-use super::auth;
-use super::client::StoreClient;
 use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
 use super::server::{ServerOptions, StoreServer};
-use super::torch::TorchSession;
+use super::session::Session;
 
 /// How long a rank waits for the store to accept its abort after a local failure.
 const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
@@ -44,7 +42,13 @@ pub trait Exchange {
 
     /// `bytes` of rank `root`, on every rank (other ranks' `bytes` are ignored).
     fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
-        check_root(root, self.world_size())?;
+        if root >= self.world_size() {
+            let reason = format!(
+                "broadcast root {root} is out of range for {} ranks",
+                self.world_size()
+            );
+            return Err(RendezvousError::InvalidArgument { reason });
+        }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
         let got = all.len();
@@ -54,15 +58,6 @@ pub trait Exchange {
                 reason: format!("{got} entries, none for root {root}"),
             })
     }
-}
-
-fn check_root(root: usize, world_size: usize) -> Result<()> {
-    if root >= world_size {
-        return Err(RendezvousError::InvalidArgument {
-            reason: format!("broadcast root {root} is out of range for {world_size} ranks"),
-        });
-    }
-    Ok(())
 }
 
 /// An [`Exchange`] driven by a caller-supplied all-gather closure (MPI's `Allgatherv`, a
@@ -143,27 +138,12 @@ where
     }
 }
 
-/// How this rank reaches the others.
-enum Backend {
-    /// A job of one process.
-    Alone,
-    /// gpucast's own store.
-    Own(StoreClient),
-    /// torchrun's store.
-    Torch(Box<TorchSession>),
-}
-
-struct Session {
-    backend: Backend,
-    round: u64,
-}
-
 /// The processes of one job, connected through a store: gpucast's own, which rank 0 hosts
 /// ([`StoreKind::Own`]), or torchrun's ([`StoreKind::Torch`]).
 ///
 /// With its own store, rank 0 listens on the master port and every rank (rank 0 too) connects
 /// and proves the job token. Under torchrun every rank joins the agent's store as a client and
-/// no port is opened. All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
+/// no port is opened. Both speak the same protocol and run the same rounds. All collective calls ([`Rendezvous::all_gather`], [`Rendezvous::barrier`],
 /// [`Rendezvous::broadcast_from`]) are bounded by the timeout given to
 /// [`Rendezvous::connect`] (see [`Rendezvous::set_timeout`]). When a rank fails locally (a
 /// timeout, an oversize contribution), it aborts the job so that every other rank fails at
@@ -174,7 +154,8 @@ struct Session {
 pub struct Rendezvous {
     env: JobEnv,
     timeout: Duration,
-    session: Mutex<Session>,
+    /// The connection to the store (`None` for a job of one process), and the next round.
+    state: Mutex<(Option<Box<Session>>, u64)>,
     /// Declared last: dropped after rank 0's own connection.
     server: Option<StoreServer>,
 }
@@ -186,7 +167,7 @@ impl fmt::Debug for Rendezvous {
             .field("world_size", &self.env.world_size)
             .field("master", &self.env.master())
             .field("timeout", &self.timeout)
-            .field("server", &self.server)
+            .field("server", &self.server_addr())
             .finish_non_exhaustive()
     }
 }
@@ -224,19 +205,11 @@ fn host_store(env: &JobEnv) -> Result<StoreServer> {
     let candidates = listen_addrs(env);
     let last = candidates.len() - 1;
     for (i, addr) in candidates.into_iter().enumerate() {
-        let options = ServerOptions::new(env.world_size, env.job_token.clone());
+        let options = ServerOptions::new(env.world_size, &env.job_token);
         match StoreServer::bind(addr, options) {
             Ok(server) => {
                 if addr.ip().is_unspecified() {
                     debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
-                }
-                if let Some(reason) = auth::weakness(&env.job_token, env.token_source) {
-                    let exposure = if addr.ip().is_loopback() {
-                        format!("gpucast's rendezvous store listens on {addr}, which every user of this host can reach")
-                    } else {
-                        format!("gpucast's rendezvous store listens on {addr}, beyond this host")
-                    };
-                    auth::warn_weak_token(reason, &exposure);
                 }
                 return Ok(server);
             }
@@ -258,79 +231,6 @@ fn local_target(listening: SocketAddr) -> SocketAddr {
     SocketAddr::new(ip, listening.port())
 }
 
-/// Connects and says hello, reconnecting while the failure is on the connection (the store
-/// closed it, e.g. to make room, or reset it) or on what answered without proof (garbage, a
-/// "token refused", a "turned away", or a welcome it could not prove: not the job's store, or
-/// not yet) and time is left. When time runs out after such a
-/// failure, that failure is the error, not the last connect attempt.
-fn connect_and_hello(
-    host: &str,
-    port: u16,
-    env: &JobEnv,
-    deadline: Instant,
-) -> Result<StoreClient> {
-    let mut backoff = Duration::from_millis(5);
-    let mut last: Option<RendezvousError> = None;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let mut client = match StoreClient::connect(host, port, left) {
-            Ok(c) => c,
-            Err(e @ RendezvousError::ConnectTimeout { .. }) => return Err(last.unwrap_or(e)),
-            Err(e) => return Err(e),
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        match client.hello(env.rank, env.world_size, &env.job_token, left) {
-            Ok(()) => return Ok(client),
-            Err(
-                e @ (RendezvousError::Io { .. }
-                | RendezvousError::Protocol { .. }
-                | RendezvousError::StoreNotAuthentic { .. }
-                | RendezvousError::JobTokenMismatch { .. }
-                | RendezvousError::Crowded { .. }),
-            ) => {
-                // An answer nobody proved, or none: try again. A closed connection says less
-                // than a reason given before it, which stays the one reported.
-                let named = matches!(
-                    last,
-                    Some(
-                        RendezvousError::Crowded { .. } | RendezvousError::JobTokenMismatch { .. }
-                    )
-                );
-                let e = match last.take() {
-                    Some(earlier) if named && matches!(e, RendezvousError::Io { .. }) => earlier,
-                    _ => e,
-                };
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(e);
-                }
-                debug!(error = %e, "rendezvous: hello failed, reconnecting");
-                last = Some(e);
-                thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(250));
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// After a local failure, tells the store so that every rank fails now. Best effort.
-fn abort_after(backend: &mut Backend, rank: usize, e: &RendezvousError) {
-    match backend {
-        Backend::Alone => {}
-        Backend::Own(client) => {
-            if !e.is_worth_an_abort() {
-                return;
-            }
-            let reason = e.to_string();
-            if let Err(abort_err) = client.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
-                debug!(rank, error = %abort_err, "rendezvous: abort not delivered");
-            }
-        }
-        Backend::Torch(session) => session.abort_after(e),
-    }
-}
-
 impl Rendezvous {
     /// Finds the other processes of the job described by `env`, within `timeout`.
     ///
@@ -338,9 +238,10 @@ impl Rendezvous {
     /// `MASTER_ADDR` itself when that is a loopback address and the job has one node, else on
     /// the address `MASTER_ADDR` resolves to here, or on every interface when it resolves to
     /// no address of this host. Every rank connects (retrying until the deadline, since rank 0
-    /// may start last), proves the job token, checks the store's proof, and waits until all
-    /// `world_size` ranks have joined. Under torchrun ([`StoreKind::Torch`]) every rank joins
-    /// the agent's store instead and runs the same steps there, with sealed values. A token
+    /// may start last), proves the job token and checks the store's proof. Under torchrun
+    /// ([`StoreKind::Torch`]) every rank joins the agent's store instead. Then, in either
+    /// store, by the same code, every rank waits until all `world_size` ranks have put their
+    /// sealed nonce there and confirmed the session they make. A token
     /// that does not look random (empty, torchrun's run id, Slurm's job id, under 128 bits
     /// for its length and alphabet, repetitive) is said once, by rank 0 on standard error, on
     /// loopback too, with how to set a secret one. An answer nobody proved ("token refused",
@@ -362,30 +263,18 @@ impl Rendezvous {
         env.validate()?;
         let start = Instant::now();
         let deadline = super::later(timeout);
-        let rendezvous = |backend, server| Self {
+        let rendezvous = |session, server| Self {
             env: env.clone(),
             timeout,
-            session: Mutex::new(Session { backend, round: 0 }),
+            state: Mutex::new((session, 0)),
             server,
         };
         if env.world_size == 1 {
-            return Ok(rendezvous(Backend::Alone, None));
+            return Ok(rendezvous(None, None));
         }
-        if let StoreKind::Torch { .. } = env.store {
-            let session = TorchSession::join(env, deadline)?;
-            info!(
-                rank = env.rank,
-                world_size = env.world_size,
-                master = %env.master(),
-                elapsed = ?start.elapsed(),
-                "rendezvous complete (torchrun's store)"
-            );
-            return Ok(rendezvous(Backend::Torch(Box::new(session)), None));
-        }
-        let server = if env.rank == 0 {
-            Some(host_store(env)?)
-        } else {
-            None
+        let server = match env.store {
+            StoreKind::Own if env.rank == 0 => Some(host_store(env)?),
+            _ => None,
         };
         let (host, port) = match &server {
             Some(s) => (
@@ -394,27 +283,10 @@ impl Rendezvous {
             ),
             None => (env.master_addr.clone(), env.master_port),
         };
-        let joined = connect_and_hello(&host, port, env, deadline).and_then(|mut client| {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match client.wait_all(left) {
-                Ok(()) => Ok(client),
-                Err(e) => {
-                    let mut backend = Backend::Own(client);
-                    abort_after(&mut backend, env.rank, &e);
-                    Err(e)
-                }
-            }
-        });
-        match joined {
-            Ok(client) => {
-                info!(
-                    rank = env.rank,
-                    world_size = env.world_size,
-                    master = %env.master(),
-                    elapsed = ?start.elapsed(),
-                    "rendezvous complete"
-                );
-                Ok(rendezvous(Backend::Own(client), server))
+        match Session::join(env, &host, port, deadline) {
+            Ok(session) => {
+                info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
+                Ok(rendezvous(Some(Box::new(session)), server))
             }
             Err(e) => {
                 if let Some(server) = &server {
@@ -446,18 +318,13 @@ impl Rendezvous {
             .spawn(move || {
                 let deadline = super::later(within);
                 let told = match env.store {
-                    StoreKind::Torch { .. } => TorchSession::join(&env, deadline)
-                        .and_then(|mut s| s.abort(&reason, &[], ABORT_TIMEOUT)),
                     StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
                         server.fail_with(reason, Vec::new());
                         server.mark_told(0);
                         server.linger_until_told(deadline);
                     }),
-                    StoreKind::Own => {
-                        let (host, port) = (env.master_addr.clone(), env.master_port);
-                        connect_and_hello(&host, port, &env, deadline)
-                            .and_then(|mut c| c.abort(&reason, &[], ABORT_TIMEOUT))
-                    }
+                    _ => Session::join(&env, &env.master_addr, env.master_port, deadline)
+                        .and_then(|mut s| s.abort(&reason, &[], ABORT_TIMEOUT)),
                 };
                 if let Err(e) = told {
                     debug!(rank = env.rank, error = %e, "rendezvous: the other ranks were not told of this rank's failure");
@@ -498,24 +365,24 @@ impl Rendezvous {
         self.server.as_ref().map(StoreServer::local_addr)
     }
 
-    fn session(&self) -> MutexGuard<'_, Session> {
-        self.session.lock().unwrap_or_else(PoisonError::into_inner)
+    fn state(&self) -> MutexGuard<'_, (Option<Box<Session>>, u64)> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
     /// same sequence of collective calls. Contributions are limited to
-    /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`].
+    /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`]. When this
+    /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
     pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let mut session = self.session();
-        let round = session.round;
-        session.round += 1;
-        let result = match &mut session.backend {
-            Backend::Alone => return Ok(vec![mine.to_vec()]),
-            Backend::Own(client) => client.all_gather(round, mine, self.timeout),
-            Backend::Torch(torch) => torch.all_gather(round, mine, self.timeout),
+        let mut state = self.state();
+        let round = state.1;
+        state.1 += 1;
+        let Some(session) = &mut state.0 else {
+            return Ok(vec![mine.to_vec()]);
         };
+        let result = session.all_gather(round, mine, self.timeout);
         if let Err(e) = &result {
-            abort_after(&mut session.backend, self.env.rank, e);
+            session.abort_after(e);
         }
         result
     }
@@ -533,11 +400,9 @@ impl Rendezvous {
     /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
-        let mut session = self.session();
-        match &mut session.backend {
-            Backend::Alone => Ok(()),
-            Backend::Own(client) => client.abort(reason, &[], self.timeout),
-            Backend::Torch(torch) => torch.abort(reason, &[], self.timeout),
+        match &mut self.state().0 {
+            None => Ok(()),
+            Some(session) => session.abort(reason, &[], self.timeout),
         }
     }
 }
@@ -577,7 +442,15 @@ mod tests {
         env.job_token = "a token of the crowded job, long enough".into();
         let started = Instant::now();
         let deadline = Instant::now() + Duration::from_millis(700);
-        let e = connect_and_hello("127.0.0.1", port, &env, deadline).unwrap_err();
+        let key = crate::auth::Key::of(&env.job_token);
+        let admission = crate::store::Admission {
+            key: &key,
+            rank: 1,
+            world_size: 2,
+        };
+        let e = crate::store::Store::connect("127.0.0.1", port, Some(admission), deadline)
+            .err()
+            .unwrap();
         assert!(
             started.elapsed() >= Duration::from_millis(600),
             "gave up early"
@@ -656,7 +529,7 @@ mod tests {
         fn send_sync<T: Send + Sync>() {}
         send_sync::<Rendezvous>();
         send_sync::<StoreServer>();
-        send_sync::<StoreClient>();
+        send_sync::<crate::store::Store>();
         send_sync::<RendezvousError>();
     }
 

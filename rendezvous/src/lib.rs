@@ -7,7 +7,7 @@
 //!   arrived; then [`Rendezvous::all_gather`], [`Rendezvous::barrier`] and
 //!   [`Rendezvous::broadcast_from`]. The ranks meet through gpucast's own TCP store, which
 //!   rank 0 hosts, or, under torchrun, through the agent's own store as clients (no port of
-//!   gpucast's is opened; see [`StoreKind`]).
+//!   gpucast's is opened; see [`StoreKind`]), by one protocol and one code path.
 //! - [`Exchange`] is what the rest of gpucast needs; [`FnExchange`] lets MPI or a framework's
 //!   process group provide it instead.
 //! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
@@ -32,29 +32,34 @@
 //! # Who gets in
 //!
 //! The job token ([`JobEnv::job_token`], from `GPUCAST_JOB_TOKEN`) is the job's secret. It
-//! never leaves the process: not in a frame, a log line, an error or a `Debug` form.
+//! never leaves the process: not in a message, a log line, an error or a `Debug` form.
 //!
 //! - Every process derives a key from the token once: PBKDF2-HMAC-SHA256 with 2^17 rounds
 //!   (why not scrypt or Argon2: see below). gpucast's store sends every new connection a fresh
 //!   random nonce; the HELLO must carry HMAC-SHA256(key, both nonces, rank, world size),
 //!   checked in constant time, and the store answers with its own proof over the same nonces,
-//!   for a welcome and for a refusal alike. A process without the token registers nothing; a
-//!   recorded HELLO is useless on any other connection; a process that took the port first can
-//!   pass neither as the store nor for its refusals: a rank takes any answer nobody proved
-//!   ("token refused" and "turned away" included) as a reason to try again until its deadline,
-//!   then names the last one.
-//! - Until a HELLO is proven, a connection may send one frame of at most a HELLO's size,
-//!   within one deadline for the whole handshake (10 s). At most 1,024 such connections are
-//!   kept, at most 128 from one address, and none is closed to make room before it is 500 ms
-//!   old: a newcomer evicts an older one of its own address or, the store being full, of the
-//!   address holding the most (when that is at least two more than its own), else it is
-//!   turned away with an error that says why ([`RendezvousError::Crowded`]). Strangers that
-//!   connect, idle, dribble or reconnect, and floods from other addresses, cost a rank at most
-//!   a retried connection; a flood from the rank's own address, or from so many addresses
-//!   that each holds one place, can delay it.
-//! - Under torchrun, whose store admits anyone who reaches its port, every value gpucast puts
-//!   there carries HMAC-SHA256 under a key derived from the token, over the value and its
-//!   rank, round and instance and, after a first round of fresh nonces and a round that
+//!   for a welcome and for a refusal alike. A process without the token registers nothing and
+//!   sends the store no command; a recorded HELLO is useless on any other connection; a process
+//!   that took the port first can pass neither as the store nor for its refusals: a rank takes
+//!   any answer nobody proved ("token refused" and "turned away" included) as a reason to try
+//!   again until its deadline, then names the last one.
+//! - Until a HELLO is proven, a connection may send nothing but that one HELLO (82 bytes),
+//!   within one deadline for the whole handshake (10 s); anything else closes it. At most
+//!   1,024 such connections are kept, at most 128 from one address, and none is closed to make
+//!   room before it is 500 ms old: a newcomer evicts an older one of its own address or, the
+//!   store being full, of the address holding the most (when that is at least two more than
+//!   its own), else it is turned away with a message that says why
+//!   ([`RendezvousError::Crowded`]). Strangers that connect, idle, dribble or reconnect, and
+//!   floods from other addresses, cost a rank at most a retried connection; a flood from the
+//!   rank's own address, or from so many addresses that each holds one place, can delay it.
+//! - A proven rank gets bounded room: keys of at most 1 KiB, values of at most a sealed
+//!   contribution, 64 keys and four values' bytes per connection, [`MAX_STORE_BYTES`] in all,
+//!   CHECKs of at most a key per rank and one more. A proven connection that sends anything
+//!   else (an unknown command, an oversize key or value, a GET of a missing key, more than its
+//!   share) is closed before the store reads or allocates what it announced.
+//! - Every value a rank puts in a store, gpucast's or torchrun's (which admits anyone who
+//!   reaches its port), carries HMAC-SHA256 under a key derived from the token, over the value
+//!   and its rank, round and instance and, after a first round of fresh nonces and a round that
 //!   confirms them, the session id they make: a value written by a process without the token
 //!   is refused ([`RendezvousError::Forged`]), and one recorded in an earlier launch can at
 //!   most keep a rank's place empty until the timeout, never stand for it. Values are not
@@ -85,70 +90,69 @@
 //!
 //! Every wait is bounded. While the job forms, a proven HELLO with a world size other than rank
 //! 0's, a rank out of range or a rank claimed twice *fails the job* (two processes of one
-//! launch disagree): the store answers every pending and later request of every rank with
-//! [`RendezvousError::JobFailed`] and the reason, so no rank waits out its timeout. Once every
-//! rank has joined, such a claim is refused and the job goes on. A rank that aborts (any local
-//! failure, including its own timeout), or disconnects before contributing to an all-gather
-//! that others wait on, fails the job too. A timeout names the missing ranks.
+//! launch disagree); once every rank has joined, such a claim is refused and the job goes on.
+//! A rank that aborts (any local failure, including its own timeout) fails the job, and so does
+//! a rank whose connection to gpucast's store closes after it wrote there. Every other rank
+//! then fails with [`RendezvousError::JobFailed`] and the reason at its next look at the store,
+//! instead of waiting out its timeout. A timeout names the missing ranks.
 //!
-//! # Wire format of gpucast's store (version 3)
+//! # The protocol
 //!
-//! Every message is a frame: a 12-byte header, then the payload. Integers are little-endian.
+//! One protocol, spoken by one client: the subset of PyTorch's c10d `TCPStore` protocol that
+//! gpucast needs, against torchrun's agent store and gpucast's own store (which rank 0 hosts)
+//! alike. Integers are little-endian; strings and byte strings are a u64 length and the bytes.
+//! The client first sends VALIDATE (query type 0, the u32 `0x3C85F7CE`), then requests: SET (1:
+//! key, value; no reply), GET (3: key; reply: value), ADD (4: key, i64; reply: the sum, i64),
+//! CHECK (5: a u64 count of keys, the keys; reply: a byte, 0 when all exist, 1 when not),
+//! DELETE_KEY (8: key; reply: i64).
 //!
-//! | bytes | field |
-//! |---|---|
-//! | 0..4 | magic `GCRV` |
-//! | 4 | version, 3 |
-//! | 5 | op |
-//! | 6..8 | reserved, zero |
-//! | 8..12 | payload length (u32) |
+//! On gpucast's own store an admission handshake comes first. Its messages are a 10-byte
+//! header (magic `GCRV`, version 4, kind, u32 body length) and the body:
 //!
-//! The store speaks first: CHALLENGE (0x84, its 32-byte nonce). Then requests (client to
-//! server), one reply each; the first is HELLO:
-//!
-//! | op | name | payload |
+//! | kind | from | body |
 //! |---|---|---|
-//! | 0x01 | HELLO | rank u32, world size u32, client nonce (32 bytes), proof (32 bytes) |
-//! | 0x02 | WAIT_ALL | timeout ms u32 |
-//! | 0x05 | GATHER | round u64 (0, 1, 2, ... in order), timeout ms u32, value (rest) |
-//! | 0x06 | ABORT | missing-rank count u32, ranks u32 each, reason (rest, UTF-8) |
+//! | `C` challenge | store, unasked | its nonce (32 bytes) |
+//! | `H` hello | rank | rank u32, world size u32, its nonce (32 bytes), proof (32 bytes) |
+//! | `W` welcome | store | its proof (32 bytes) |
+//! | `R` refused | store | the refusal, then its proof over it (32 bytes) |
+//! | `T` token refused | store, unproven | empty |
+//! | `B` turned away | store, unproven | the reason (UTF-8) |
 //!
-//! Replies: 0x80 OK (after HELLO: the store's 32-byte proof; else empty), 0x82 GATHERED (count
-//! u32, then per rank a length u32 and the bytes), 0x83 ERROR (code u8, count u32 and that many
-//! u64 numbers, count u16 and that many strings of u32 length + UTF-8). Error codes: 1
-//! world-size mismatch `[rank, client, server]`, 2 rank out of range `[rank, world]`, 3
-//! duplicate rank `[rank]` + detail, 4 token refused (nothing else), 5 timeout `[ms,
-//! missing...]` + what, 6 job failed `[missing...]` + reason, 7 rejected + reason, 8 too large
-//! `[len, max]` + what, 9 protocol + reason, 10 crowded + reason. Proofs are HMAC-SHA256 keyed by the token's key over a
-//! label (`gpucast rendezvous v3: hello`, `...: welcome` or `...: refusal`) and the
-//! length-prefixed server nonce, client nonce, rank, world size and, for a refusal, the error
-//! payload. The ERROR that answers a proven HELLO carries the store's refusal proof after the
-//! error; any other ERROR during the handshake is unproven: code 4 (the refusal of the client's
-//! proof, which the store cannot prove to a process whose token differs) and code 10 (turned
-//! away: no room among unproven connections, reason as a string, sent instead of the challenge
-//! or before an eviction) make the client try again until its deadline; any other makes it
-//! call the store not authentic (and try again too). The key is PBKDF2-HMAC-SHA256 of the
-//! token, salt `gpucast rendezvous v3: job token`, 2^17 rounds, 32 bytes.
+//! A refusal is a code (1 world-size mismatch `[rank, client, server]`, 2 rank out of range
+//! `[rank, world]`, 3 duplicate rank `[rank]` + detail, 4 job failed `[missing...]` + reason, 5
+//! rejected + reason), a u32 count of u64 numbers, the numbers, then UTF-8 text. Proofs are
+//! HMAC-SHA256 keyed by the token's key over a label (`gpucast rendezvous v4: hello`, `...:
+//! welcome` or `...: refusal`) and the length-prefixed store's nonce, rank's nonce, rank and
+//! world size (8 bytes) and, for a refusal, the refusal. The key is PBKDF2-HMAC-SHA256 of the
+//! token, salt `gpucast rendezvous v3: job token`, 2^17 rounds, 32 bytes. A rank takes only
+//! `C` first and only `W` or `R` with a proof that holds for an answer; every store message it
+//! reads before that is at most 64 KiB, all of it within a second past the rank's deadline.
 //!
-//! A bad magic closes the connection silently; a bad version, non-zero reserved bytes or an
-//! oversize length closes it after an ERROR reply. The length is checked before any payload
-//! memory is taken, and payload buffers grow only as bytes arrive.
+//! The rounds of a rendezvous, on either store, under the prefix `/worker/attempt_<restart>`
+//! (torchrun's) or `/gpucast-own`: each rank adds 1 to `.../gpucast/instance/<rank>`, which
+//! numbers this rendezvous of the launch; then rounds `hello`, `confirm`, `0`, `1`, ...: each
+//! rank SETs `.../gpucast/<instance>/<round>/<rank>` (its value, then HMAC-SHA256 of it under a
+//! key derived from the token and prefix, over the round's label, the session id once there is
+//! one, the instance, the round and the rank) and ADDs 1 to `.../<round>/count`; a rank waits
+//! by reading that counter, then CHECKs the round's keys, and GETs each. Rank 0 deletes a round
+//! once every rank is past it. An abort is `.../<instance>/abort-hello` or `.../abort` in
+//! torchrun's store (sealed: the sender, its nonce, the failure as a refusal); gpucast's own
+//! store keeps the job's failure itself under `/gpucast/failed` (a refusal, code 4), which the
+//! store sets and a rank that aborts sets too, and from then on takes no writes.
 //!
 //! # Limits
 //!
 //! All-gather contributions [`MAX_VALUE_LEN`] bytes, a whole round [`MAX_GATHER_BYTES`], all
-//! the store holds [`MAX_STORE_BYTES`] (each rank takes the rounds in order, so at most two are
-//! alive; a failed job frees them), job tokens [`MAX_TOKEN_LEN`], world size
+//! gpucast's store holds [`MAX_STORE_BYTES`], job tokens [`MAX_TOKEN_LEN`], world size
 //! [`MAX_WORLD_SIZE`].
 
 mod auth;
-mod client;
 mod env;
 mod error;
 mod exchange;
 mod server;
-mod torch;
-mod wire;
+mod session;
+mod store;
 
 use std::time::Duration;
 
@@ -171,17 +175,6 @@ pub const MAX_TOKEN_LEN: usize = 256;
 /// Largest world size.
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
 
-/// Connections not yet proven that the store keeps at once.
-const DEFAULT_MAX_PENDING: usize = 1024;
-/// Connections not yet proven that the store keeps at once from one address.
-const DEFAULT_MAX_PENDING_PER_ADDR: usize = 128;
-/// Age below which a connection not yet proven is never closed to make room.
-const DEFAULT_PENDING_FLOOR: Duration = Duration::from_millis(500);
-/// Default time a new connection has to complete its HELLO.
-const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time to finish reading a started frame or writing a reply.
-const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// `timeout` from now, or far in the future when that is beyond what an `Instant` holds (a
 /// caller may pass `Duration::MAX` for "no limit").
 pub(crate) fn later(timeout: Duration) -> std::time::Instant {
@@ -193,7 +186,6 @@ pub(crate) fn later(timeout: Duration) -> std::time::Instant {
 
 /// Lets the first few of a kind of event be logged, then one in 1024, so that strangers who
 /// make the same mistake (or attack) many times cannot flood the log.
-#[derive(Default)]
 pub(crate) struct Throttle(std::sync::atomic::AtomicU64);
 
 impl Throttle {

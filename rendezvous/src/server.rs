@@ -1,21 +1,29 @@
-//! The store that rank 0 hosts: admission (a challenge, then a proof of the job token), then
-//! all-gather rounds and aborts among the job's ranks.
+//! gpucast's own store, which rank 0 hosts: admission (a challenge, then a proof of the job
+//! token), then the c10d store commands of [`super::store`] for proven ranks only.
 //!
 //! Admission is built so that nobody outside the job costs the job anything: a connection that
-//! has not proven the token may send one small frame (a HELLO) within one deadline for the
+//! has not proven the token may send one HELLO (a fixed 82 bytes) within one deadline for the
 //! whole handshake. At most [`ServerOptions::max_pending`] such connections are kept, at most
 //! [`ServerOptions::max_pending_per_addr`] of them from one address, and none is closed to make
 //! room before it is [`ServerOptions::pending_floor`] old: a newcomer finds room by evicting an
 //! older one of its own address, or, when the store is full, of the address that holds the most
-//! (when that is at least two more than the newcomer's), else it is turned away with an error
+//! (when that is at least two more than the newcomer's), else it is turned away with a message
 //! that says so. So a flood from other addresses never takes a rank's place, and a rank, once
-//! admitted, has the floor's time to prove the token. Only proven ranks can make the store hold
-//! data, in rounds that each rank takes in order, so at most two rounds are ever alive.
+//! admitted, has the floor's time to prove the token.
+//!
+//! Only proven ranks make the store hold data, within limits: keys of [`MAX_KEY_LEN`] bytes,
+//! values of a sealed contribution, [`CONN_KEYS`] keys and [`CONN_BYTES`] bytes per connection,
+//! [`MAX_STORE_BYTES`] in all, CHECKs of at most a key per rank and one more. A proven
+//! connection that sends anything else (an unknown command, an oversize key or value, a GET of
+//! a missing key, more than its share) is closed, and a rank whose connection closes after it
+//! wrote fails the job. The job's failure is a key of the store ([`FAILED_KEY`]): set by the
+//! store (a proven claim that two processes of one launch disagree, shutdown, a departed rank)
+//! or by a rank that aborts; from then on the store takes no more writes.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufWriter};
+use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -23,33 +31,38 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use super::auth::{self, Handshake, Purpose};
-use super::error::{rank_list, RendezvousError, Result};
-use super::wire::{self, op, Frame, FrameError, FrameTimes, Request};
-use super::wire::{HELLO_LEN, MAX_REQUEST_PAYLOAD};
-use super::{
-    Throttle, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IO_TIMEOUT, DEFAULT_MAX_PENDING,
-    DEFAULT_MAX_PENDING_PER_ADDR, DEFAULT_PENDING_FLOOR, MAX_GATHER_BYTES, MAX_STORE_BYTES,
-    MAX_TOKEN_LEN, MAX_WORLD_SIZE,
-};
+use super::auth::{self, Purpose, SEAL_OVERHEAD};
+use super::error::{clip, RendezvousError, Result};
+use super::session::{ABORT_RANKS, ABORT_REASON};
+use super::store::{decode_error, encode_error, kind, message, query, read_full, FAILED_KEY};
+use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
+use super::{Throttle, MAX_STORE_BYTES, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
-/// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag.
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
-/// How long a dropped server lets replies already decided (a completed round) go out before it
-/// closes every connection.
+/// Longest key the store takes.
+pub(crate) const MAX_KEY_LEN: usize = 1024;
+/// Longest value the store takes: a sealed contribution, with room to spare.
+const MAX_SET_VALUE: usize = MAX_VALUE_LEN + SEAL_OVERHEAD + 1024;
+/// Most keys one connection may have written and not seen deleted.
+pub(crate) const CONN_KEYS: usize = 64;
+/// Most bytes those may hold: four of the largest values (a rank has at most three rounds
+/// alive, as rank 0 deletes each round once every rank is past it).
+pub(crate) const CONN_BYTES: usize = 4 * (MAX_SET_VALUE + MAX_KEY_LEN);
+/// Bytes a key costs beyond its name and value.
+const ENTRY_BYTES: usize = 64;
+/// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag, in ms.
+const ACCEPT_POLL_MS: u16 = 20;
+/// How long a dropped server waits at most for its members to finish what they were reading.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-/// Stack of a connection thread (they hold little: frames live on the heap).
-const CONN_STACK: usize = 256 * 1024;
-/// Bytes a round costs beyond its contributions: its bookkeeping, per rank.
-const ROUND_BYTES_PER_RANK: usize = 32;
+/// Members quiet this long are done with the store.
+const QUIET: Duration = Duration::from_millis(100);
 
-/// Settings of a [`StoreServer`]. Its `Debug` form leaves the token out.
-#[derive(Clone)]
+/// Settings of a [`StoreServer`].
+#[derive(Clone, Debug)]
 pub(crate) struct ServerOptions {
     /// Number of ranks in the job.
     pub world_size: usize,
-    /// The job token every HELLO must prove.
-    pub job_token: String,
+    /// The key of the job token, which every HELLO must prove.
+    pub key: auth::Key,
     /// Most connections kept at once that have not proven the token. Default 1024.
     pub max_pending: usize,
     /// Most of them from one address. Default 128.
@@ -59,39 +72,21 @@ pub(crate) struct ServerOptions {
     pub pending_floor: Duration,
     /// How long a new connection has to complete its HELLO, all of it. Default 10 s.
     pub handshake_timeout: Duration,
-    /// Limit for reading the rest of a rank's frame once it has started, and for writing a
-    /// reply. Default 30 s.
+    /// Limit for each read and write of a proven rank's request and reply. Default 30 s.
     pub io_timeout: Duration,
-}
-
-impl std::fmt::Debug for ServerOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerOptions")
-            .field("world_size", &self.world_size)
-            .field(
-                "job_token",
-                &format_args!("<{} bytes, not shown>", self.job_token.len()),
-            )
-            .field("max_pending", &self.max_pending)
-            .field("max_pending_per_addr", &self.max_pending_per_addr)
-            .field("pending_floor", &self.pending_floor)
-            .field("handshake_timeout", &self.handshake_timeout)
-            .field("io_timeout", &self.io_timeout)
-            .finish()
-    }
 }
 
 impl ServerOptions {
     /// Defaults for a job of `world_size` ranks with token `job_token`.
-    pub(crate) fn new(world_size: usize, job_token: impl Into<String>) -> Self {
+    pub(crate) fn new(world_size: usize, job_token: &str) -> Self {
         Self {
             world_size,
-            job_token: job_token.into(),
-            max_pending: DEFAULT_MAX_PENDING,
-            max_pending_per_addr: DEFAULT_MAX_PENDING_PER_ADDR,
-            pending_floor: DEFAULT_PENDING_FLOOR,
-            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
-            io_timeout: DEFAULT_IO_TIMEOUT,
+            key: auth::Key::of(job_token),
+            max_pending: 1024,
+            max_pending_per_addr: 128,
+            pending_floor: Duration::from_millis(500),
+            handshake_timeout: Duration::from_secs(10),
+            io_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -101,99 +96,65 @@ impl ServerOptions {
 /// Every connection first gets a fresh nonce; its HELLO must carry a proof of the job token
 /// over that nonce (so a recorded HELLO is worth nothing) and gets the store's proof back. A
 /// wrong proof closes that connection only. Until every rank has joined, a proven HELLO with a
-/// wrong world size, a rank out of range or a rank claimed twice *fails the job* (two processes
-/// of one launch disagree); once the job has formed, such a claim is refused and the job goes
-/// on. Any rank can fail the job (ABORT); a rank that gives up waiting, or disconnects before
-/// contributing to a round that others wait on, fails it too. A failed job answers every
-/// pending and later request with [`RendezvousError::JobFailed`] and frees what it held.
+/// wrong world size, a rank out of range or a rank claimed twice *fails the job*; once the job
+/// has formed, such a claim is refused and the job goes on.
 ///
-/// Dropping the server stops it: no new connections, waiting requests are answered (with
-/// their result if it is ready, else with an error), then every connection is closed and every
-/// thread joined.
+/// Dropping the server fails the job ("shut down"), lets members finish what they read (at most
+/// [`SHUTDOWN_GRACE`]), then closes every connection and joins every thread.
 pub(crate) struct StoreServer {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<Vec<JoinHandle<()>>>>,
     local_addr: SocketAddr,
 }
 
-impl std::fmt::Debug for StoreServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreServer")
-            .field("local_addr", &self.local_addr)
-            .field("world_size", &self.shared.opts.world_size)
-            .finish_non_exhaustive()
-    }
-}
-
 struct Shared {
     opts: ServerOptions,
-    /// The key derived from the job token.
-    key: auth::Key,
     state: Mutex<State>,
     cond: Condvar,
     shutdown: AtomicBool,
-    /// Logging of strangers' failed proofs and late claims.
+    /// Logging of strangers' failed proofs and late claims, and of connections turned away.
     refused: Throttle,
-    /// Logging of connections turned away for want of room.
     crowded: Throttle,
 }
 
-#[derive(Clone)]
-struct Failure {
-    reason: String,
-    missing: Vec<usize>,
-}
-
-/// A connection that has not proven the token yet.
+/// A connection that has not proven the token yet, and a handle to close it by.
 struct Pending {
     id: u64,
     ip: IpAddr,
     since: Instant,
-    /// A handle to close it by.
     stream: TcpStream,
 }
 
 struct Member {
     conn: u64,
     peer: SocketAddr,
+    /// Whether it has written to the store (then it may not come again).
+    wrote: bool,
 }
 
 #[derive(Default)]
-struct Round {
-    values: Vec<Option<Vec<u8>>>,
-    count: usize,
-    /// Bytes this round holds, bookkeeping included (counted in `State::stored`).
-    bytes: usize,
-    done: Option<Arc<Vec<Vec<u8>>>>,
-    fetched: usize,
-}
-
 struct State {
     registered: Vec<Option<Member>>,
-    /// Every rank has said hello once.
-    complete: bool,
     /// Ranks that have learned of the failure (or can no longer be told: disconnected).
     told: Vec<bool>,
-    /// Ranks whose connection closed after HELLO.
-    departed: Vec<bool>,
-    failure: Option<Failure>,
-    /// The round each rank contributes to next: rounds go in order, so at most two are alive.
-    next_round: Vec<u64>,
-    rounds: HashMap<u64, Round>,
-    /// Bytes held in `rounds`.
+    /// Why the job failed, if it has, and the ranks it names as missing.
+    failure: Option<(String, Vec<usize>)>,
+    /// The keys: value, and the connection that wrote it.
+    keys: HashMap<Vec<u8>, (Vec<u8>, u64)>,
+    /// Bytes held in `keys`.
     stored: usize,
+    /// Keys and bytes each connection has written and not seen deleted.
+    usage: HashMap<u64, (usize, usize)>,
     /// Connections that have not proven the token yet, oldest first.
     pending: VecDeque<Pending>,
-    /// How many of them each address holds.
-    pending_per_addr: HashMap<IpAddr, usize>,
     /// Connections of proven ranks.
     members: HashMap<u64, TcpStream>,
-    /// Pending connections closed to make room for newer ones.
+    /// Pending connections closed to make room for newer ones, and newcomers turned away.
     evicted: u64,
-    /// Connections turned away for want of room.
     turned_away: u64,
-    /// Connections between reading a request and finishing its reply.
+    /// Connections in the middle of a request, and when the last one started.
     busy: usize,
+    last_request: Option<Instant>,
 }
 
 impl Shared {
@@ -213,44 +174,76 @@ impl Shared {
     }
 }
 
+fn entry_bytes(key: &[u8], value: &[u8]) -> usize {
+    key.len() + value.len() + ENTRY_BYTES
+}
+
 impl State {
-    /// Marks the job failed (the first reason wins), frees every round (no request can use
-    /// them any more) and wakes every waiter.
-    fn fail(&mut self, cond: &Condvar, reason: String, missing: Vec<usize>) {
+    /// Marks the job failed (the first reason wins): its failure becomes the value of
+    /// [`FAILED_KEY`], and the store takes no more writes.
+    fn fail(&mut self, cond: &Condvar, reason: &str, missing: &[usize], quiet: bool) {
         if self.failure.is_none() {
-            warn!(%reason, "rendezvous job failed");
-            self.failure = Some(Failure { reason, missing });
+            if quiet {
+                debug!(%reason, "rendezvous job ended");
+            } else {
+                warn!(%reason, "rendezvous job failed");
+            }
+            let reason = clip(reason, ABORT_REASON).to_owned();
+            let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
+            let value = encode_error(&RendezvousError::JobFailed {
+                reason: reason.clone(),
+                missing: missing.clone(),
+            });
+            self.stored += entry_bytes(FAILED_KEY.as_bytes(), &value);
+            let key = FAILED_KEY.as_bytes().to_vec();
+            self.keys.insert(key, (value, u64::MAX));
+            self.failure = Some((reason, missing));
         }
-        self.rounds.clear();
-        self.stored = 0;
         cond.notify_all();
     }
 
-    fn add_pending(&mut self, p: Pending) {
-        *self.pending_per_addr.entry(p.ip).or_insert(0) += 1;
-        self.pending.push_back(p);
+    /// Stores `value` under `key` for connection `conn`, within its share and the store's.
+    fn put(&mut self, conn: u64, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
+        self.remove(&key);
+        let bytes = entry_bytes(&key, &value);
+        let (keys, held) = self.usage.get(&conn).copied().unwrap_or_default();
+        if keys >= CONN_KEYS || held + bytes > CONN_BYTES || self.stored + bytes > MAX_STORE_BYTES {
+            return Err(format!(
+                "over its share ({CONN_KEYS} keys, {CONN_BYTES} bytes) or the store's"
+            ));
+        }
+        self.usage.insert(conn, (keys + 1, held + bytes));
+        self.stored += bytes;
+        self.keys.insert(key, (value, conn));
+        Ok(())
     }
 
-    /// Forgets pending connection `id`, if it is one, and returns it.
-    fn remove_pending(&mut self, id: u64) -> Option<Pending> {
-        let at = self.pending.iter().position(|p| p.id == id)?;
-        let p = self.pending.remove(at)?;
-        if let Some(n) = self.pending_per_addr.get_mut(&p.ip) {
-            *n -= 1;
-            if *n == 0 {
-                self.pending_per_addr.remove(&p.ip);
-            }
+    /// Deletes `key`, returning it to the share of the connection that wrote it.
+    fn remove(&mut self, key: &[u8]) -> bool {
+        let Some((value, owner)) = self.keys.remove(key) else {
+            return false;
+        };
+        let bytes = entry_bytes(key, &value);
+        self.stored -= bytes;
+        if let Some((keys, held)) = self.usage.get_mut(&owner) {
+            *keys -= 1;
+            *held -= bytes;
         }
-        Some(p)
+        true
+    }
+
+    /// How many pending connections `ip` holds.
+    fn pending_from(&self, ip: IpAddr) -> usize {
+        self.pending.iter().filter(|p| p.ip == ip).count()
     }
 
     /// Makes room for one more pending connection from `ip` at `now`: nothing to do below the
     /// limits; else the oldest of `ip`'s own connections at its address's limit, or, the store
     /// being full, the oldest of the address holding the most when that is at least two more
-    /// than `ip` holds, is closed (with an error that says why), provided it is
+    /// than `ip` holds, is closed (with a message that says why), provided it is
     /// [`ServerOptions::pending_floor`] old. Otherwise the reason the newcomer is turned away.
     fn make_room(&mut self, opts: &ServerOptions, ip: IpAddr, now: Instant) -> Result<(), String> {
-        let mine = self.pending_per_addr.get(&ip).copied().unwrap_or(0);
+        let mine = self.pending_from(ip);
         let (from, why) = if mine >= opts.max_pending_per_addr {
             (
                 ip,
@@ -261,23 +254,26 @@ impl State {
                 "{} connections that have not proven the job token fill the store",
                 self.pending.len()
             );
-            match self.pending_per_addr.iter().max_by_key(|(_, n)| **n) {
-                Some((&most, &n)) if n > mine + 1 => (most, why),
+            let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
+            self.pending
+                .iter()
+                .for_each(|p| *per_addr.entry(p.ip).or_default() += 1);
+            match per_addr.into_iter().max_by_key(|(_, n)| *n) {
+                Some((most, n)) if n > mine + 1 => (most, why),
                 _ => return Err(why),
             }
         } else {
             return Ok(());
         };
         let floor = opts.pending_floor;
-        let victim = self
+        let old = self
             .pending
             .iter()
-            .find(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor)
-            .map(|p| p.id);
-        let Some(old) = victim.and_then(|id| self.remove_pending(id)) else {
+            .position(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor);
+        let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
-        tell_crowded(&old.stream, format!("{why}; this one was the oldest"));
+        tell_crowded(&old.stream, &format!("{why}; this one was the oldest"));
         let _ = old.stream.shutdown(Shutdown::Both);
         self.evicted += 1;
         Ok(())
@@ -296,37 +292,21 @@ impl StoreServer {
     ///
     /// Errors: [`RendezvousError::PortInUse`] naming the address when another socket holds the
     /// port, [`RendezvousError::Bind`] for other OS errors, and
-    /// [`RendezvousError::InvalidArgument`] for a world size outside 1..=[`MAX_WORLD_SIZE`],
-    /// a token over [`MAX_TOKEN_LEN`] bytes or no room for a pending connection.
-    pub(crate) fn bind(addr: SocketAddr, options: ServerOptions) -> Result<Self> {
-        if options.world_size == 0 || options.world_size > MAX_WORLD_SIZE {
+    /// [`RendezvousError::InvalidArgument`] for a world size outside 1..=[`MAX_WORLD_SIZE`] or
+    /// no room for a pending connection.
+    pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
+        let n = opts.world_size;
+        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
             return Err(RendezvousError::InvalidArgument {
                 reason: format!(
-                    "world size {} is not in 1..={MAX_WORLD_SIZE}",
-                    options.world_size
+                    "world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait"
                 ),
             });
         }
-        if options.job_token.len() > MAX_TOKEN_LEN {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!("job token over {MAX_TOKEN_LEN} bytes"),
-            });
-        }
-        if options.max_pending == 0 || options.max_pending_per_addr == 0 {
-            return Err(RendezvousError::InvalidArgument {
-                reason: "max_pending and max_pending_per_addr must be at least 1".into(),
-            });
-        }
-        let bind_err = |source: io::Error| {
-            if source.kind() == io::ErrorKind::AddrInUse {
-                RendezvousError::PortInUse { addr }
-            } else {
-                RendezvousError::Bind { addr, source }
-            }
+        let bind_err = |source: io::Error| match source.kind() {
+            io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },
+            _ => RendezvousError::Bind { addr, source },
         };
-        // Derived before the port opens (it takes a while on purpose), so that a connection
-        // never waits for it.
-        let key = auth::Key::of(&options.job_token);
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
         // The longest accept queue the system allows (std asks for 128): a burst of strangers
         // must not fill the queue that a rank's connection waits in.
@@ -335,26 +315,14 @@ impl StoreServer {
         }
         let local_addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
-        let n = options.world_size;
+        let state = State {
+            registered: (0..n).map(|_| None).collect(),
+            told: vec![false; n],
+            ..State::default()
+        };
         let shared = Arc::new(Shared {
-            key,
-            opts: options,
-            state: Mutex::new(State {
-                registered: (0..n).map(|_| None).collect(),
-                complete: false,
-                told: vec![false; n],
-                departed: vec![false; n],
-                failure: None,
-                next_round: vec![0; n],
-                rounds: HashMap::new(),
-                stored: 0,
-                pending: VecDeque::new(),
-                pending_per_addr: HashMap::new(),
-                members: HashMap::new(),
-                evicted: 0,
-                turned_away: 0,
-                busy: 0,
-            }),
+            opts,
+            state: Mutex::new(state),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
             refused: Throttle::new(),
@@ -364,10 +332,7 @@ impl StoreServer {
         let accept = thread::Builder::new()
             .name("gpucast-store-accept".into())
             .spawn(move || accept_loop(&for_thread, &listener))
-            .map_err(|source| RendezvousError::Bind {
-                addr: local_addr,
-                source,
-            })?;
+            .map_err(bind_err)?;
         info!(%local_addr, world_size = n, "rendezvous store listening");
         Ok(Self {
             shared,
@@ -381,10 +346,12 @@ impl StoreServer {
         self.local_addr
     }
 
-    /// Marks the job failed: every pending and later request of every rank gets
-    /// [`RendezvousError::JobFailed`]. The first failure's reason is kept.
+    /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
+    /// first failure's reason is kept.
     pub(crate) fn fail_with(&self, reason: String, missing: Vec<usize>) {
-        self.shared.lock().fail(&self.shared.cond, reason, missing);
+        self.shared
+            .lock()
+            .fail(&self.shared.cond, &reason, &missing, false);
     }
 
     /// Records that `rank` knows of the failure already (the rank that caused it, in this
@@ -398,20 +365,7 @@ impl StoreServer {
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
-        self.shared
-            .lock()
-            .failure
-            .as_ref()
-            .map(|f| f.reason.clone())
-    }
-
-    /// The ranks that have said HELLO so far.
-    #[cfg(test)]
-    pub(crate) fn registered_ranks(&self) -> Vec<usize> {
-        let st = self.shared.lock();
-        (0..st.registered.len())
-            .filter(|&r| st.registered[r].is_some())
-            .collect()
+        self.shared.lock().failure.as_ref().map(|f| f.0.clone())
     }
 
     /// After a failure: keeps serving until every rank has been told (or has disconnected) or
@@ -419,25 +373,10 @@ impl StoreServer {
     /// a closed port until their timeout.
     pub(crate) fn linger_until_told(&self, deadline: Instant) {
         let mut st = self.shared.lock();
-        if let Some(f) = &st.failure {
-            let untold: Vec<usize> = (0..st.told.len()).filter(|&r| !st.told[r]).collect();
-            if !untold.is_empty() {
-                warn!(
-                    reason = %f.reason,
-                    untold = %rank_list(&untold),
-                    within = ?deadline.saturating_duration_since(Instant::now()),
-                    "rendezvous failed; keeping the store up until these ranks have been told"
-                );
-            }
-        }
-        loop {
-            if st.failure.is_none() || st.told.iter().all(|&t| t) {
-                return;
-            }
+        while st.failure.is_some() && st.told.iter().any(|&t| !t) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let untold: Vec<usize> = (0..st.told.len()).filter(|&r| !st.told[r]).collect();
-                debug!(untold = %rank_list(&untold), "store closing before every rank learned of the failure");
+                debug!("rendezvous store closing before every rank learned of the failure");
                 return;
             }
             st = self.shared.wait_on(st, left);
@@ -448,7 +387,6 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.cond.notify_all();
         let handles = self
             .accept
             .take()
@@ -456,17 +394,23 @@ impl Drop for StoreServer {
             .unwrap_or_default();
         let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
-        while st.busy > 0 {
+        let missing = st.unregistered();
+        st.fail(
+            &self.shared.cond,
+            "the store on rank 0 shut down",
+            &missing,
+            true,
+        );
+        // Members that still read (the last round's values) finish first.
+        while st.busy > 0 || st.last_request.is_some_and(|t| t.elapsed() < QUIET) {
             let left = grace_end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            st = self.shared.wait_on(st, left);
+            st = self.shared.wait_on(st, left.min(QUIET));
         }
-        for p in &st.pending {
-            let _ = p.stream.shutdown(Shutdown::Both);
-        }
-        for stream in st.members.values() {
+        let pending = st.pending.iter().map(|p| &p.stream);
+        for stream in pending.chain(st.members.values()) {
             let _ = stream.shutdown(Shutdown::Both);
         }
         drop(st);
@@ -478,143 +422,94 @@ impl Drop for StoreServer {
 }
 
 /// Tells a connection that has not proven the token, without waiting, why the store closes it
-/// (an ERROR it cannot prove: the client takes it as a reason to try again, and names it if
-/// its time runs out).
-fn tell_crowded(stream: &TcpStream, reason: String) {
+/// (unproven: the client takes it as a reason to try again, and names it if its time runs out).
+fn tell_crowded(stream: &TcpStream, reason: &str) {
     use nix::sys::socket::{send, MsgFlags};
-    use std::os::fd::AsRawFd;
-    let e = RendezvousError::Crowded {
-        store: String::new(),
-        reason,
-    };
-    let mut frame = Vec::new();
-    if wire::write_frame(&mut frame, op::ERROR, &[&wire::encode_error(&e)]).is_ok() {
-        let _ = send(
-            stream.as_raw_fd(),
-            &frame,
-            MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
-        );
-    }
-}
-
-/// Waits up to [`ACCEPT_POLL`] for a connection to arrive on `listener`.
-fn wait_readable(listener: &TcpListener) {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-    let ms = u16::try_from(ACCEPT_POLL.as_millis()).unwrap_or(u16::MAX);
-    if poll(&mut fds, PollTimeout::from(ms)).is_err() {
-        thread::sleep(Duration::from_millis(1));
-    }
+    let m = message(kind::CROWDED, reason.as_bytes());
+    let _ = send(
+        stream.as_raw_fd(),
+        &m,
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+    );
 }
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
     while !shared.shutting_down() {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                wait_readable(listener);
+                let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+                let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
                 continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 // Out of file descriptors and the like: wait, do not spin.
                 warn!(error = %e, "rendezvous store: accept failed");
-                thread::sleep(ACCEPT_POLL * 5);
+                thread::sleep(Duration::from_millis(ACCEPT_POLL_MS.into()));
                 continue;
             }
         };
         let accepted = Instant::now();
         handles.retain(|h| !h.is_finished());
-        if let Err(e) = stream.set_nonblocking(false) {
-            debug!(%peer, error = %e, "rendezvous store: dropping connection");
-            continue;
-        }
-        let Ok(clone) = stream.try_clone() else {
-            debug!(%peer, "rendezvous store: dropping connection (no descriptor for it)");
+        let Ok(clone) = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.try_clone())
+        else {
             continue;
         };
-        let id = next_id;
+        let (id, ip) = (next_id, peer.ip());
         next_id += 1;
-        {
-            let mut st = shared.lock();
-            if let Err(reason) = st.make_room(&shared.opts, peer.ip(), accepted) {
-                st.turned_away += 1;
-                drop(st);
-                if let Some(before) = shared.crowded.allow() {
-                    warn!(%peer, %reason, before, "rendezvous store: turned a connection away");
-                }
-                tell_crowded(&stream, reason);
-                continue;
+        let mut st = shared.lock();
+        if let Err(reason) = st.make_room(&shared.opts, ip, accepted) {
+            st.turned_away += 1;
+            drop(st);
+            if let Some(before) = shared.crowded.allow() {
+                warn!(%peer, %reason, before, "rendezvous store: turned a connection away");
             }
-            st.add_pending(Pending {
-                id,
-                ip: peer.ip(),
-                since: accepted,
-                stream: clone,
-            });
+            tell_crowded(&stream, &reason);
+            continue;
         }
-        let for_thread = Arc::clone(shared);
+        st.pending.push_back(Pending {
+            id,
+            ip,
+            since: accepted,
+            stream: clone,
+        });
+        drop(st);
+        let mut conn = Conn {
+            shared: Arc::clone(shared),
+            stream,
+            peer,
+            id,
+            accepted,
+            rank: None,
+        };
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
-            .stack_size(CONN_STACK)
-            .spawn(move || {
-                let mut conn = Conn {
-                    shared: for_thread,
-                    stream,
-                    peer,
-                    id,
-                    accepted,
-                    rank: None,
-                };
-                conn.serve();
-            });
+            .stack_size(256 * 1024)
+            .spawn(move || conn.serve());
         match spawned {
             Ok(h) => handles.push(h),
             Err(e) => {
-                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
-                shared.lock().remove_pending(id);
+                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread")
             }
         }
     }
     handles
 }
 
-/// What becomes of a proven HELLO.
-enum Admission {
-    /// The connection is the rank's.
-    Admitted,
-    /// Refused with this error (sent with the store's proof).
-    Refused(RendezvousError),
-    /// Closed without an answer: the connection was evicted, or cannot be kept.
-    Dropped,
-}
-
 /// Whether the peer of `stream` has closed it (or it broke), looked at without blocking and
 /// without taking any byte from whoever reads it.
 fn closed(stream: &TcpStream) -> bool {
     use nix::sys::socket::{recv, MsgFlags};
-    use std::os::fd::AsRawFd;
-    let mut b = [0u8; 1];
-    match recv(
-        stream.as_raw_fd(),
-        &mut b,
-        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
-    ) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => false,
-        Err(_) => true,
+    let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+    match recv(stream.as_raw_fd(), &mut [0u8; 1], flags) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(e, nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR),
     }
-}
-
-/// How a wait ended.
-enum Outcome<T> {
-    Ready(T),
-    Failed(Failure),
-    Shutdown(Vec<usize>),
-    TimedOut(Vec<usize>),
 }
 
 /// One connection, served on its own thread.
@@ -630,32 +525,22 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        st.remove_pending(self.id);
+        if let Some(at) = st.pending.iter().position(|p| p.id == self.id) {
+            st.pending.remove(at);
+        }
         st.members.remove(&self.id);
-        if let Some(r) = self.rank {
-            if st.registered[r].as_ref().is_some_and(|m| m.conn == self.id) {
-                st.departed[r] = true;
-                st.told[r] = true;
-            }
+        st.usage.remove(&self.id);
+        let Some(r) = self.rank else { return };
+        let wrote = match &st.registered[r] {
+            Some(m) if m.conn == self.id => m.wrote,
+            _ => return,
+        };
+        st.told[r] = true;
+        if wrote {
+            let reason = format!("rank {r} closed its connection to the store");
+            st.fail(&self.shared.cond, &reason, &[r], true);
         }
         self.shared.cond.notify_all();
-    }
-}
-
-/// Counts a connection as busy while it answers a request.
-struct Busy(Arc<Shared>);
-
-impl Busy {
-    fn new(shared: Arc<Shared>) -> Self {
-        shared.lock().busy += 1;
-        Self(shared)
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.lock().busy -= 1;
-        self.0.cond.notify_all();
     }
 }
 
@@ -665,51 +550,34 @@ impl Conn {
         if !self.handshake() {
             return;
         }
-        let io_timeout = self.shared.opts.io_timeout;
-        let _ = self.stream.set_write_timeout(Some(io_timeout));
+        let io_timeout = Some(self.shared.opts.io_timeout);
+        let _ = self.stream.set_write_timeout(io_timeout);
+        let _ = self.stream.set_read_timeout(io_timeout);
         loop {
-            let times = FrameTimes {
-                start_by: None,
-                within: io_timeout,
-                end_by: None,
-            };
-            let frame = match wire::read_frame(&mut &self.stream, MAX_REQUEST_PAYLOAD, times) {
-                Ok(f) => f,
-                Err(FrameError::Closed) => {
-                    debug!(peer = %self.peer, rank = ?self.rank, "rendezvous connection closed");
-                    return;
+            let mut q = [0u8; 1];
+            match (&self.stream).read(&mut q) {
+                Ok(1) => {}
+                Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
+                _ => return,
+            }
+            let mut st = self.shared.lock();
+            st.busy += 1;
+            st.last_request = Some(Instant::now());
+            drop(st);
+            let served = self.request(q[0]);
+            self.shared.lock().busy -= 1;
+            self.shared.cond.notify_all();
+            if let Err(reason) = served {
+                if !self.shared.shutting_down() {
+                    warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
                 }
-                Err(e) => {
-                    if !self.shared.shutting_down() {
-                        warn!(peer = %self.peer, rank = ?self.rank, reason = %e, "rendezvous store: closing a rank's connection");
-                        self.refuse_frame(&e);
-                    }
-                    return;
-                }
-            };
-            let busy = Busy::new(Arc::clone(&self.shared));
-            let keep = self.handle(frame);
-            drop(busy);
-            if !keep {
                 return;
             }
         }
     }
 
-    /// Tells a peer that speaks the protocol why its frame was refused; garbage gets nothing.
-    fn refuse_frame(&self, e: &FrameError) {
-        if matches!(
-            e,
-            FrameError::BadVersion(_)
-                | FrameError::BadReserved(_)
-                | FrameError::TooLarge { .. }
-                | FrameError::Idle(_)
-        ) {
-            let _ = self.send_error(&RendezvousError::Protocol {
-                peer: self.peer.to_string(),
-                reason: format!("the store closed the connection: {e}"),
-            });
-        }
+    fn send(&self, bytes: &[u8]) -> bool {
+        (&self.stream).write_all(bytes).is_ok()
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
@@ -720,526 +588,404 @@ impl Conn {
         let hello_by = self
             .accepted
             .checked_add(opts.handshake_timeout)
-            .unwrap_or_else(|| super::later(opts.handshake_timeout));
+            .unwrap_or(self.accepted);
         let left = hello_by.saturating_duration_since(Instant::now());
         let _ = self
             .stream
             .set_write_timeout(Some(left.max(Duration::from_millis(1))));
-        let server_nonce = match auth::random() {
-            Ok(n) => n,
-            Err(e) => {
-                warn!(error = %e, "rendezvous store: no nonce for a connection");
-                return false;
-            }
+        let Ok(server_nonce) = auth::random::<{ auth::NONCE_LEN }>() else {
+            return false;
         };
-        if !self.send(op::CHALLENGE, &[&server_nonce]) {
+        if !self.send(&message(kind::CHALLENGE, &server_nonce)) {
             return false;
         }
-        let times = FrameTimes {
-            start_by: Some(hello_by),
-            within: opts.handshake_timeout,
-            end_by: Some(hello_by),
-        };
-        // Nothing longer than a HELLO is read from a connection that has not proven the token.
-        let frame = match wire::read_frame(&mut &self.stream, HELLO_LEN, times) {
-            Ok(f) => f,
-            Err(FrameError::Closed) => return false,
-            Err(e) => {
-                debug!(peer = %self.peer, reason = %e, "rendezvous store: no HELLO, closing");
-                if !self.shared.shutting_down() {
-                    self.refuse_frame(&e);
-                }
-                return false;
-            }
-        };
-        let (rank, world_size, nonce, proof) = match Request::decode(frame.op, frame.payload) {
-            Ok(Request::Hello {
-                rank,
-                world_size,
-                nonce,
-                proof,
-            }) => (rank, world_size, nonce, proof),
-            Ok(_) => return self.protocol_error("the first request must be HELLO".into()),
-            Err(reason) => return self.protocol_error(reason),
-        };
-        let handshake = Handshake {
-            key: &shared.key,
-            server_nonce: &server_nonce,
-            client_nonce: &nonce,
-            rank,
-            world_size,
-        };
-        if !handshake.verify(Purpose::Hello, b"", &proof) {
+        // Nothing but one HELLO is read from a connection that has not proven the token, all
+        // of it by one deadline however it dribbles in.
+        let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
+        let expected = &message(kind::HELLO, &body)[..HEADER_LEN];
+        if read_full(&self.stream, &mut header, hello_by).is_err()
+            || header != expected
+            || read_full(&self.stream, &mut body, hello_by).is_err()
+        {
+            debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
+            return false;
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let (rank, world_size) = (u32_at(0), u32_at(4));
+        let claim = [&server_nonce[..], &body[8..40], &body[..8]];
+        let proof = |purpose, extra: &[u8]| opts.key.prove(purpose, &claim, extra);
+        if !auth::same_secret(&proof(Purpose::Hello, b""), &body[40..]) {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
-            let _ = self.send_error(&RendezvousError::JobTokenMismatch {
-                store: String::new(),
-            });
+            self.send(&message(kind::TOKEN_REFUSED, &[]));
             return false;
         }
-        match self.admit(rank, world_size) {
-            Admission::Admitted => {
-                let welcome = handshake.prove(Purpose::Welcome, b"");
-                self.send(op::OK, &[&welcome])
-            }
-            Admission::Refused(e) => {
+        match self.admit(rank as usize, world_size as usize) {
+            Ok(()) => self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b""))),
+            Err(Some(e)) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
-                let refusal = wire::encode_error(&e);
-                let proof = handshake.prove(Purpose::Refusal, &refusal);
-                let _ = self.send(op::ERROR, &[&refusal, &proof]);
+                let mut refusal = encode_error(&e);
+                refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
+                self.send(&message(kind::REFUSED, &refusal));
                 false
             }
-            Admission::Dropped => false,
+            // Evicted, or no handle to keep: closed without an answer.
+            Err(None) => false,
         }
     }
 
-    fn send(&self, op: u8, parts: &[&[u8]]) -> bool {
-        let mut w = BufWriter::with_capacity(64 * 1024, &self.stream);
-        match wire::write_frame(&mut w, op, parts) {
-            Ok(()) => true,
-            Err(e) => {
-                debug!(peer = %self.peer, rank = ?self.rank, error = %e, "rendezvous store: reply not delivered");
-                false
-            }
-        }
-    }
-
-    fn send_error(&self, e: &RendezvousError) -> bool {
-        self.send(op::ERROR, &[&wire::encode_error(e)])
-    }
-
-    fn ok(&self) -> bool {
-        self.send(op::OK, &[])
-    }
-
-    /// Answers with the job's failure and records that this rank knows.
-    fn send_failure(&self, f: &Failure) -> bool {
-        if let Some(r) = self.rank {
-            self.shared.lock().told[r] = true;
-        }
-        self.send_error(&RendezvousError::JobFailed {
-            reason: f.reason.clone(),
-            missing: f.missing.clone(),
-        })
-    }
-
-    fn protocol_error(&self, reason: String) -> bool {
-        debug!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: bad request, closing connection");
-        let _ = self.send_error(&RendezvousError::Protocol {
-            peer: self.peer.to_string(),
-            reason: format!("the store rejected a request: {reason}"),
-        });
-        false
-    }
-
-    /// Answers one request of a proven rank; false closes the connection.
-    fn handle(&mut self, frame: Frame) -> bool {
-        let Some(rank) = self.rank else {
-            return false;
-        };
-        let req = match Request::decode(frame.op, frame.payload) {
-            Ok(r) => r,
-            Err(reason) => return self.protocol_error(reason),
-        };
-        match req {
-            Request::Hello { .. } => {
-                self.protocol_error("HELLO sent twice on one connection".into())
-            }
-            Request::WaitAll { timeout_ms } => self.wait_all(rank, timeout_ms),
-            Request::Gather {
-                round,
-                timeout_ms,
-                value,
-            } => self.gather(rank, round, timeout_ms, value),
-            Request::Abort { missing, reason } => {
-                let missing = missing
-                    .into_iter()
-                    .filter_map(|r| usize::try_from(r).ok())
-                    .collect();
-                let mut st = self.shared.lock();
-                st.told[rank] = true;
-                st.fail(
-                    &self.shared.cond,
-                    format!("rank {rank} aborted: {reason}"),
-                    missing,
-                );
-                drop(st);
-                self.ok()
-            }
-        }
-    }
-
-    /// Registers a proven HELLO's rank, or refuses it (failing the job when two processes of
-    /// one launch disagree before the job has formed).
-    fn admit(&mut self, rank: u32, world_size: u32) -> Admission {
+    /// Registers a proven HELLO's rank, or refuses it with an error to send with the store's
+    /// proof (failing the job when two processes of one launch disagree before the job has
+    /// formed), or with none: then the connection is closed without an answer.
+    fn admit(&mut self, rank: usize, world_size: usize) -> Result<(), Option<RendezvousError>> {
         let n = self.shared.opts.world_size;
-        let rank = usize::try_from(rank).unwrap_or(usize::MAX);
-        let world_size = usize::try_from(world_size).unwrap_or(usize::MAX);
         let mut st = self.shared.lock();
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
-        // take a rank (its welcome could not be delivered). The client reconnects.
-        if !st.pending.iter().any(|p| p.id == self.id) {
-            debug!(peer = %self.peer, rank, "rendezvous store: a proven HELLO on an evicted connection");
-            return Admission::Dropped;
-        }
-        // A member the store cannot close at shutdown would hold Drop forever: no member
-        // without its handle (out of descriptors, in a flood).
-        let Ok(handle) = self.stream.try_clone() else {
-            warn!(peer = %self.peer, rank, "rendezvous store: no descriptor to keep for a rank; it will reconnect");
-            return Admission::Dropped;
+        // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
+        // member be kept that the store cannot close at shutdown.
+        let at = st.pending.iter().position(|p| p.id == self.id);
+        let Some(handle) = at.and_then(|_| self.stream.try_clone().ok()) else {
+            return Err(None);
         };
-        // A rank whose earlier connection is gone, before it contributed to anything, may come
-        // again: its welcome may never have reached it.
-        if rank < n && st.next_round[rank] == 0 {
-            if let Some(old) = &st.registered[rank] {
-                let gone = st.departed[rank] || st.members.get(&old.conn).is_none_or(closed);
-                if gone {
-                    debug!(peer = %self.peer, rank, "rendezvous store: a rank comes again");
-                    st.registered[rank] = None;
-                    st.departed[rank] = false;
-                    st.told[rank] = false;
-                }
+        // A rank whose earlier connection is gone, before it wrote anything, may come again:
+        // its welcome may never have reached it.
+        if let Some(Some(old)) = st.registered.get(rank) {
+            let gone = st.members.get(&old.conn).is_none_or(closed);
+            if gone && !old.wrote {
+                st.registered[rank] = None;
+                st.told[rank] = false;
             }
         }
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
-        if let Some(f) = st.failure.clone() {
-            if claims_free_rank {
-                st.told[rank] = true;
-            }
-            return Admission::Refused(RendezvousError::JobFailed {
-                reason: f.reason,
-                missing: f.missing,
-            });
-        }
-        let refusal = if world_size != n {
-            Some(RendezvousError::WorldSizeMismatch {
+        let refusal = if let Some((reason, missing)) = st.failure.clone() {
+            RendezvousError::JobFailed { reason, missing }
+        } else if world_size != n {
+            RendezvousError::WorldSizeMismatch {
                 rank,
                 client: world_size,
                 server: n,
-            })
+            }
         } else if rank >= n {
-            Some(RendezvousError::RankOutOfRange {
+            RendezvousError::RankOutOfRange {
                 rank,
                 world_size: n,
-            })
+            }
         } else if let Some(first) = &st.registered[rank] {
-            Some(RendezvousError::DuplicateRank {
-                rank,
-                detail: format!(
-                    "{} registered it first, then {} claimed it too",
-                    first.peer, self.peer
-                ),
-            })
+            let detail = format!(
+                "{} registered it first, then {} claimed it too",
+                first.peer, self.peer
+            );
+            RendezvousError::DuplicateRank { rank, detail }
         } else {
-            None
+            st.registered[rank] = Some(Member {
+                conn: self.id,
+                peer: self.peer,
+                wrote: false,
+            });
+            if let Some(at) = at {
+                st.pending.remove(at);
+            }
+            st.members.insert(self.id, handle);
+            self.rank = Some(rank);
+            self.shared.cond.notify_all();
+            return Ok(());
         };
-        if let Some(e) = refusal {
-            if st.complete {
-                // The job has formed: a late or stray claim costs it nothing.
-                drop(st);
-                if let Some(before) = self.shared.refused.allow() {
-                    warn!(peer = %self.peer, reason = %e, before, "rendezvous store: refused a claim after the job formed");
-                }
-                return Admission::Refused(RendezvousError::Rejected {
-                    reason: format!("every rank of the job has joined already: {e}"),
-                });
+        if st.failure.is_none() && st.registered.iter().all(Option::is_some) {
+            // The job has formed: a late or stray claim costs it nothing.
+            if let Some(before) = self.shared.refused.allow() {
+                warn!(peer = %self.peer, reason = %refusal, before, "rendezvous store: refused a claim after the job formed");
             }
-            if claims_free_rank {
-                st.told[rank] = true;
-            }
-            st.fail(&self.shared.cond, e.to_string(), Vec::new());
-            return Admission::Refused(e);
+            let reason = format!("every rank of the job has joined already: {refusal}");
+            return Err(Some(RendezvousError::Rejected { reason }));
         }
-        st.registered[rank] = Some(Member {
-            conn: self.id,
-            peer: self.peer,
-        });
-        st.complete = st.registered.iter().all(Option::is_some);
-        st.remove_pending(self.id);
-        st.members.insert(self.id, handle);
-        self.rank = Some(rank);
-        self.shared.cond.notify_all();
-        drop(st);
-        debug!(peer = %self.peer, rank, "rendezvous: rank said hello");
-        Admission::Admitted
+        if claims_free_rank {
+            st.told[rank] = true;
+        }
+        st.fail(&self.shared.cond, &refusal.to_string(), &[], false);
+        Err(Some(refusal))
     }
 
-    /// Waits on the shared state until `ready` yields a value, the job fails, the server shuts
-    /// down or `deadline` passes. `missing` names the ranks still awaited.
-    fn wait<T>(
-        &self,
-        deadline: Instant,
-        mut ready: impl FnMut(&mut State, &Condvar) -> Option<T>,
-        missing: impl Fn(&State) -> Vec<usize>,
-    ) -> Outcome<T> {
-        let mut st = self.shared.lock();
-        loop {
-            if let Some(v) = ready(&mut st, &self.shared.cond) {
-                return Outcome::Ready(v);
-            }
-            if let Some(f) = &st.failure {
-                return Outcome::Failed(f.clone());
-            }
-            if self.shared.shutting_down() {
-                return Outcome::Shutdown(missing(&st));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Outcome::TimedOut(missing(&st));
-            }
-            st = self.shared.wait_on(st, left);
+    /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
+    fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
+        let len = self.read_u64()?;
+        if len > max as u64 {
+            return Err(format!(
+                "a key or value of {len} bytes, over the limit of {max}"
+            ));
+        }
+        let mut v = Vec::new();
+        (&self.stream)
+            .take(len)
+            .read_to_end(&mut v)
+            .map_err(|e| e.to_string())?;
+        match v.len() as u64 == len {
+            true => Ok(v),
+            false => Err("the connection closed in the middle of a request".into()),
         }
     }
 
-    /// Sends the error for a wait that did not produce a value. A rank that gave up waiting
-    /// fails the job (it will not come back for the result), which frees what it held.
-    fn wait_failed<T>(
-        &self,
-        rank: usize,
-        outcome: Outcome<T>,
-        what: &str,
-        timeout_ms: u32,
-    ) -> bool {
-        match outcome {
-            Outcome::Ready(_) => true,
-            Outcome::Failed(f) => self.send_failure(&f),
-            Outcome::Shutdown(missing) => self.send_error(&RendezvousError::JobFailed {
-                reason: format!("the store on rank 0 shut down while this rank waited for {what}"),
-                missing,
-            }),
-            Outcome::TimedOut(missing) => {
-                let e = RendezvousError::Timeout {
-                    what: what.to_owned(),
-                    timeout: Duration::from_millis(u64::from(timeout_ms)),
-                    missing: missing.clone(),
+    fn read_u64(&self) -> Result<u64, String> {
+        let mut b = [0u8; 8];
+        (&self.stream)
+            .read_exact(&mut b)
+            .map_err(|e| e.to_string())?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Serves one c10d request of query type `q` from a proven rank; an error closes the
+    /// connection.
+    fn request(&mut self, q: u8) -> Result<(), String> {
+        let told = |st: &mut State, rank: Option<usize>| {
+            if let Some(t) = rank.and_then(|r| st.told.get_mut(r)) {
+                *t = true;
+            }
+        };
+        let reply: Vec<u8> = match q {
+            query::VALIDATE => {
+                let mut m = [0u8; 4];
+                (&self.stream)
+                    .read_exact(&mut m)
+                    .map_err(|e| e.to_string())?;
+                return match u32::from_le_bytes(m) == VALIDATION_MAGIC {
+                    true => Ok(()),
+                    false => Err("a VALIDATE with the wrong magic".into()),
                 };
+            }
+            query::SET => {
+                let (key, value) = (
+                    self.read_bytes(MAX_KEY_LEN)?,
+                    self.read_bytes(MAX_SET_VALUE)?,
+                );
                 let mut st = self.shared.lock();
-                st.told[rank] = true;
-                st.fail(
-                    &self.shared.cond,
-                    format!("rank {rank} gave up: {e}"),
-                    missing,
-                );
+                if key == FAILED_KEY.as_bytes() {
+                    let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
+                    else {
+                        return Err("a malformed abort".into());
+                    };
+                    told(&mut st, self.rank);
+                    st.fail(&self.shared.cond, &reason, &missing, false);
+                } else if st.failure.is_none() {
+                    self.wrote(&mut st);
+                    st.put(self.id, key, value)?;
+                }
+                return Ok(());
+            }
+            query::GET => {
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let mut st = self.shared.lock();
+                if key == FAILED_KEY.as_bytes() {
+                    told(&mut st, self.rank);
+                    self.shared.cond.notify_all();
+                }
+                let value = st.keys.get(&key).map(|(v, _)| v.clone());
                 drop(st);
-                self.send_error(&e)
+                let value = value.ok_or("a GET of a key that does not exist")?;
+                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
             }
-        }
-    }
-
-    fn wait_all(&self, rank: usize, timeout_ms: u32) -> bool {
-        let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-        let outcome = self.wait(
-            deadline,
-            |st, _| st.registered.iter().all(Option::is_some).then_some(()),
-            State::unregistered,
-        );
-        match outcome {
-            Outcome::Ready(()) => self.ok(),
+            query::ADD => {
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let delta = i64::from_le_bytes(self.read_u64()?.to_le_bytes());
+                let mut st = self.shared.lock();
+                let now = match st.keys.get(&key) {
+                    Some((v, _)) => std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|v| v.parse::<i64>().ok()),
+                    None => Some(0),
+                };
+                let sum = now.and_then(|n| n.checked_add(delta)).ok_or("a bad ADD")?;
+                if delta != 0 && st.failure.is_none() {
+                    self.wrote(&mut st);
+                    st.put(self.id, key, sum.to_string().into_bytes())?;
+                }
+                sum.to_le_bytes().to_vec()
+            }
+            query::CHECK => {
+                let count = self.read_u64()?;
+                if count > self.shared.opts.world_size as u64 + 1 {
+                    return Err(format!("a CHECK of {count} keys"));
+                }
+                let mut all = true;
+                for _ in 0..count {
+                    let key = self.read_bytes(MAX_KEY_LEN)?;
+                    all &= self.shared.lock().keys.contains_key(&key);
+                }
+                vec![u8::from(!all)]
+            }
+            query::DELETE_KEY => {
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let gone = key != FAILED_KEY.as_bytes() && self.shared.lock().remove(&key);
+                i64::from(gone).to_le_bytes().to_vec()
+            }
             other => {
-                let what = format!("hello from all {} ranks", self.shared.opts.world_size);
-                self.wait_failed(rank, other, &what, timeout_ms)
+                return Err(format!(
+                    "query type {other}, which this store does not serve"
+                ))
             }
+        };
+        match self.send(&reply) {
+            true => Ok(()),
+            false => Err("the reply was not delivered".into()),
         }
     }
 
-    fn gather(&self, rank: usize, round: u64, timeout_ms: u32, value: Vec<u8>) -> bool {
-        let n = self.shared.opts.world_size;
-        let mut st = self.shared.lock();
-        if let Some(f) = st.failure.clone() {
-            drop(st);
-            return self.send_failure(&f);
-        }
-        let len = value.len();
-        let expected = st.next_round[rank];
-        let fresh = !st.rounds.contains_key(&round);
-        let bookkeeping = if fresh {
-            n.saturating_mul(ROUND_BYTES_PER_RANK)
-        } else {
-            0
-        };
-        let held = st.rounds.get(&round).map_or(0, |r| r.bytes);
-        let problem = if round != expected {
-            Some(format!(
-                "rank {rank} contributed to all-gather round {round}, but its next round is {expected}"
-            ))
-        } else if held + bookkeeping + len > MAX_GATHER_BYTES {
-            Some(format!(
-                "all-gather round {round} would hold more than {MAX_GATHER_BYTES} bytes (rank {rank} adds {len})"
-            ))
-        } else if st.stored + bookkeeping + len > MAX_STORE_BYTES {
-            Some(format!(
-                "the store is full: all-gather round {round} would make it hold more than {MAX_STORE_BYTES} bytes"
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            st.fail(&self.shared.cond, reason, Vec::new());
-            let f = st.failure.clone();
-            drop(st);
-            return f.is_some_and(|f| self.send_failure(&f));
-        }
-        st.next_round[rank] += 1;
-        st.stored += bookkeeping + len;
-        let r = st.rounds.entry(round).or_insert_with(|| Round {
-            values: vec![None; n],
-            bytes: bookkeeping,
-            ..Round::default()
-        });
-        r.values[rank] = Some(value);
-        r.count += 1;
-        r.bytes += len;
-        if r.count == n {
-            let values = r
-                .values
-                .iter_mut()
-                .map(|v| v.take().unwrap_or_default())
-                .collect();
-            r.done = Some(Arc::new(values));
-        }
-        self.shared.cond.notify_all();
-        drop(st);
-
-        let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
-        let ready = |st: &mut State, cond: &Condvar| {
-            let r = st.rounds.get_mut(&round)?;
-            if let Some(done) = r.done.clone() {
-                r.fetched += 1;
-                if r.fetched == n {
-                    let bytes = r.bytes;
-                    st.rounds.remove(&round);
-                    st.stored -= bytes;
-                }
-                return Some(done);
-            }
-            // A rank that left before contributing never will: fail now rather than time out.
-            let missing: Vec<usize> = (0..n).filter(|&i| r.values[i].is_none()).collect();
-            if let Some(gone) = missing.iter().copied().find(|&i| st.departed[i]) {
-                st.fail(
-                    cond,
-                    format!("rank {gone} closed its connection before contributing to all-gather round {round}"),
-                    missing,
-                );
-            }
-            None
-        };
-        let missing = |st: &State| match st.rounds.get(&round) {
-            Some(r) => (0..n).filter(|&i| r.values[i].is_none()).collect(),
-            None => Vec::new(),
-        };
-        match self.wait(deadline, ready, missing) {
-            Outcome::Ready(values) => {
-                let mut w = BufWriter::with_capacity(64 * 1024, &self.stream);
-                match wire::write_gathered(&mut w, &values) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        debug!(peer = %self.peer, rank, error = %e, "rendezvous store: all-gather reply not delivered");
-                        false
-                    }
-                }
-            }
-            other => self.wait_failed(
-                rank,
-                other,
-                &format!("all-gather round {round}"),
-                timeout_ms,
-            ),
+    /// Records that this rank has written to the store: it may not come again.
+    fn wrote(&self, st: &mut State) {
+        if let Some(Some(m)) = self.rank.map(|r| &mut st.registered[r]) {
+            m.wrote |= m.conn == self.id;
         }
     }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::StoreClient;
-    use std::io::{Read, Write};
+    use crate::env::JobEnv;
+    use crate::session::Session;
+    use crate::store::{Admission, Store};
 
     const T: Duration = Duration::from_secs(3);
     const TOKEN: &str = "a token for the unit tests of the store";
 
     fn server(world_size: usize) -> StoreServer {
-        StoreServer::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            ServerOptions::new(world_size, TOKEN),
-        )
-        .unwrap()
+        bind(ServerOptions::new(world_size, TOKEN))
     }
 
-    fn client(s: &StoreServer, rank: usize, world_size: usize) -> StoreClient {
-        let mut c = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        c.hello(rank, world_size, TOKEN, T).unwrap();
-        c
+    fn bind(opts: ServerOptions) -> StoreServer {
+        StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap()
+    }
+
+    /// An admitted c10d connection of `rank`, or why not.
+    fn try_member(
+        s: &StoreServer,
+        rank: usize,
+        world: usize,
+        token: &str,
+        t: Duration,
+    ) -> Result<Store> {
+        let key = auth::Key::of(token);
+        let admission = Admission {
+            key: &key,
+            rank,
+            world_size: world,
+        };
+        Store::connect(
+            "127.0.0.1",
+            s.local_addr().port(),
+            Some(admission),
+            Instant::now() + t,
+        )
+    }
+
+    fn member(s: &StoreServer, rank: usize, world: usize) -> Store {
+        try_member(s, rank, world, TOKEN, T).unwrap()
+    }
+
+    fn env(s: &StoreServer, rank: usize, world: usize) -> JobEnv {
+        let mut env = JobEnv::single_node(rank, world, s.local_addr().port()).unwrap();
+        env.job_token = TOKEN.into();
+        env
+    }
+
+    /// Every rank of `world` joins on a thread of its own and runs `f` with its session.
+    fn ranks<R: Send + 'static>(
+        s: &StoreServer,
+        world: usize,
+        f: impl Fn(usize, Session) -> R + Send + Sync + Copy + 'static,
+    ) -> Vec<R> {
+        let envs: Vec<JobEnv> = (0..world).map(|r| env(s, r, world)).collect();
+        let threads: Vec<_> = envs
+            .into_iter()
+            .map(|e| {
+                thread::spawn(move || {
+                    let session =
+                        Session::join(&e, "127.0.0.1", e.master_port, Instant::now() + T).unwrap();
+                    f(e.rank, session)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    fn reads_eof(stream: &TcpStream, within: Duration) -> bool {
+        stream.set_read_timeout(Some(within)).unwrap();
+        let mut buf = [0u8; 4096];
+        loop {
+            match (&*stream).read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => {}
+                Err(e) => return e.kind() == io::ErrorKind::ConnectionReset,
+            }
+        }
     }
 
     #[test]
-    fn gather_between_threads_frees_every_finished_round() {
-        let s = server(2);
-        let port = s.local_addr().port();
-        let other = thread::spawn(move || {
-            let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
-            c.hello(1, 2, TOKEN, T).unwrap();
-            c.wait_all(T).unwrap();
-            (0..3u8)
-                .map(|round| c.all_gather(u64::from(round), &[1, round], T).unwrap())
+    fn rounds_between_threads_leave_the_store_bounded() {
+        let s = server(3);
+        let all = ranks(&s, 3, |rank, mut session| {
+            (0..5u8)
+                .map(|round| {
+                    session
+                        .all_gather(u64::from(round), &[u8::try_from(rank).unwrap(), round], T)
+                        .unwrap()
+                })
                 .collect::<Vec<_>>()
         });
-        let mut c = client(&s, 0, 2);
-        c.wait_all(T).unwrap();
-        assert_eq!(s.registered_ranks(), [0, 1]);
-        for round in 0..3u8 {
-            let all = c.all_gather(u64::from(round), &[0, round], T).unwrap();
-            assert_eq!(all, [vec![0, round], vec![1, round]]);
+        for got in all {
+            assert_eq!(got[4], [vec![0, 4], vec![1, 4], vec![2, 4]]);
         }
-        let theirs = other.join().unwrap();
-        assert_eq!(theirs[2], [vec![0, 2], vec![1, 2]]);
-        // Finished rounds are freed, bookkeeping included.
+        // Rank 0 deleted every round but the last ones: a few keys per rank remain.
         let st = s.shared.lock();
-        assert_eq!((st.rounds.len(), st.stored), (0, 0));
+        assert!(st.keys.len() <= 3 * 4 + 1, "{} keys left", st.keys.len());
     }
 
     #[test]
-    fn a_rank_that_leaves_before_contributing_fails_the_round() {
+    fn a_rank_that_leaves_after_writing_fails_the_job_for_the_others() {
         let s = server(3);
-        let mut c0 = client(&s, 0, 3);
-        let c1 = client(&s, 1, 3);
-        let mut c2 = client(&s, 2, 3);
-        c0.wait_all(T).unwrap();
-        drop(c1);
-        let started = Instant::now();
-        let e = c0.all_gather(0, b"x", T).unwrap_err();
-        assert!(started.elapsed() < Duration::from_secs(1), "failed fast");
-        match &e {
-            RendezvousError::JobFailed { reason, missing } => {
-                assert!(reason.contains("rank 1 closed its connection"), "{reason}");
-                assert_eq!(missing, &[1, 2]);
+        let port = s.local_addr().port();
+        let results = ranks(&s, 3, move |rank, mut session| {
+            if rank == 1 {
+                return None;
             }
-            other => panic!("{other:?}"),
+            thread::sleep(Duration::from_millis(100));
+            let started = Instant::now();
+            let e = session.all_gather(0, b"x", T).unwrap_err();
+            Some((e, started.elapsed(), port))
+        });
+        for (e, took, _) in results.into_iter().flatten() {
+            assert!(took < Duration::from_secs(1), "failed after {took:?}");
+            assert!(
+                e.to_string().contains("rank 1 closed its connection"),
+                "{e}"
+            );
+            assert_eq!(e.missing_ranks(), [1]);
         }
-        // Every later request of every rank gets the same reason.
-        let e2 = c2.all_gather(0, b"v", T).unwrap_err();
-        assert_eq!(e2.to_string(), e.to_string());
-        assert!(s.failure().unwrap().contains("rank 1"));
     }
 
     #[test]
     fn a_wrong_token_is_refused_without_failing_the_job() {
         let s = server(1);
-        let mut stray = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        match stray.hello(0, 1, "other-job", T) {
+        match try_member(&s, 0, 1, "other-job", Duration::from_millis(300)) {
             Err(e @ RendezvousError::JobTokenMismatch { .. }) => {
-                assert!(!e.to_string().contains(TOKEN), "{e}");
-                assert!(!format!("{e:?}").contains(TOKEN), "{e:?}");
+                assert!(!format!("{e} {e:?}").contains(TOKEN), "{e:?}");
             }
-            other => panic!("{other:?}"),
+            Err(other) => panic!("{other:?}"),
+            Ok(_) => panic!("admitted with another token"),
         }
-        assert!(s.failure().is_none());
-        assert!(s.registered_ranks().is_empty());
-        let mut c = client(&s, 0, 1);
-        c.wait_all(T).unwrap();
-        assert_eq!(c.all_gather(0, b"ok", T).unwrap(), [b"ok".to_vec()]);
+        let st = s.shared.lock();
+        assert!(st.failure.is_none() && st.registered[0].is_none());
+        drop(st);
+        let _rank0 = member(&s, 0, 1);
         assert!(!format!("{:?}", s.shared.opts).contains(TOKEN));
     }
 
@@ -1250,44 +996,50 @@ mod tests {
         let port = listener.local_addr().unwrap().port();
         let fake = thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            wire::write_frame(&mut s, op::CHALLENGE, &[&[3u8; auth::NONCE_LEN]]).unwrap();
-            let mut hello = [0u8; wire::FRAME_HEADER_LEN + HELLO_LEN];
+            s.write_all(&message(kind::CHALLENGE, &[3u8; auth::NONCE_LEN]))
+                .unwrap();
+            let mut hello = [0u8; HEADER_LEN + HELLO_LEN];
             s.read_exact(&mut hello).unwrap();
             answer(&mut s);
-            thread::sleep(Duration::from_millis(200));
+            thread::sleep(Duration::from_millis(500));
         });
         (port, fake)
     }
 
-    /// A store that answers a HELLO without knowing the token is found out by the client.
+    fn client_of(port: u16, t: Duration) -> Result<Store> {
+        let key = auth::Key::of(TOKEN);
+        let admission = Admission {
+            key: &key,
+            rank: 0,
+            world_size: 2,
+        };
+        Store::connect("127.0.0.1", port, Some(admission), Instant::now() + t)
+    }
+
+    /// A store that answers a HELLO without knowing the token is found out by the client, and
+    /// so is one whose refusal is unproven: whatever holds the port cannot end a rank with an
+    /// error of its choosing.
     #[test]
-    fn a_store_that_cannot_prove_the_token_is_found_out() {
-        // "Welcome", with a proof it cannot have.
+    fn welcomes_and_refusals_count_only_when_proven() {
         let (port, fake) = fake_store(|s| {
-            wire::write_frame(s, op::OK, &[&[0u8; auth::PROOF_LEN]]).unwrap();
+            s.write_all(&message(kind::WELCOME, &[0u8; auth::PROOF_LEN]))
+                .unwrap();
         });
-        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
-        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        let e = client_of(port, Duration::from_millis(300)).err().unwrap();
         assert!(
             matches!(e, RendezvousError::StoreNotAuthentic { .. }),
             "{e:?}"
         );
         fake.join().unwrap();
-    }
-
-    /// An error from what holds the port, unproven, does not end a rank with the text it
-    /// chooses: it is "not this job's store"; the store's own refusals carry its proof.
-    #[test]
-    fn refusals_count_only_when_proven() {
         let (port, fake) = fake_store(|s| {
-            let lie = wire::encode_error(&RendezvousError::JobFailed {
+            let mut lie = encode_error(&RendezvousError::JobFailed {
                 reason: "rank 3 ran out of memory".into(),
                 missing: vec![3],
             });
-            wire::write_frame(s, op::ERROR, &[&lie, &[0u8; auth::PROOF_LEN]]).unwrap();
+            lie.extend_from_slice(&[0u8; auth::PROOF_LEN]);
+            s.write_all(&message(kind::REFUSED, &lie)).unwrap();
         });
-        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
-        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        let e = client_of(port, Duration::from_millis(300)).err().unwrap();
         assert!(
             matches!(e, RendezvousError::StoreNotAuthentic { .. }),
             "{e:?}"
@@ -1295,8 +1047,7 @@ mod tests {
         fake.join().unwrap();
         // The real store's refusal is believed: a world size of its own is a typed error.
         let s = server(2);
-        let mut c = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        let e = c.hello(0, 3, TOKEN, T).unwrap_err();
+        let e = try_member(&s, 0, 3, TOKEN, T).err().unwrap();
         assert!(
             matches!(
                 e,
@@ -1310,47 +1061,36 @@ mod tests {
         );
     }
 
-    /// A rank whose connection dropped right after its welcome (it may never have read it)
-    /// comes again, before and after the job has formed, and is let in: its old connection is
-    /// gone, and it had contributed nothing.
+    /// A rank whose connection dropped right after its welcome (before it wrote anything)
+    /// comes again, and is let in.
     #[test]
     fn a_rank_whose_connection_died_may_come_again() {
         for _ in 0..30 {
             let s = server(2);
-            let c0 = client(&s, 0, 2);
-            drop(c0);
-            let mut again = client(&s, 0, 2);
-            let c1 = client(&s, 1, 2);
-            drop(c1);
-            let mut c1 = client(&s, 1, 2);
-            let other = thread::spawn(move || {
-                c1.wait_all(T).unwrap();
-                c1.all_gather(0, b"b", T).unwrap()
+            drop(member(&s, 0, 2));
+            drop(member(&s, 1, 2));
+            let got = ranks(&s, 2, |rank, mut session| {
+                session
+                    .all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                    .unwrap()
             });
-            again.wait_all(T).unwrap();
-            assert_eq!(
-                again.all_gather(0, b"a", T).unwrap(),
-                [b"a".to_vec(), b"b".to_vec()]
-            );
-            other.join().unwrap();
-            assert!(s.failure().is_none());
+            assert_eq!(got[0], [vec![0], vec![1]]);
         }
     }
 
     /// Before the store has proven the token, what holds the port can make a rank neither
-    /// allocate a large frame nor wait past its hello's bound by dribbling one.
+    /// allocate a large message nor wait past its bound by dribbling one.
     #[test]
     fn an_unproven_store_costs_the_client_little() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let fake = thread::spawn(move || {
-            // First client: a header announcing 200 MiB. Second: a frame, a byte a second.
+            // First client: a header announcing 200 MiB. Then: a message, a byte a second.
             let (mut s, _) = listener.accept().unwrap();
-            s.write_all(&wire::header(op::CHALLENGE, 200 << 20).unwrap())
-                .unwrap();
+            s.write_all(&message(kind::CHALLENGE, &[])[..6]).unwrap();
+            s.write_all(&(200u32 << 20).to_le_bytes()).unwrap();
             let (mut s2, _) = listener.accept().unwrap();
-            let frame = wire::header(op::CHALLENGE, auth::NONCE_LEN).unwrap();
-            for b in frame {
+            for b in message(kind::CHALLENGE, &[0; 32]) {
                 if s2.write_all(&[b]).is_err() {
                     break;
                 }
@@ -1358,43 +1098,71 @@ mod tests {
             }
             drop(s);
         });
-        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
-        let e = c.hello(0, 2, TOKEN, T).unwrap_err();
+        let mut probe = Store {
+            stream: TcpStream::connect(("127.0.0.1", port)).unwrap(),
+            peer: String::new(),
+            broken: None,
+        };
+        let e = probe.admission_message(Instant::now() + T).unwrap_err();
         assert!(e.to_string().contains("limit"), "{e}");
-        let mut c = StoreClient::connect("127.0.0.1", port, T).unwrap();
         let started = Instant::now();
-        let e = c
-            .hello(0, 2, TOKEN, Duration::from_millis(500))
-            .unwrap_err();
+        let e = client_of(port, Duration::from_millis(500)).err().unwrap();
         let took = started.elapsed();
-        drop(c);
-        assert!(took < Duration::from_secs(3), "hello took {took:?}: {e}");
+        assert!(
+            took < Duration::from_secs(3),
+            "the handshake took {took:?}: {e}"
+        );
         fake.join().unwrap();
     }
 
+    /// Whatever holds the port cannot end a rank early with an oversize message either: the
+    /// rank tries again until its deadline.
     #[test]
-    fn silent_connections_are_closed_after_the_handshake_limit() {
+    fn an_oversize_unproven_message_is_tried_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let fake = thread::spawn(move || {
+            listener.set_nonblocking(true).unwrap();
+            let until = Instant::now() + Duration::from_millis(600);
+            let mut served = 0;
+            while Instant::now() < until {
+                if let Ok((mut s, _)) = listener.accept() {
+                    let mut m = message(kind::CHALLENGE, &[])[..6].to_vec();
+                    m.extend_from_slice(&(200u32 << 20).to_le_bytes());
+                    let _ = s.write_all(&m);
+                    served += 1;
+                }
+                thread::sleep(Duration::from_millis(1));
+            }
+            served
+        });
+        let started = Instant::now();
+        let e = client_of(port, Duration::from_millis(400)).err().unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(400),
+            "gave up after {:?}",
+            started.elapsed()
+        );
+        assert!(
+            matches!(&e, RendezvousError::Protocol { reason, .. } if reason.contains("limit")),
+            "{e:?}"
+        );
+        assert!(fake.join().unwrap() > 1, "never tried again");
+    }
+
+    #[test]
+    fn silent_and_garbage_connections_are_closed() {
         let mut opts = ServerOptions::new(2, TOKEN);
         opts.handshake_timeout = Duration::from_millis(200);
-        let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
-        let mut raw = TcpStream::connect(s.local_addr()).unwrap();
-        raw.set_read_timeout(Some(T)).unwrap();
+        let s = bind(opts);
+        let raw = TcpStream::connect(s.local_addr()).unwrap();
         let started = Instant::now();
-        let mut reply = Vec::new();
-        raw.read_to_end(&mut reply).unwrap();
+        assert!(reads_eof(&raw, T));
         assert!(started.elapsed() < Duration::from_secs(2));
-        let times = FrameTimes {
-            start_by: None,
-            within: T,
-            end_by: None,
-        };
-        let mut r = reply.as_slice();
-        let challenge = wire::read_frame(&mut r, 1 << 20, times).unwrap();
-        assert_eq!(challenge.op, op::CHALLENGE);
-        let f = wire::read_frame(&mut r, 1 << 20, times).unwrap();
-        assert_eq!(f.op, op::ERROR);
-        let e = wire::decode_error(&f.payload, "server").unwrap();
-        assert!(e.to_string().contains("no request within"), "{e}");
+        // Not a HELLO: closed as soon as the header is in, without waiting for more.
+        let mut raw = TcpStream::connect(s.local_addr()).unwrap();
+        raw.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+        assert!(reads_eof(&raw, Duration::from_millis(150)));
         assert!(s.failure().is_none());
     }
 
@@ -1404,14 +1172,13 @@ mod tests {
     fn the_whole_hello_has_one_deadline() {
         let mut opts = ServerOptions::new(2, TOKEN);
         opts.handshake_timeout = Duration::from_millis(400);
-        let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let s = bind(opts);
         let mut raw = TcpStream::connect(s.local_addr()).unwrap();
         let started = Instant::now();
         thread::sleep(Duration::from_millis(300));
-        let frame = wire::header(op::HELLO, HELLO_LEN).unwrap();
         let mut closed = None;
-        for b in frame.iter().chain([0u8; HELLO_LEN].iter()) {
-            if raw.write_all(&[*b]).is_err() {
+        for b in message(kind::HELLO, &[0u8; HELLO_LEN]) {
+            if raw.write_all(&[b]).is_err() {
                 closed = Some(started.elapsed());
                 break;
             }
@@ -1428,7 +1195,7 @@ mod tests {
         let closed = closed.expect("the dribbled HELLO was never cut off");
         assert!(
             closed < Duration::from_millis(600),
-            "cut off after {closed:?}, the deadline was 400 ms after connecting"
+            "cut off after {closed:?}"
         );
     }
 
@@ -1439,7 +1206,7 @@ mod tests {
         let mut opts = ServerOptions::new(1, TOKEN);
         opts.max_pending_per_addr = 4;
         opts.pending_floor = Duration::ZERO;
-        let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let s = bind(opts);
         let idle: Vec<TcpStream> = (0..10)
             .map(|_| TcpStream::connect(s.local_addr()).unwrap())
             .collect();
@@ -1450,8 +1217,7 @@ mod tests {
         }
         assert!(s.shared.lock().pending.len() <= 4);
         // The rank still gets in.
-        let mut c = client(&s, 0, 1);
-        c.wait_all(T).unwrap();
+        let _rank0 = member(&s, 0, 1);
         drop(idle);
     }
 
@@ -1462,7 +1228,7 @@ mod tests {
         let mut opts = ServerOptions::new(2, TOKEN);
         opts.max_pending_per_addr = 4;
         opts.pending_floor = Duration::from_secs(30);
-        let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+        let s = bind(opts);
         let first: Vec<TcpStream> = (0..4)
             .map(|_| TcpStream::connect(s.local_addr()).unwrap())
             .collect();
@@ -1471,12 +1237,11 @@ mod tests {
             assert!(Instant::now() < deadline, "the first four were not kept");
             thread::sleep(Duration::from_millis(5));
         }
-        let mut c = StoreClient::connect("127.0.0.1", s.local_addr().port(), T).unwrap();
-        match c.hello(1, 2, TOKEN, T) {
+        match try_member(&s, 1, 2, TOKEN, Duration::from_millis(300)) {
             Err(RendezvousError::Crowded { reason, .. }) => {
                 assert!(reason.contains("4 connections from 127.0.0.1"), "{reason}");
             }
-            other => panic!("{other:?}"),
+            other => panic!("{:?}", other.err()),
         }
         let st = s.shared.lock();
         assert_eq!((st.evicted, st.pending.len()), (0, 4));
@@ -1487,9 +1252,8 @@ mod tests {
             old.set_read_timeout(Some(Duration::from_millis(100)))
                 .unwrap();
             let mut buf = [0u8; 256];
-            let n = old.read(&mut buf).unwrap();
-            assert_eq!(n, wire::FRAME_HEADER_LEN + auth::NONCE_LEN);
-            assert_eq!(buf[5], op::CHALLENGE);
+            assert_eq!(old.read(&mut buf).unwrap(), HEADER_LEN + auth::NONCE_LEN);
+            assert_eq!(buf[5], kind::CHALLENGE);
             assert!(old.read(&mut buf).is_err(), "closed or answered");
         }
     }
@@ -1503,7 +1267,7 @@ mod tests {
             let mut opts = ServerOptions::new(2, TOKEN);
             opts.max_pending_per_addr = 1;
             opts.pending_floor = Duration::ZERO;
-            let s = StoreServer::bind("127.0.0.1:0".parse().unwrap(), opts).unwrap();
+            let s = bind(opts);
             let addr = s.local_addr();
             let stop = Arc::new(AtomicBool::new(false));
             let flood = {
@@ -1515,29 +1279,12 @@ mod tests {
                     }
                 })
             };
-            let ranks: Vec<_> = (0..2usize)
-                .map(|rank| {
-                    thread::spawn(move || -> Result<Vec<Vec<u8>>> {
-                        let deadline = Instant::now() + Duration::from_secs(10);
-                        let mut c = loop {
-                            let mut c = StoreClient::connect("127.0.0.1", addr.port(), T)?;
-                            match c.hello(rank, 2, TOKEN, T) {
-                                Ok(()) => break c,
-                                Err(
-                                    RendezvousError::Io { .. } | RendezvousError::Crowded { .. },
-                                ) if Instant::now() < deadline => {}
-                                Err(e) => return Err(e),
-                            }
-                        };
-                        c.wait_all(T)?;
-                        c.all_gather(0, &[u8::try_from(rank).unwrap()], T)
-                    })
-                })
-                .collect();
-            let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+            let got = ranks(&s, 2, |rank, mut session| {
+                session.all_gather(0, &[u8::try_from(rank).unwrap()], T)
+            });
             stop.store(true, Ordering::Relaxed);
             flood.join().unwrap();
-            for r in results {
+            for r in got {
                 assert_eq!(
                     r.unwrap_or_else(|e| panic!("trial {trial}: {e}")),
                     [vec![0], vec![1]]
@@ -1546,58 +1293,106 @@ mod tests {
         }
     }
 
+    /// A proven rank that sends what no rank sends (an unknown command, a key or value over its
+    /// limit, a CHECK of more keys than the job has, a GET of a missing key) is closed at once,
+    /// before the store reads or allocates what it announced.
     #[test]
-    fn rounds_go_in_order_and_a_rank_that_gives_up_frees_them() {
+    fn a_proven_rank_that_misbehaves_is_closed() {
         let s = server(2);
-        let mut c0 = client(&s, 0, 2);
-        let _c1 = client(&s, 1, 2);
-        c0.wait_all(T).unwrap();
-        // A round far ahead is refused (and, as misbehaviour of a rank, fails the job).
-        let e = c0.all_gather(1 << 40, b"x", T).unwrap_err();
-        assert!(
-            matches!(&e, RendezvousError::JobFailed { reason, .. } if reason.contains("next round is 0")),
-            "{e:?}"
-        );
+        let key = |k: &[u8]| {
+            let mut b = (k.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(k);
+            b
+        };
+        let mut oversize_value = vec![query::SET];
+        oversize_value.extend(key(b"k"));
+        oversize_value.extend_from_slice(&(1u64 << 40).to_le_bytes());
+        let mut oversize_key = vec![query::GET];
+        oversize_key.extend_from_slice(&(MAX_KEY_LEN as u64 + 1).to_le_bytes());
+        let mut wide_check = vec![query::CHECK];
+        wide_check.extend_from_slice(&4u64.to_le_bytes());
+        let mut missing = vec![query::GET];
+        missing.extend(key(b"nobody set this"));
+        for bad in [
+            vec![0x63],
+            vec![query::VALIDATE, 1, 2, 3, 4],
+            oversize_value,
+            oversize_key,
+            wide_check,
+            missing,
+        ] {
+            let store = member(&s, 0, 2);
+            let started = Instant::now();
+            (&store.stream).write_all(&bad).unwrap();
+            assert!(
+                reads_eof(&store.stream, Duration::from_secs(1)),
+                "{bad:?} kept the connection open"
+            );
+            assert!(started.elapsed() < Duration::from_millis(900), "{bad:?}");
+        }
+        // It wrote nothing: the job goes on, and the rank may come again.
+        assert!(s.failure().is_none());
+        let _rank0 = member(&s, 0, 2);
+    }
+
+    /// A proven rank gets a bounded share of the store: past it, it is closed (and, having
+    /// written, fails the job); what it wrote stays within the share.
+    #[test]
+    fn a_proven_rank_over_its_share_is_closed() {
+        let s = server(2);
+        let mut store = member(&s, 0, 2);
+        let far = Instant::now() + T;
+        for i in 0..CONN_KEYS {
+            store.set(&format!("k{i}"), b"v", far).unwrap();
+        }
+        store.add("counter", 1, far).unwrap_err();
+        assert!(reads_eof(&store.stream, T));
         let st = s.shared.lock();
-        assert_eq!((st.rounds.len(), st.stored), (0, 0));
+        assert_eq!(st.keys.len(), CONN_KEYS + 1, "its keys and the failure");
+        assert!(st
+            .failure
+            .as_ref()
+            .unwrap()
+            .0
+            .contains("rank 0 closed its connection"));
         drop(st);
-
-        let s = server(2);
-        let mut c0 = client(&s, 0, 2);
-        let _c1 = client(&s, 1, 2);
-        c0.wait_all(T).unwrap();
-        let e = c0
-            .all_gather(0, &[7u8; 1 << 20], Duration::from_millis(100))
-            .unwrap_err();
-        assert!(matches!(e, RendezvousError::Timeout { .. }), "{e:?}");
-        let st = s.shared.lock();
-        assert_eq!(
-            (st.rounds.len(), st.stored),
-            (0, 0),
-            "a timed-out round still holds memory"
-        );
-        assert!(st.failure.as_ref().unwrap().reason.contains("gave up"));
-    }
-
-    #[test]
-    fn oversize_requests_are_refused_by_the_client() {
+        // Bytes: four of the largest values fit, a fifth does not.
         let s = server(1);
-        let mut c = client(&s, 0, 1);
-        let big = vec![0u8; crate::MAX_VALUE_LEN + 1];
-        assert!(matches!(
-            c.all_gather(0, &big, T),
-            Err(RendezvousError::TooLarge { .. })
-        ));
-        // The connection is still fine.
-        assert_eq!(c.all_gather(0, b"v", T).unwrap(), [b"v".to_vec()]);
+        let mut store = member(&s, 0, 1);
+        let big = vec![7u8; MAX_SET_VALUE];
+        for i in 0..4 {
+            store.set(&format!("big{i}"), &big, far).unwrap();
+        }
+        store.set("big4", &big, far).unwrap();
+        assert!(reads_eof(&store.stream, T));
+        assert!(s.shared.lock().stored <= CONN_BYTES + 1024);
     }
 
     #[test]
-    fn dropping_the_server_answers_waiters_and_joins_its_threads() {
+    fn oversize_contributions_are_refused_by_the_client() {
+        let s = server(1);
+        let got = ranks(&s, 1, |_, mut session| {
+            let big = vec![0u8; crate::MAX_VALUE_LEN + 1];
+            let e = session.all_gather(0, &big, T).unwrap_err();
+            (e, session.all_gather(0, b"v", T))
+        });
+        let (e, after) = &got[0];
+        assert!(matches!(e, RendezvousError::TooLarge { .. }), "{e:?}");
+        assert_eq!(after.as_ref().unwrap(), &[b"v".to_vec()]);
+    }
+
+    #[test]
+    fn dropping_the_server_tells_waiters_and_joins_its_threads() {
         let s = server(2);
-        let mut c0 = client(&s, 0, 2);
-        let _idle = client(&s, 1, 2);
-        let waiter = thread::spawn(move || c0.all_gather(0, b"x", Duration::from_secs(30)));
+        let e0 = env(&s, 0, 2);
+        let e1 = env(&s, 1, 2);
+        let joining = thread::spawn(move || {
+            Session::join(&e1, "127.0.0.1", e1.master_port, Instant::now() + T).unwrap()
+        });
+        let mut rank0 =
+            Session::join(&e0, "127.0.0.1", e0.master_port, Instant::now() + T).unwrap();
+        let _rank1 = joining.join().unwrap();
+        let waiter = thread::spawn(move || rank0.all_gather(0, b"x", Duration::from_secs(30)));
         thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         drop(s);

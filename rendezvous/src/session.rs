@@ -1,0 +1,465 @@
+//! The rounds of a rendezvous, run over the one store protocol ([`super::store`]) against
+//! torchrun's store or gpucast's own, by one code path.
+//!
+//! Every value a rank puts in the store carries HMAC-SHA256 under a key derived from the job
+//! token and the key prefix, over the value and its instance, round, rank and, after the first
+//! round, the session id that every rank's fresh nonce makes: readable, but not forgeable, and
+//! refused when recorded in an earlier launch. A value that does not open is an error that
+//! names it, never data. Rank 0 deletes a round's keys once every rank is past it.
+//!
+//! Aborts differ by store: in torchrun's store (which anyone who reaches it can write) they are
+//! sealed like values; gpucast's own store, which has proven the token and admits only ranks
+//! that have, keeps the job's failure itself under [`FAILED_KEY`], which a rank that aborts sets.
+
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use super::auth::{self, Sealer, SEAL_OVERHEAD};
+use super::env::{JobEnv, StoreKind};
+use super::error::{clip, RendezvousError, Result};
+use super::store::{decode_error, encode_error, Admission, Store, FAILED_KEY, TORCH_MAX_VALUE};
+use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
+
+// A sealed contribution always fits in a value of torch's store.
+const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
+
+/// Requests may run this long past the end of the wait they serve, so that a wait that times
+/// out can still name what it missed.
+const REQUEST_SLACK: Duration = Duration::from_secs(1);
+/// First and longest pause between two looks at the keys of a round.
+const POLL_START: Duration = Duration::from_micros(200);
+const POLL_MAX: Duration = Duration::from_millis(10);
+
+/// The rounds of one [`super::Rendezvous`] through a store.
+///
+/// Rounds: `hello` (every rank's fresh nonce and world size), `confirm` (a value sealed under
+/// the session id that the nonces give, so that a rank goes on only once every rank has seen
+/// the same hellos: a hello recorded in an earlier launch cannot pass), then the all-gather
+/// rounds 0, 1, ... Each rank writes its value, then adds one to the round's counter; a rank
+/// waits by reading that one counter (not every key, which would load the store with
+/// world x world key lookups) and checks the keys once it is full.
+pub(crate) struct Session {
+    store: Store,
+    /// gpucast's own store, which keeps the job's failure itself.
+    own: bool,
+    sealer: Sealer,
+    /// The wire prefix of this instance's keys, ending in `/`.
+    base: String,
+    /// Which gpucast rendezvous of this launch this is (1, 2, ...), alike on every rank.
+    instance: u64,
+    rank: usize,
+    world: usize,
+    /// This rank's fresh nonce of the first round.
+    nonce: [u8; 32],
+    /// Digest of every rank's nonce, once the first round is done: binds later values, and
+    /// aborts, to this session.
+    session: Option<[u8; 32]>,
+    /// A genuine abort seen during the first round, reported if that round fails.
+    early_abort: Option<RendezvousError>,
+    /// Whether an abort that failed authentication was seen (reported once).
+    forged_abort: bool,
+}
+
+fn u64s(parts: &[u64]) -> Vec<u8> {
+    parts.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Bytes of a first-round value: the nonce and the world size.
+const HELLO_PLAIN: usize = 32 + 8;
+/// Ranks an abort lists at most.
+pub(crate) const ABORT_RANKS: usize = 1 << 12;
+/// Longest reason an abort carries.
+pub(crate) const ABORT_REASON: usize = 4096;
+/// Longest abort (sealed, or the failure gpucast's own store keeps).
+const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
+/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
+/// this many keys in one CHECK.
+const TORCH_MAX_WORLD: usize = 128 * 1024;
+
+/// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
+/// of the session id; the all-gather rounds are 0, 1, ...
+const HELLO: u64 = u64::MAX;
+const CONFIRM: u64 = u64::MAX - 1;
+
+/// A round's name in keys, and what its values are, in errors.
+fn round_name(round: u64) -> (String, String) {
+    match round {
+        HELLO => ("hello".into(), "hello".into()),
+        CONFIRM => ("confirm".into(), "confirmation of the session".into()),
+        r => (
+            r.to_string(),
+            format!("contribution to all-gather round {r}"),
+        ),
+    }
+}
+
+impl Session {
+    /// Joins the job through the store at `host:port` (gpucast's own, which this rank is
+    /// admitted to first, or torchrun's): takes this rendezvous's instance number, then runs
+    /// the first two rounds (every rank's nonce and world size, then a confirmation under the
+    /// session id), within `deadline`.
+    pub(crate) fn join(env: &JobEnv, host: &str, port: u16, deadline: Instant) -> Result<Session> {
+        let (prefix, own) = match &env.store {
+            StoreKind::Torch { prefix } => (prefix.as_str(), false),
+            StoreKind::Own => ("gpucast-own", true),
+        };
+        if !own && env.world_size > TORCH_MAX_WORLD {
+            return Err(RendezvousError::InvalidArgument {
+                reason: format!(
+                    "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
+                     (set GPUCAST_MASTER_PORT to host gpucast's own store)",
+                    env.world_size
+                ),
+            });
+        }
+        // Said by rank 0 only, so once per job.
+        let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
+        if let Some(reason) = weak {
+            let exposure = if own {
+                format!("gpucast's rendezvous store listens on port {port}, which every user of this host (and beyond it, unless on loopback) can reach")
+            } else {
+                "gpucast's values in torchrun's store, which any process that reaches \
+                 MASTER_PORT can read, carry tags made with a key derived from it"
+                    .to_owned()
+            };
+            auth::warn_weak_token(reason, &exposure);
+        }
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let key = auth::Key::of(&env.job_token);
+        let admission = own.then_some(Admission {
+            key: &key,
+            rank: env.rank,
+            world_size: env.world_size,
+        });
+        let mut store = Store::connect(host, port, admission, deadline)?;
+        let k = |k: &str| format!("/{prefix}/gpucast/{k}");
+        let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
+        let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
+            peer: store.peer.clone(),
+            reason: format!("the instance counter is {instance}"),
+        })?;
+        let mut s = Session {
+            store,
+            own,
+            sealer: Sealer::new(&key, prefix.as_bytes()),
+            base: k(&format!("{instance}/")),
+            instance,
+            rank: env.rank,
+            world: env.world_size,
+            nonce: auth::random()?,
+            session: None,
+            early_abort: None,
+            forged_abort: false,
+        };
+        debug!(rank = env.rank, instance, base = %s.base, "rendezvous through a store");
+        // The second round: an empty value sealed under the session id, from every rank. A
+        // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
+        // that never came) has another session id, and its confirmation does not open here.
+        let first = s
+            .hello(deadline)
+            .and_then(|()| s.round(CONFIRM, &[], 0, deadline));
+        if let Err(e) = &first {
+            s.abort_after(e);
+        }
+        first.map(|_| s)
+    }
+
+    fn aad(&self, round: u64, rank: usize) -> Vec<u8> {
+        let mut aad = match round {
+            HELLO => b"gpucast hello".to_vec(),
+            CONFIRM => b"gpucast confirm".to_vec(),
+            _ => b"gpucast round".to_vec(),
+        };
+        aad.extend(self.session.iter().flatten());
+        aad.extend(u64s(&[self.instance, round, rank as u64]));
+        aad
+    }
+
+    fn key(&self, round: u64, rank: usize) -> String {
+        format!("{}{}/{rank}", self.base, round_name(round).0)
+    }
+
+    fn counter(&self, round: u64) -> String {
+        format!("{}{}/count", self.base, round_name(round).0)
+    }
+
+    fn keys(&self, round: u64) -> Vec<String> {
+        (0..self.world).map(|r| self.key(round, r)).collect()
+    }
+
+    /// The abort key of the first round (bound to its sender's nonce) and of the session; in
+    /// gpucast's own store, the failure it keeps.
+    fn abort_key(&self) -> String {
+        match self.session {
+            _ if self.own => FAILED_KEY.to_owned(),
+            None => format!("{}abort-hello", self.base),
+            Some(_) => format!("{}abort", self.base),
+        }
+    }
+
+    fn abort_aad(&self) -> Vec<u8> {
+        let mut aad = b"gpucast abort".to_vec();
+        aad.extend(self.session.iter().flatten());
+        aad.extend(u64s(&[self.instance]));
+        aad
+    }
+
+    /// Rank `r`'s first-round value, opened: its nonce and world size.
+    fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
+        let plain = self.sealer.open(&self.aad(HELLO, r), sealed)?;
+        let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
+        let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
+        (plain.len() == HELLO_PLAIN).then_some((nonce, world))
+    }
+
+    /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
+    /// then reads each (at most `max` bytes, opened at once: a process that overwrites keys
+    /// with junk costs no more memory than a real round) and returns them in rank order. Rank
+    /// 0 then deletes the round before, which every rank is past.
+    fn round(
+        &mut self,
+        round: u64,
+        plain: &[u8],
+        max: usize,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
+        self.store.set(&self.key(round, self.rank), &sealed, hard)?;
+        self.store.add(&self.counter(round), 1, hard)?;
+        self.wait_round(round, deadline, timeout)?;
+        let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
+        let what = round_name(round).1;
+        for (r, k) in self.keys(round).iter().enumerate() {
+            let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
+            let value = self
+                .sealer
+                .open(&self.aad(round, r), &sealed)
+                .ok_or_else(|| RendezvousError::Forged {
+                    what: format!("rank {r}'s {what}"),
+                    store: self.store.peer.clone(),
+                })?;
+            total += value.len();
+            if total > MAX_GATHER_BYTES {
+                return Err(RendezvousError::TooLarge {
+                    what: format!("all-gather round {round}"),
+                    len: total,
+                    max: MAX_GATHER_BYTES,
+                });
+            }
+            out.push(value);
+        }
+        if out[self.rank] != plain {
+            return Err(RendezvousError::DuplicateRank {
+                rank: self.rank,
+                detail: format!("another process of the job wrote this rank's {what}"),
+            });
+        }
+        let previous = match round {
+            HELLO => None,
+            CONFIRM => Some(HELLO),
+            0 => Some(CONFIRM),
+            r => Some(r - 1),
+        };
+        if let (0, Some(previous)) = (self.rank, previous) {
+            let mut old = self.keys(previous);
+            old.push(self.counter(previous));
+            for k in old {
+                if let Err(e) = self.store.delete(&k, hard) {
+                    debug!(error = %e, "rendezvous: could not delete a finished key");
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first round: every rank's fresh nonce (the session id) and world size.
+    fn hello(&mut self, deadline: Instant) -> Result<()> {
+        let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
+        // Another rank's abort of this round says more than the timeout it caused.
+        let hellos = self
+            .round(HELLO, &plain, HELLO_PLAIN, deadline)
+            .map_err(|e| match (e, self.early_abort.take()) {
+                (RendezvousError::Timeout { .. }, Some(failure)) => failure,
+                (e, _) => e,
+            })?;
+        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
+        let instance = self.instance.to_le_bytes();
+        parts.push(&instance);
+        for (r, hello) in hellos.iter().enumerate() {
+            let world = hello.get(32..).and_then(|w| w.try_into().ok());
+            let world = world.map_or(u64::MAX, u64::from_le_bytes);
+            if world != self.world as u64 {
+                return Err(RendezvousError::WorldSizeMismatch {
+                    rank: r,
+                    client: usize::try_from(world).unwrap_or(usize::MAX),
+                    server: self.world,
+                });
+            }
+            parts.push(&hello[..32]);
+        }
+        self.session = Some(auth::digest(&parts));
+        Ok(())
+    }
+
+    /// Every rank's contribution to round `round`, in rank order.
+    pub(crate) fn all_gather(
+        &mut self,
+        round: u64,
+        mine: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        if mine.len() > MAX_VALUE_LEN {
+            return Err(RendezvousError::TooLarge {
+                what: "all-gather contribution".into(),
+                len: mine.len(),
+                max: MAX_VALUE_LEN,
+            });
+        }
+        self.round(round, mine, MAX_VALUE_LEN, later(timeout))
+    }
+
+    /// Waits until every rank has counted itself into `round` and its keys exist, an abort of
+    /// this session appears, or `deadline` passes (requests may take a second longer, to name
+    /// the missing ranks).
+    fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
+        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let counter = self.counter(round);
+        let keys = self.keys(round);
+        let abort = vec![self.abort_key()];
+        let world = i64::try_from(self.world).unwrap_or(i64::MAX);
+        let mut pause = POLL_START;
+        loop {
+            // One counter per look; the keys once it says everyone is in (a stranger can
+            // raise the counter, never make the keys exist).
+            if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
+                return Ok(());
+            }
+            if self.store.check(&abort, hard)? {
+                // The round may have filled between the two looks, and a rank that saw it full
+                // have aborted since: then this round is done, and the abort is the next one's.
+                if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
+                    return Ok(());
+                }
+                self.read_abort(hard)?;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                // Every key there though the counter is short (written without being counted:
+                // a stranger's, or a rank's that died in between): let the values speak.
+                if self.store.check(&keys, hard)? {
+                    return Ok(());
+                }
+                // Name the missing ranks, a key each, as far as the second allows.
+                let mut missing = Vec::new();
+                for (r, k) in keys.iter().enumerate() {
+                    if Instant::now() >= hard {
+                        break;
+                    }
+                    if !self.store.check(std::slice::from_ref(k), hard)? {
+                        missing.push(r);
+                    }
+                }
+                let what = match round {
+                    HELLO => format!("hello from all {} ranks", self.world),
+                    CONFIRM => format!(
+                        "every one of the {} ranks to confirm the session",
+                        self.world
+                    ),
+                    r => format!("all-gather round {r}"),
+                };
+                return Err(RendezvousError::Timeout {
+                    what,
+                    timeout,
+                    missing,
+                });
+            }
+            thread::sleep(pause.min(left));
+            pause = (pause * 2).min(POLL_MAX);
+        }
+    }
+
+    /// Reads the abort another rank left. In a session, one that opens under the session's
+    /// key fails this rank at once. In the first round, one whose sender's nonce matches that
+    /// sender's hello is kept, and reported if the round fails: it cannot prove itself of
+    /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
+    fn read_abort(&mut self, hard: Instant) -> Result<()> {
+        let value = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
+        let malformed = || RendezvousError::Protocol {
+            peer: self.store.peer.clone(),
+            reason: "a malformed failure".into(),
+        };
+        if self.own {
+            // gpucast's own store proved the token, and only proven ranks write to it.
+            return Err(decode_error(&value).unwrap_or_else(malformed));
+        }
+        let parsed = self.sealer.open(&self.abort_aad(), &value).and_then(|p| {
+            let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
+            let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
+            Some((
+                usize::try_from(sender).ok()?,
+                nonce,
+                decode_error(&p[40..])?,
+            ))
+        });
+        let Some((sender, nonce, failure)) = parsed else {
+            if !self.forged_abort {
+                self.forged_abort = true;
+                warn!(store = %self.store.peer, "rendezvous: ignoring an abort in the store that is not of this job");
+            }
+            return Ok(());
+        };
+        if self.session.is_some() {
+            return Err(failure);
+        }
+        // First round: the sender's hello must be there and carry the same nonce.
+        let key = vec![self.key(HELLO, sender.min(self.world))];
+        if sender < self.world && self.store.check(&key, hard)? {
+            let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
+            if self
+                .open_hello(sender, &hello)
+                .is_some_and(|(n, _)| auth::same_secret(&n, &nonce))
+            {
+                self.early_abort = Some(failure);
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails the job for every rank with `reason`: in torchrun's store, a sealed value of this
+    /// rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
+    pub(crate) fn abort(
+        &mut self,
+        reason: &str,
+        missing: &[usize],
+        timeout: Duration,
+    ) -> Result<()> {
+        let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
+        let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
+        let failure = encode_error(&RendezvousError::JobFailed { reason, missing });
+        let value = match self.own {
+            true => failure,
+            false => {
+                let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &failure].concat();
+                self.sealer.seal(&self.abort_aad(), &plain)
+            }
+        };
+        self.store.set(&self.abort_key(), &value, later(timeout))
+    }
+
+    /// After a local failure, tells the others (best effort), unless the failure came from
+    /// them or from the store itself.
+    pub(crate) fn abort_after(&mut self, e: &RendezvousError) {
+        if !e.is_worth_an_abort() {
+            return;
+        }
+        let reason = e.to_string();
+        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), Duration::from_millis(500)) {
+            debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
+        }
+    }
+}
