@@ -21,7 +21,7 @@
 //!
 //! Run on the counting libcuda shim of `ci/cuda-count` (its directory first in
 //! `LD_LIBRARY_PATH`), eager mode also prints each path and size's driver calls per call, over
-//! [`drvcount::CALLS`] calls made before the timing (see `benches/drvcount.rs`).
+//! [`drvcount::CALLS`] calls made before the timing (see `benches/drvcount/mod.rs`).
 
 #![allow(
     clippy::cast_possible_truncation,

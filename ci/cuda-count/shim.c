@@ -37,7 +37,7 @@
  *   reference also keeps the shim loaded until the process ends.
  *
  *
- *   The benchmark (bench/benches/drvcount.rs) prints driver calls per call in eager mode when it
+ *   The benchmark (bench/benches/drvcount/mod.rs) prints driver calls per call in eager mode when it
  *   runs on the shim. Built here, after ci/gpu-stage.sh (which empties .gpu):
  *       bash ci/cuda-count/build.sh .gpu/cuda-count
  *   then on the GPU machine, from the repository root:
