@@ -466,7 +466,7 @@ pub(crate) const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
 #[cfg(test)]
 pub(crate) const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
 #[cfg(test)]
-use crate::rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+use gpucast_rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
 
 /// Every variable above with a one-line description: the README's table "Environment variables"
 /// documents each (checked by a test).

@@ -30,7 +30,7 @@ pub enum Error {
     TooManyDevices {
         /// Number of devices asked for.
         requested: usize,
-        /// The limit ([`crate::MAX_GPUS`]).
+        /// The limit ([`crate::limits::MAX_GPUS`]).
         max: usize,
     },
     /// The same device ordinal appears twice.
@@ -181,7 +181,7 @@ pub enum Error {
     CommunicatorsAborted {
         /// What made gpucast abort them.
         reason: String,
-        /// The calls (numbered as [`crate::Clique::calls`] counts them) that were still
+        /// The calls (numbered as [`crate::clique::Clique::calls`] counts them) that were still
         /// running when the communicators were aborted: their outputs are undefined. Empty
         /// when the error is reported again, to a later call.
         undefined_calls: Vec<u64>,
@@ -223,7 +223,7 @@ pub enum Error {
     /// Finding the other processes of the job, or exchanging data with them at
     /// initialisation, failed (a rank missing, a mismatch, a timeout: see the cause).
     #[error("rendezvous: {0}")]
-    Rendezvous(std::sync::Arc<crate::rendezvous::RendezvousError>),
+    Rendezvous(std::sync::Arc<gpucast_rendezvous::RendezvousError>),
     /// Compiling the P2P kernel with NVRTC failed.
     #[error("NVRTC could not compile the P2P kernel for {arch}: {message}")]
     Compile {
@@ -271,8 +271,8 @@ impl Error {
     }
 }
 
-impl From<crate::rendezvous::RendezvousError> for Error {
-    fn from(e: crate::rendezvous::RendezvousError) -> Error {
+impl From<gpucast_rendezvous::RendezvousError> for Error {
+    fn from(e: gpucast_rendezvous::RendezvousError) -> Error {
         Error::Rendezvous(std::sync::Arc::new(e))
     }
 }

@@ -345,6 +345,7 @@ mod driver;
 mod dtype;
 mod engine;
 mod error;
+mod item;
 mod limits;
 mod nccl;
 mod p2p;

@@ -5,40 +5,10 @@
 //! alone, or fused launches of at most [`LIST_MAX`] copies; NCCL tensors go in groups of at most
 //! [`NCCL_GROUP_MAX_OPS`] operations.
 
-use crate::config::{self, Available, BroadcastPath, Route, Thresholds, MAX_GPUS};
-use crate::dtype::DType;
+use crate::config::{self, Available, BroadcastPath, Route, Thresholds};
 use crate::error::Result;
 use crate::p2p::abi::LIST_MAX;
 use crate::p2p::Protocol;
-
-/// One tensor of a call, as addresses: `src` on the root, `dsts[rank]` on every rank (the
-/// root's own output included; equal to `src` in place).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Item {
-    pub src: u64,
-    pub dsts: [u64; MAX_GPUS],
-    pub count: usize,
-    pub dtype: DType,
-}
-
-impl Item {
-    /// A tensor of `count` elements of `dtype` from `src`, into `dsts[r]` on local rank `r`.
-    pub(crate) fn new(src: u64, dsts: &[u64], count: usize, dtype: DType) -> Item {
-        let mut item = Item {
-            src,
-            dsts: [0; MAX_GPUS],
-            count,
-            dtype,
-        };
-        item.dsts[..dsts.len()].copy_from_slice(dsts);
-        item
-    }
-
-    pub(crate) fn bytes(&self) -> usize {
-        // Validation checked that this product fits.
-        self.count * self.dtype.size()
-    }
-}
 
 /// Most operations NCCL accepts between `ncclGroupStart` and `ncclGroupEnd`.
 pub(crate) const NCCL_GROUP_MAX_OPS: usize = 2048;

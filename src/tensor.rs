@@ -15,7 +15,7 @@ mod sealed {
 /// A device buffer of any [`Element`] type that a broadcast can read: cudarc's `CudaSlice<T>`,
 /// `CudaView<T>` and `CudaViewMut<T>`, [`ExternalSlice<T>`], and references to them. The one
 /// buffer trait of every call, eager or captured; used as `&dyn DeviceTensor` in
-/// [`crate::CliqueBroadcast::broadcast_many`]. Element types and lengths are checked at run
+/// [`crate::clique::CliqueBroadcast::broadcast_many`]. Element types and lengths are checked at run
 /// time, before anything is queued.
 pub trait DeviceTensor: sealed::Sealed + Send + Sync {
     /// Element type.
@@ -209,8 +209,8 @@ impl<T: Element> ExternalSlice<T> {
     ///
     /// Checked here, as errors: the byte count fits in `usize`; for `len > 0`, `ptr` is aligned
     /// to `T`, and `ptr .. ptr + len * size_of::<T>()` lies inside one device allocation of
-    /// the stream's GPU ([`Error::InvalidArgument`](crate::Error::InvalidArgument),
-    /// [`Error::WrongDevice`](crate::Error::WrongDevice) otherwise).
+    /// the stream's GPU ([`Error::InvalidArgument`](crate::error::Error::InvalidArgument),
+    /// [`Error::WrongDevice`](crate::error::Error::WrongDevice) otherwise).
     ///
     /// # Safety
     /// - The memory is device memory allocated in the primary context of its GPU

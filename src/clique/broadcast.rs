@@ -60,7 +60,7 @@ pub trait CliqueBroadcast: Queue {
     /// `outputs[rank][t]` its destination on rank `rank` (the root's own included). Tensors may
     /// differ in element type and length; each tensor's outputs match its input.
     ///
-    /// With [`crate::BroadcastPath::Auto`] each tensor takes the path a single broadcast of its
+    /// With [`crate::config::BroadcastPath::Auto`] each tensor takes the path a single broadcast of its
     /// size would take; P2P tensors are copied by one kernel launch per 120 tensors (no staging
     /// copy), NCCL tensors are broadcast in groups.
     fn broadcast_many<'a, 'b>(
@@ -99,7 +99,7 @@ pub trait CliqueBroadcast: Queue {
 /// only the root an input. Implemented by [`super::Communicator`], by the [`super::Capture`] of
 /// a communicator, and by their [`WithOptions`] views. Every rank makes the same calls, in the
 /// same order, with buffers of the same types and lengths (checked between the ranks of one
-/// host: [`crate::Error::CallMismatch`]).
+/// host: [`crate::error::Error::CallMismatch`]).
 pub trait RankBroadcast: Queue {
     /// Out of place: the root passes `Some(input)` and receives a copy in `output` too; every
     /// other rank passes `None` and receives into `output`. (`None` on the root broadcasts its

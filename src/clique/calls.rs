@@ -24,7 +24,7 @@ use crate::config::Route;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::p2p::ipc;
-use crate::rendezvous::Exchange;
+use gpucast_rendezvous::Exchange;
 
 /// Cards each rank keeps: a peer this many calls behind or ahead is not checked.
 pub(crate) const SLOTS: usize = 1024;
@@ -684,7 +684,7 @@ mod tests {
         fn all_gather(
             &self,
             mine: &[u8],
-        ) -> std::result::Result<Vec<Vec<u8>>, crate::rendezvous::RendezvousError> {
+        ) -> std::result::Result<Vec<Vec<u8>>, gpucast_rendezvous::RendezvousError> {
             let (board, barrier) = &*self.board;
             let round = {
                 let mut b = board.lock().unwrap();

@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
 use crate::ranks::JobRank;
-use crate::rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
+use gpucast_rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
 
 /// Longest a rank that cannot take part keeps trying to tell the others (in the background).
 const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
@@ -108,7 +108,7 @@ impl CommunicatorBuilder {
 /// [`Communicator::builder`] with the caller's exchange), then every rank calls the same
 /// broadcasts in the same order, each with its own buffer: the root's buffer is the source,
 /// the others receive it (as `torch.distributed.broadcast`). Ranks on one host (the same
-/// [`crate::rendezvous::host_id`]) use gpucast's P2P kernel over shared memory that they map
+/// [`gpucast_rendezvous::host_id`]) use gpucast's P2P kernel over shared memory that they map
 /// once at initialisation, with no exchange per call; a job across hosts uses NCCL.
 ///
 /// Ordering, threads and failures are as for [`super::Clique`]: every buffer may be dropped or
@@ -234,7 +234,7 @@ impl Communicator {
     /// Joins the job described by the environment torchrun or Slurm set (`RANK`,
     /// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, ...), on GPU `LOCAL_RANK`,
     /// through torchrun's own store under torchrun, else a TCP store that rank 0 hosts (see
-    /// [`crate::rendezvous::Rendezvous::connect`]). Set `GPUCAST_JOB_TOKEN` to the same secret
+    /// [`gpucast_rendezvous::Rendezvous::connect`]). Set `GPUCAST_JOB_TOKEN` to the same secret
     /// on every rank: it is what keeps other processes out of the job.
     pub fn from_env() -> Result<Communicator> {
         Communicator::builder().build()
@@ -295,7 +295,7 @@ impl Communicator {
             "creating a context on device {ordinal}"
         )))?;
 
-        let host = host_id(crate::rendezvous::env_var);
+        let host = host_id(gpucast_rendezvous::env_var);
         let shared = b.shared_devices;
         let same_host = round_cards(exchange.as_ref(), &host, &settings, shared, ordinal)?;
         if same_host && world > 1 {
@@ -471,7 +471,7 @@ impl Communicator {
         Ok(self.core.alloc_outputs(len)?.remove(0))
     }
 
-    /// Number of calls queued so far by this rank (see [`crate::Clique::calls`]).
+    /// Number of calls queued so far by this rank (see [`crate::clique::Clique::calls`]).
     pub fn calls(&self) -> u64 {
         self.core.engine.calls()
     }
@@ -510,7 +510,7 @@ impl RankBroadcast for Communicator {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rendezvous::RendezvousError;
+    use gpucast_rendezvous::RendezvousError;
 
     /// Rank 0 of a job whose other ranks send `others`.
     struct Fake {

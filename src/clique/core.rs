@@ -310,7 +310,7 @@ impl Core {
         })
     }
 
-    /// A fused call; see [`crate::CliqueBroadcast::broadcast_many`]. `inputs` is `None` in place or on a
+    /// A fused call; see [`crate::clique::CliqueBroadcast::broadcast_many`]. `inputs` is `None` in place or on a
     /// process without the root.
     pub(crate) fn many(
         &self,

@@ -134,7 +134,7 @@ impl Drop for Session<'_> {
 /// otherwise, before anything is queued).
 ///
 /// The capture holds the clique's lock: no other thread's broadcast lands in the graph, and a
-/// call on the clique itself from inside the closure returns [`crate::Error::CaptureInProgress`].
+/// call on the clique itself from inside the closure returns [`crate::error::Error::CaptureInProgress`].
 pub struct Capture<'c, F> {
     core: &'c Core,
     session: RefCell<Session<'c>>,

@@ -26,7 +26,7 @@ use cudarc::driver::{result, CudaContext, CudaEvent};
 
 use crate::driver;
 use crate::error::{Error, Result};
-use crate::plan::Item;
+use crate::item::Item;
 use crate::topology::Topology;
 use schedule::{ChainOp, Chunk, Flag, WINDOW};
 

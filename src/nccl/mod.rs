@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUstream;
 use cudarc::nccl::sys::ncclComm_t;
 
 use crate::error::{Error, Result};
-use crate::plan::Item;
+use crate::item::Item;
 use crate::wait::millis;
 pub use lib::nccl_version;
 pub(crate) use lib::{Config, NcclLib, UniqueId};

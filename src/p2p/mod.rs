@@ -21,19 +21,19 @@ use cudarc::driver::{result, CudaContext, CudaFunction, CudaModule, DeviceRepr};
 
 use crate::config::MAX_GPUS;
 use crate::error::{Error, Result};
-use crate::rendezvous::Exchange;
 use abi::{layout, ListEntry, ListParams, Params};
+use gpucast_rendezvous::Exchange;
 use shared::SharedMemory;
 
 /// The P2P kernel's protocols: what a P2P route becomes once it is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Protocol {
     /// The root writes the message into every peer's packet buffer
-    /// ([`crate::Route::P2pPacket`]).
+    /// ([`crate::config::Route::P2pPacket`]).
     Packet,
-    /// Every peer reads the root's input ([`crate::Route::P2pPull`]).
+    /// Every peer reads the root's input ([`crate::config::Route::P2pPull`]).
     Pull,
-    /// Each rank reads its predecessor's output ([`crate::Route::P2pChain`]).
+    /// Each rank reads its predecessor's output ([`crate::config::Route::P2pChain`]).
     Chain,
 }
 
