@@ -11,7 +11,8 @@
 //! before the clique or communicator synchronizes or goes ([`Pending::fence`]). Work on each stream runs in the order it was
 //! queued, so a fence recorded after a batch's last call covers every call of the batch.
 //! Completion is polled (`cuEventQuery`, oldest fence first, stopping at the first not done)
-//! when a fence is recorded and at `synchronize`, never waited for here, so keeping costs no
+//! when a fence is recorded, at every call while a batch of `FENCE_BYTES` or more waits, and
+//! at `synchronize`, never waited for here, so keeping costs no
 //! wait; the owners of the batches whose fences have completed are dropped then.
 //!
 //! Memory: a call's owners are held until the fence of its batch has completed and a later
@@ -19,8 +20,10 @@
 //! (fewer for calls of many tensors or large ones), where one event per call polled at every
 //! call held them until the next call. Beyond what that held, the added hold is at most the
 //! unfenced batch and one completed batch not yet polled: each under `FENCE_BYTES` of tensors
-//! plus its last call's, `FENCE_OWNERS` owners plus its last call's (calls of tensors of
-//! `FENCE_BYTES` or more are fenced and polled at each call, as before). Nothing else is held:
+//! plus its last call's, `FENCE_OWNERS` owners plus its last call's (a call of tensors of
+//! `FENCE_BYTES` or more is fenced at once, and its batch polled at every later call until it
+//! is released: such tensors go at the first call after their work ran, as before). Nothing
+//! else is held:
 //! the lists hold only batches not yet seen complete.
 //!
 //! Owners whose call's end cannot be known (a fence that could not be recorded on every
@@ -66,6 +69,9 @@ pub(crate) struct Batches<F, O> {
     bytes: usize,
     /// Fenced batches, oldest first (fences recorded in this order).
     fenced: VecDeque<(F, Vec<O>)>,
+    /// Whether each fenced batch (in `fenced`'s order) holds [`FENCE_BYTES`] or more: such a
+    /// batch is polled at every call until released (see [`Batches::large_pending`]).
+    large: VecDeque<bool>,
 }
 
 impl<F: Fence, O> Batches<F, O> {
@@ -75,6 +81,7 @@ impl<F: Fence, O> Batches<F, O> {
             calls: 0,
             bytes: 0,
             fenced: VecDeque::new(),
+            large: VecDeque::new(),
         }
     }
 
@@ -104,12 +111,13 @@ impl<F: Fence, O> Batches<F, O> {
     #[must_use = "the owners of an unfenced batch must be leaked"]
     pub(crate) fn fenced(&mut self, fence: Option<F>) -> Vec<O> {
         self.calls = 0;
-        self.bytes = 0;
+        let large = std::mem::take(&mut self.bytes) >= FENCE_BYTES;
         let owners = std::mem::take(&mut self.unfenced);
         match fence {
             Some(f) => {
                 if !owners.is_empty() {
                     self.fenced.push_back((f, owners));
+                    self.large.push_back(large);
                 }
                 Vec::new()
             }
@@ -123,8 +131,16 @@ impl<F: Fence, O> Batches<F, O> {
         let mut done = Vec::new();
         while self.fenced.front().is_some_and(|(f, _)| f.done()) {
             done.extend(self.fenced.pop_front());
+            self.large.pop_front();
         }
         done
+    }
+
+    /// Whether a fenced batch of [`FENCE_BYTES`] or more waits for release: then every call
+    /// polls ([`Batches::take_done`]), so that a large tensor is released at the first call
+    /// after its work ran, as without batching, not up to [`FENCE_EVERY`] calls later.
+    pub(crate) fn large_pending(&self) -> bool {
+        self.large.iter().any(|&l| l)
     }
 
     /// At the end: the owners that may be released (their fences completed) and those that
@@ -190,8 +206,11 @@ impl Pending {
         let mut done = Vec::new();
         let leaked = {
             let mut state = self.state();
-            if state.batches.add_with(push) {
+            let due = state.batches.add_with(push);
+            if due || state.batches.large_pending() {
                 Self::take_done(&mut state, &mut done);
+            }
+            if due {
                 self.fence_locked(&mut state)
             } else {
                 Vec::new()
@@ -395,6 +414,35 @@ mod tests {
         let (f, _) = fence();
         let _ = b.fenced(Some(f));
         assert!(!b.add_with(|_| FENCE_BYTES), "a call without owners");
+    }
+
+    #[test]
+    fn a_large_batch_is_polled_at_every_call_until_released() {
+        let released = Rc::new(Cell::new(0));
+        let mut b = Batches::new();
+        // A call of FENCE_BYTES: due a fence at once; its batch is large.
+        assert!(b.add_with(|out| {
+            out.push(Owner(released.clone()));
+            FENCE_BYTES
+        }));
+        let (f, done) = fence();
+        let _ = b.fenced(Some(f));
+        assert!(b.large_pending());
+        // Small calls after it: not due a fence, yet the large batch asks to be polled.
+        assert!(!b.add([Owner(released.clone())]));
+        assert!(b.large_pending());
+        done.set(true);
+        prune(&mut b);
+        assert_eq!(
+            released.get(),
+            1,
+            "the large batch went at the first poll after its work"
+        );
+        assert!(!b.large_pending());
+        // Small batches never ask for a poll of their own.
+        let (f, _) = fence();
+        let _ = b.fenced(Some(f));
+        assert!(!b.large_pending());
     }
 
     #[test]

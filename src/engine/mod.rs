@@ -682,9 +682,14 @@ impl EngineGuard<'_> {
                         capturing: self.capturing(),
                     };
                     let (limit, wait) = (self.drain_limit(), self.engine.settings.timeouts.wait);
-                    let watchdog = self.engine.watcher();
+                    let watchdog = self.engine.watchdog.as_ref();
+                    let watching = self.engine.watcher().is_some();
                     // SAFETY: per this function's contract; `own` are the ranks' own streams.
-                    unsafe { self.state.nccl.broadcast(&group, watchdog, limit, wait) }?;
+                    unsafe {
+                        self.state
+                            .nccl
+                            .broadcast(&group, watchdog, watching, limit, wait)
+                    }?;
                 }
             }
         }
@@ -962,7 +967,14 @@ impl EngineGuard<'_> {
         let mut nccl = self.nccl()?;
         match &mut *nccl {
             Nccl::Live(comms) => comms.async_error(),
-            Nccl::Aborted(_) | Nccl::Off(_) => Ok(()),
+            // The watchdog publishes its fault while it holds the communicators, after the
+            // abort: an abort seen here (the lock taken after that) has its fault published,
+            // which the look above may have come too early for.
+            Nccl::Aborted(_) => match self.engine.fault() {
+                Some(fault) => Err(fault),
+                None => Ok(()),
+            },
+            Nccl::Off(_) => Ok(()),
         }
     }
 

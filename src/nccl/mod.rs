@@ -131,7 +131,8 @@ impl Comms {
         }
     }
 
-    /// Enqueues, inside one NCCL group, a broadcast of each of `tensors` from job rank `root`
+    /// Enqueues, inside one NCCL group (none around a single call: one communicator, one
+    /// tensor), a broadcast of each of `tensors` from job rank `root`
     /// (local rank `root_local` here, if this process holds it), local rank `r`'s part on
     /// `streams[r]`: the root sends its `src` and every rank receives into its `dsts[r]` (the
     /// other ranks' send buffer is their receive buffer, as NCCL ignores it).
@@ -543,11 +544,11 @@ impl State {
         })
     }
 
-    /// Queues the grouped broadcast `g` and, outside a capture, hands it to `watchdog` (`None`:
-    /// not watched). A failure to queue it aborts the communicators: a rank whose part went out
-    /// would wait forever for one whose part did not (the calls queued before lose their
-    /// kernels too, and the watchdog names them). `limit` bounds the wait for the
-    /// communicators, `wait` NCCL's own queueing on non-blocking communicators.
+    /// Queues the grouped broadcast `g` and, outside a capture and where `watching`, hands it
+    /// to `watchdog`. A failure to queue it aborts the communicators: a rank whose part went
+    /// out would wait forever for one whose part did not (the calls queued before lose their
+    /// kernels too, and `watchdog` names them). `limit` bounds the wait for the communicators,
+    /// `wait` NCCL's own queueing on non-blocking communicators.
     ///
     /// # Safety
     /// As for [`Comms::broadcast_group`], for `g`'s tensors and streams; `g.own` are the local
@@ -556,10 +557,11 @@ impl State {
         &mut self,
         g: &Group<'_>,
         watchdog: Option<&Watchdog>,
+        watching: bool,
         limit: Duration,
         wait: Duration,
     ) -> Result<()> {
-        let watch = watchdog.filter(|_| !g.capturing);
+        let watch = watchdog.filter(|_| watching && !g.capturing);
         let mut nccl = self.lock(limit)?;
         let id = nccl.live_id();
         let comms = nccl.live()?;
@@ -570,6 +572,9 @@ impl State {
         let queued =
             unsafe { comms.broadcast_group(g.root, g.root_local, tensors, g.streams, wait) };
         if let Err(e) = queued {
+            if let (Some(w), Some(begun)) = (watch, begun) {
+                w.reuse(begun);
+            }
             abort_watched(
                 watchdog,
                 &mut nccl,

@@ -204,6 +204,11 @@ impl Watchdog {
         Ok(Begun { start, end })
     }
 
+    /// Takes back the events of a call that was not queued after all.
+    pub(crate) fn reuse(&self, begun: Begun) {
+        self.shared.queue().spare.push((begun.start, begun.end));
+    }
+
     /// Records the end events of call number `call` (described by `what`), queued on the
     /// communicators with id `comms`, and queues it. Where those communicators are being
     /// aborted (the fault was decided before this call was queued here), the call is not
@@ -245,8 +250,8 @@ impl Watchdog {
     }
 
     /// Waits until call number `call` may be queued: while fewer than [`MAX_BEHIND`] calls
-    /// were queued since the oldest watched call still running, at once (one uncontended
-    /// lock). Otherwise it polls the calls' events (without holding the NCCL communicators)
+    /// were queued since the oldest watched call still running, at once (one atomic
+    /// read, no lock). Otherwise it polls the calls' events (without holding the NCCL communicators)
     /// until enough have finished, or the watchdog aborted them (they leave the queue: the
     /// caller then finds the fault), or `limit` passed ([`Error::StreamsBusy`], nothing of
     /// the call queued: the watchdog aborts a call that waits longer than the timeout for its
@@ -413,7 +418,9 @@ fn finished_prefix<E>(pending: &VecDeque<Pending<E>>, done: impl Fn(&Pending<E>)
     if !pending.front().is_some_and(&done) {
         return 0;
     }
-    // Calls before `lo` finished; the call at `hi` did not.
+    // Calls before `lo` finished; the call at `hi` did not. (This rests on the order: the
+    // events of every call are recorded, and its entry queued, under the engine's lock on the
+    // same streams, and `passed` counts only a sticky context error as passed.)
     let (mut lo, mut hi) = (1, pending.len() - 1);
     while lo < hi {
         let mid = lo + (hi - lo) / 2;
