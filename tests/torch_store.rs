@@ -41,6 +41,14 @@ for line in sys.stdin:
     print(out, flush=True)
 "#;
 
+/// One test at a time: a rank of one test that still retries after its store went (each
+/// retries until its deadline) could otherwise reach another test's store on a reused port and
+/// write there, under another token.
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn python() -> Option<String> {
     let py = std::env::var("GPUCAST_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
@@ -182,6 +190,7 @@ fn payload(rank: usize, round: usize) -> Vec<u8> {
 
 #[test]
 fn ranks_meet_through_torchs_own_store() {
+    let _alone = alone();
     let Some(py) = python() else { return };
     let mut store = TorchStore::start(&py);
     let (port, token) = (store.port, random_token().unwrap());
@@ -232,6 +241,7 @@ fn ranks_meet_through_torchs_own_store() {
 /// earlier launch with the same token.
 #[test]
 fn forged_and_replayed_values_are_refused() {
+    let _alone = alone();
     let Some(py) = python() else { return };
     let token = random_token().unwrap();
 
@@ -336,6 +346,7 @@ fn record_launch_where_rank_1_aborts(
 /// A rank that fails tells the others through the store; a rank that never comes is named.
 #[test]
 fn failures_reach_every_rank_fast() {
+    let _alone = alone();
     let Some(py) = python() else { return };
     let store = TorchStore::start(&py);
     let (port, token) = (store.port, random_token().unwrap());
@@ -395,6 +406,7 @@ fn failures_reach_every_rank_fast() {
 /// and a value larger than a contribution can be is refused before it is read.
 #[test]
 fn replayed_aborts_and_oversize_values_are_refused() {
+    let _alone = alone();
     let Some(py) = python() else { return };
     let token = random_token().unwrap();
 
@@ -446,6 +458,7 @@ fn replayed_aborts_and_oversize_values_are_refused() {
 /// reason: the ranks time out naming the missing rank.
 #[test]
 fn a_replayed_hello_does_not_pass_for_a_rank() {
+    let _alone = alone();
     let Some(py) = python() else { return };
     let token = random_token().unwrap();
     for world in [2usize, 3] {
