@@ -244,14 +244,37 @@ impl RendezvousError {
 
     /// The error of a connection made unusable by an earlier one (`why`).
     pub(crate) fn unusable(peer: &str, during: &str, why: &str) -> Self {
+        let why = format!("the connection is unusable after an earlier error: {why}");
+        let source = io::Error::new(io::ErrorKind::NotConnected, why);
+        Self::io(peer, during, source)
+    }
+
+    /// [`RendezvousError::Io`] with `peer` during `during`.
+    pub(crate) fn io(peer: &str, during: &str, source: io::Error) -> Self {
+        let (peer, during) = (peer.to_owned(), during.to_owned());
         Self::Io {
-            peer: peer.to_owned(),
-            during: during.to_owned(),
-            source: io::Error::new(
-                io::ErrorKind::NotConnected,
-                format!("the connection is unusable after an earlier error: {why}"),
-            ),
+            peer,
+            during,
+            source,
         }
+    }
+
+    /// [`RendezvousError::Protocol`] with `peer`.
+    pub(crate) fn protocol(peer: &str, reason: impl Into<String>) -> Self {
+        let (peer, reason) = (peer.to_owned(), reason.into());
+        Self::Protocol { peer, reason }
+    }
+
+    /// [`RendezvousError::InvalidArgument`].
+    pub(crate) fn invalid(reason: impl Into<String>) -> Self {
+        let reason = reason.into();
+        Self::InvalidArgument { reason }
+    }
+
+    /// [`RendezvousError::TooLarge`].
+    pub(crate) fn too_large(what: impl Into<String>, len: usize, max: usize) -> Self {
+        let what = what.into();
+        Self::TooLarge { what, len, max }
     }
 }
 
@@ -271,21 +294,14 @@ fn last_error_text(e: &Option<io::Error>) -> String {
     }
 }
 
-/// `[2, 5]`, or the first 32 ranks and a count when there are more.
-fn rank_list(ranks: &[usize]) -> String {
-    let listed: Vec<String> = ranks.iter().take(32).map(ToString::to_string).collect();
-    let more = match ranks.len() {
-        n if n > 32 => format!(", ... ({n} in all)"),
-        _ => String::new(),
-    };
-    format!("[{}{more}]", listed.join(", "))
-}
-
+/// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or
+/// nothing when `missing` is empty.
 fn missing_text(missing: &[usize]) -> String {
-    if missing.is_empty() {
-        String::new()
-    } else {
-        format!("; missing ranks: {}", rank_list(missing))
+    let listed: Vec<String> = missing.iter().take(32).map(ToString::to_string).collect();
+    match missing.len() {
+        0 => String::new(),
+        n if n > 32 => format!("; missing ranks: [{}, ... ({n} in all)]", listed.join(", ")),
+        _ => format!("; missing ranks: [{}]", listed.join(", ")),
     }
 }
 
@@ -306,9 +322,9 @@ mod tests {
         );
         assert_eq!(e.missing_ranks(), &[2]);
         let many: Vec<usize> = (0..100).collect();
-        let s = rank_list(&many);
+        let s = missing_text(&many);
         assert!(
-            s.starts_with("[0, 1, 2") && s.ends_with("(100 in all)]"),
+            s.starts_with("; missing ranks: [0, 1, 2") && s.ends_with("(100 in all)]"),
             "{s}"
         );
     }

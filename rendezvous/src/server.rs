@@ -32,9 +32,9 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose, SEAL_OVERHEAD};
-use super::error::{clip, RendezvousError, Result};
-use super::session::{ABORT_RANKS, ABORT_REASON};
-use super::store::{decode_error, encode_error, kind, message, query, read_full, FAILED_KEY};
+use super::error::{RendezvousError, Result};
+use super::store::{decode_error, encode_error, encode_failure, kind, message, push_bytes, query};
+use super::store::{read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
 use super::{Throttle, MAX_STORE_BYTES, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
@@ -137,8 +137,9 @@ struct State {
     registered: Vec<Option<Member>>,
     /// Ranks that have learned of the failure (or can no longer be told: disconnected).
     told: Vec<bool>,
-    /// Why the job failed, if it has, and the ranks it names as missing.
-    failure: Option<(String, Vec<usize>)>,
+    /// Why the job failed, if it has, and the ranks it names as missing: the value of
+    /// [`FAILED_KEY`].
+    failure: Option<Vec<u8>>,
     /// The keys: value, and the connection that wrote it.
     keys: HashMap<Vec<u8>, (Vec<u8>, u64)>,
     /// Bytes held in `keys`.
@@ -188,16 +189,11 @@ impl State {
             } else {
                 warn!(%reason, "rendezvous job failed");
             }
-            let reason = clip(reason, ABORT_REASON).to_owned();
-            let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
-            let value = encode_error(&RendezvousError::JobFailed {
-                reason: reason.clone(),
-                missing: missing.clone(),
-            });
+            let value = encode_failure(reason, missing);
             self.stored += entry_bytes(FAILED_KEY.as_bytes(), &value);
-            let key = FAILED_KEY.as_bytes().to_vec();
-            self.keys.insert(key, (value, u64::MAX));
-            self.failure = Some((reason, missing));
+            self.keys
+                .insert(FAILED_KEY.into(), (value.clone(), u64::MAX));
+            self.failure = Some(value);
         }
         cond.notify_all();
     }
@@ -365,7 +361,10 @@ impl StoreServer {
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
-        self.shared.lock().failure.as_ref().map(|f| f.0.clone())
+        let failure = self.shared.lock().failure.clone();
+        failure
+            .and_then(|f| decode_error(&f))
+            .map(|e| e.to_string())
     }
 
     /// After a failure: keeps serving until every rank has been told (or has disconnected) or
@@ -547,7 +546,7 @@ impl Drop for Conn {
 impl Conn {
     fn serve(&mut self) {
         let _ = self.stream.set_nodelay(true);
-        if !self.handshake() {
+        if self.handshake().is_none() {
             return;
         }
         let io_timeout = Some(self.shared.opts.io_timeout);
@@ -576,29 +575,23 @@ impl Conn {
         }
     }
 
-    fn send(&self, bytes: &[u8]) -> bool {
-        (&self.stream).write_all(bytes).is_ok()
+    fn send(&self, bytes: &[u8]) -> Result<(), String> {
+        (&self.stream).write_all(bytes).map_err(|e| e.to_string())
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
-    /// within the handshake timeout from accept. True once this connection is a rank's.
-    fn handshake(&mut self) -> bool {
+    /// within the handshake timeout from accept. Some once this connection is a rank's.
+    fn handshake(&mut self) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self
-            .accepted
-            .checked_add(opts.handshake_timeout)
-            .unwrap_or(self.accepted);
+        let hello_by = self.accepted.checked_add(opts.handshake_timeout);
+        let hello_by = hello_by.unwrap_or(self.accepted);
         let left = hello_by.saturating_duration_since(Instant::now());
         let _ = self
             .stream
             .set_write_timeout(Some(left.max(Duration::from_millis(1))));
-        let Ok(server_nonce) = auth::random::<{ auth::NONCE_LEN }>() else {
-            return false;
-        };
-        if !self.send(&message(kind::CHALLENGE, &server_nonce)) {
-            return false;
-        }
+        let server_nonce = auth::random::<{ auth::NONCE_LEN }>().ok()?;
+        self.send(&message(kind::CHALLENGE, &server_nonce)).ok()?;
         // Nothing but one HELLO is read from a connection that has not proven the token, all
         // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
@@ -608,10 +601,9 @@ impl Conn {
             || read_full(&self.stream, &mut body, hello_by).is_err()
         {
             debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
-            return false;
+            return None;
         }
-        let u32_at =
-            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let u32_at = |i: usize| u32::from_le_bytes(body[i..i + 4].try_into().unwrap_or_default());
         let (rank, world_size) = (u32_at(0), u32_at(4));
         let claim = [&server_nonce[..], &body[8..40], &body[..8]];
         let proof = |purpose, extra: &[u8]| opts.key.prove(purpose, &claim, extra);
@@ -619,20 +611,22 @@ impl Conn {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
-            self.send(&message(kind::TOKEN_REFUSED, &[]));
-            return false;
+            let _ = self.send(&message(kind::TOKEN_REFUSED, &[]));
+            return None;
         }
         match self.admit(rank as usize, world_size as usize) {
-            Ok(()) => self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b""))),
+            Ok(()) => self
+                .send(&message(kind::WELCOME, &proof(Purpose::Welcome, b"")))
+                .ok(),
             Err(Some(e)) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let mut refusal = encode_error(&e);
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
-                self.send(&message(kind::REFUSED, &refusal));
-                false
+                let _ = self.send(&message(kind::REFUSED, &refusal));
+                None
             }
             // Evicted, or no handle to keep: closed without an answer.
-            Err(None) => false,
+            Err(None) => None,
         }
     }
 
@@ -646,14 +640,13 @@ impl Conn {
         // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
         // member be kept that the store cannot close at shutdown.
         let at = st.pending.iter().position(|p| p.id == self.id);
-        let Some(handle) = at.and_then(|_| self.stream.try_clone().ok()) else {
+        let Some((at, handle)) = at.zip(self.stream.try_clone().ok()) else {
             return Err(None);
         };
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
         // its welcome may never have reached it.
         if let Some(Some(old)) = st.registered.get(rank) {
-            let gone = st.members.get(&old.conn).is_none_or(closed);
-            if gone && !old.wrote {
+            if !old.wrote && st.members.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
             }
@@ -661,19 +654,17 @@ impl Conn {
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
-        let refusal = if let Some((reason, missing)) = st.failure.clone() {
-            RendezvousError::JobFailed { reason, missing }
+        let refusal = if let Some(failed) = st.failure.as_deref().and_then(decode_error) {
+            failed
         } else if world_size != n {
+            let (client, server) = (world_size, n);
             RendezvousError::WorldSizeMismatch {
                 rank,
-                client: world_size,
-                server: n,
+                client,
+                server,
             }
         } else if rank >= n {
-            RendezvousError::RankOutOfRange {
-                rank,
-                world_size: n,
-            }
+            RendezvousError::RankOutOfRange { rank, world_size }
         } else if let Some(first) = &st.registered[rank] {
             let detail = format!(
                 "{} registered it first, then {} claimed it too",
@@ -681,14 +672,9 @@ impl Conn {
             );
             RendezvousError::DuplicateRank { rank, detail }
         } else {
-            st.registered[rank] = Some(Member {
-                conn: self.id,
-                peer: self.peer,
-                wrote: false,
-            });
-            if let Some(at) = at {
-                st.pending.remove(at);
-            }
+            let (conn, peer, wrote) = (self.id, self.peer, false);
+            st.registered[rank] = Some(Member { conn, peer, wrote });
+            st.pending.remove(at);
             st.members.insert(self.id, handle);
             self.rank = Some(rank);
             self.shared.cond.notify_all();
@@ -709,51 +695,40 @@ impl Conn {
         Err(Some(refusal))
     }
 
+    /// `N` bytes of the request.
+    fn read<const N: usize>(&self) -> Result<[u8; N], String> {
+        let mut b = [0u8; N];
+        (&self.stream)
+            .read_exact(&mut b)
+            .map_err(|e| e.to_string())?;
+        Ok(b)
+    }
+
     /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
     fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
-        let len = self.read_u64()?;
+        let len = u64::from_le_bytes(self.read()?);
         if len > max as u64 {
             return Err(format!(
                 "a key or value of {len} bytes, over the limit of {max}"
             ));
         }
         let mut v = Vec::new();
-        (&self.stream)
-            .take(len)
-            .read_to_end(&mut v)
-            .map_err(|e| e.to_string())?;
-        match v.len() as u64 == len {
-            true => Ok(v),
-            false => Err("the connection closed in the middle of a request".into()),
+        match (&self.stream).take(len).read_to_end(&mut v) {
+            Ok(n) if n as u64 == len => Ok(v),
+            Ok(_) => Err("the connection closed in the middle of a request".into()),
+            Err(e) => Err(e.to_string()),
         }
-    }
-
-    fn read_u64(&self) -> Result<u64, String> {
-        let mut b = [0u8; 8];
-        (&self.stream)
-            .read_exact(&mut b)
-            .map_err(|e| e.to_string())?;
-        Ok(u64::from_le_bytes(b))
     }
 
     /// Serves one c10d request of query type `q` from a proven rank; an error closes the
     /// connection.
     fn request(&mut self, q: u8) -> Result<(), String> {
-        let told = |st: &mut State, rank: Option<usize>| {
-            if let Some(t) = rank.and_then(|r| st.told.get_mut(r)) {
-                *t = true;
-            }
-        };
-        let reply: Vec<u8> = match q {
+        let reply = match q {
             query::VALIDATE => {
-                let mut m = [0u8; 4];
-                (&self.stream)
-                    .read_exact(&mut m)
-                    .map_err(|e| e.to_string())?;
-                return match u32::from_le_bytes(m) == VALIDATION_MAGIC {
-                    true => Ok(()),
-                    false => Err("a VALIDATE with the wrong magic".into()),
-                };
+                return match u32::from_le_bytes(self.read()?) {
+                    VALIDATION_MAGIC => Ok(()),
+                    _ => Err("a VALIDATE with the wrong magic".into()),
+                }
             }
             query::SET => {
                 let (key, value) = (
@@ -766,7 +741,7 @@ impl Conn {
                     else {
                         return Err("a malformed abort".into());
                     };
-                    told(&mut st, self.rank);
+                    self.told(&mut st);
                     st.fail(&self.shared.cond, &reason, &missing, false);
                 } else if st.failure.is_none() {
                     self.wrote(&mut st);
@@ -778,25 +753,28 @@ impl Conn {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
-                    told(&mut st, self.rank);
-                    self.shared.cond.notify_all();
+                    self.told(&mut st);
                 }
                 let value = st.keys.get(&key).map(|(v, _)| v.clone());
                 drop(st);
-                let value = value.ok_or("a GET of a key that does not exist")?;
-                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
+                let mut reply = Vec::new();
+                push_bytes(
+                    &mut reply,
+                    &value.ok_or("a GET of a key that does not exist")?,
+                );
+                reply
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
-                let delta = i64::from_le_bytes(self.read_u64()?.to_le_bytes());
+                let delta = i64::from_le_bytes(self.read()?);
                 let mut st = self.shared.lock();
                 let now = match st.keys.get(&key) {
-                    Some((v, _)) => std::str::from_utf8(v)
-                        .ok()
-                        .and_then(|v| v.parse::<i64>().ok()),
+                    Some((v, _)) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
                     None => Some(0),
                 };
-                let sum = now.and_then(|n| n.checked_add(delta)).ok_or("a bad ADD")?;
+                let sum = now
+                    .and_then(|n: i64| n.checked_add(delta))
+                    .ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
                     self.wrote(&mut st);
                     st.put(self.id, key, sum.to_string().into_bytes())?;
@@ -804,7 +782,7 @@ impl Conn {
                 sum.to_le_bytes().to_vec()
             }
             query::CHECK => {
-                let count = self.read_u64()?;
+                let count = u64::from_le_bytes(self.read()?);
                 if count > self.shared.opts.world_size as u64 + 1 {
                     return Err(format!("a CHECK of {count} keys"));
                 }
@@ -826,10 +804,15 @@ impl Conn {
                 ))
             }
         };
-        match self.send(&reply) {
-            true => Ok(()),
-            false => Err("the reply was not delivered".into()),
+        self.send(&reply)
+    }
+
+    /// Records that this rank has learned of the job's failure.
+    fn told(&self, st: &mut State) {
+        if let Some(t) = self.rank.and_then(|r| st.told.get_mut(r)) {
+            *t = true;
         }
+        self.shared.cond.notify_all();
     }
 
     /// Records that this rank has written to the store: it may not come again.
@@ -1349,13 +1332,11 @@ mod tests {
         assert!(reads_eof(&store.stream, T));
         let st = s.shared.lock();
         assert_eq!(st.keys.len(), CONN_KEYS + 1, "its keys and the failure");
-        assert!(st
-            .failure
-            .as_ref()
-            .unwrap()
-            .0
-            .contains("rank 0 closed its connection"));
         drop(st);
+        assert!(s
+            .failure()
+            .unwrap()
+            .contains("rank 0 closed its connection"));
         // Bytes: four of the largest values fit, a fifth does not.
         let s = server(1);
         let mut store = member(&s, 0, 1);

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
 use super::error::{clip, RendezvousError, Result};
-use super::store::{decode_error, encode_error, Admission, Store, FAILED_KEY, TORCH_MAX_VALUE};
+use super::store::{decode_error, encode_failure, Admission, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
@@ -106,13 +106,11 @@ impl Session {
             StoreKind::Own => ("gpucast-own", true),
         };
         if !own && env.world_size > TORCH_MAX_WORLD {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!(
-                    "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
-                     (set GPUCAST_MASTER_PORT to host gpucast's own store)",
-                    env.world_size
-                ),
-            });
+            return Err(RendezvousError::invalid(format!(
+                "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
+                 (set GPUCAST_MASTER_PORT to host gpucast's own store)",
+                env.world_size
+            )));
         }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
@@ -136,9 +134,8 @@ impl Session {
         let mut store = Store::connect(host, port, admission, deadline)?;
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
-        let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
-            peer: store.peer.clone(),
-            reason: format!("the instance counter is {instance}"),
+        let instance = u64::try_from(instance).map_err(|_| {
+            RendezvousError::protocol(&store.peer, format!("the instance counter is {instance}"))
         })?;
         let mut s = Session {
             store,
@@ -244,11 +241,8 @@ impl Session {
                 })?;
             total += value.len();
             if total > MAX_GATHER_BYTES {
-                return Err(RendezvousError::TooLarge {
-                    what: format!("all-gather round {round}"),
-                    len: total,
-                    max: MAX_GATHER_BYTES,
-                });
+                let what = format!("all-gather round {round}");
+                return Err(RendezvousError::too_large(what, total, MAX_GATHER_BYTES));
             }
             out.push(value);
         }
@@ -314,11 +308,8 @@ impl Session {
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>> {
         if mine.len() > MAX_VALUE_LEN {
-            return Err(RendezvousError::TooLarge {
-                what: "all-gather contribution".into(),
-                len: mine.len(),
-                max: MAX_VALUE_LEN,
-            });
+            let what = "all-gather contribution";
+            return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
         }
         self.round(round, mine, MAX_VALUE_LEN, later(timeout))
     }
@@ -389,10 +380,7 @@ impl Session {
     /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
     fn read_abort(&mut self, hard: Instant) -> Result<()> {
         let value = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
-        let malformed = || RendezvousError::Protocol {
-            peer: self.store.peer.clone(),
-            reason: "a malformed failure".into(),
-        };
+        let malformed = || RendezvousError::protocol(&self.store.peer, "a malformed failure");
         if self.own {
             // gpucast's own store proved the token, and only proven ranks write to it.
             return Err(decode_error(&value).unwrap_or_else(malformed));
@@ -439,8 +427,7 @@ impl Session {
         timeout: Duration,
     ) -> Result<()> {
         let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
-        let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
-        let failure = encode_error(&RendezvousError::JobFailed { reason, missing });
+        let failure = encode_failure(&reason, missing);
         let value = match self.own {
             true => failure,
             false => {
