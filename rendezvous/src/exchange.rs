@@ -42,12 +42,10 @@ pub trait Exchange {
 
     /// `bytes` of rank `root`, on every rank (other ranks' `bytes` are ignored).
     fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
-        if root >= self.world_size() {
-            let reason = format!(
-                "broadcast root {root} is out of range for {} ranks",
-                self.world_size()
-            );
-            return Err(RendezvousError::InvalidArgument { reason });
+        let n = self.world_size();
+        if root >= n {
+            let reason = format!("broadcast root {root} is out of range for {n} ranks");
+            return Err(RendezvousError::invalid(reason));
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
@@ -85,9 +83,8 @@ impl<F> FnExchange<F> {
     /// Wraps `gather` for rank `rank` of `world_size` (checked: `rank < world_size`).
     pub fn new(rank: usize, world_size: usize, gather: F) -> Result<Self> {
         if rank >= world_size {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!("rank {rank} is not below the world size {world_size}"),
-            });
+            let reason = format!("rank {rank} is not below the world size {world_size}");
+            return Err(RendezvousError::invalid(reason));
         }
         Ok(Self {
             rank,
@@ -114,27 +111,16 @@ where
         let all = (self.gather)(mine).map_err(|e| RendezvousError::External {
             message: e.to_string(),
         })?;
-        if all.len() != self.world_size {
-            return Err(RendezvousError::BadGather {
-                reason: format!(
-                    "{} entries for a world of {} ranks",
-                    all.len(),
-                    self.world_size
-                ),
-            });
-        }
-        if all[self.rank] != mine {
-            return Err(RendezvousError::BadGather {
-                reason: format!(
-                    "entry {} ({} bytes) is not what rank {} contributed ({} bytes)",
-                    self.rank,
-                    all[self.rank].len(),
-                    self.rank,
-                    mine.len()
-                ),
-            });
-        }
-        Ok(all)
+        let (n, r, len) = (self.world_size, self.rank, mine.len());
+        let reason = if all.len() != n {
+            format!("{} entries for a world of {n} ranks", all.len())
+        } else if all[r] != mine {
+            let got = all[r].len();
+            format!("entry {r} ({got} bytes) is not what rank {r} contributed ({len} bytes)")
+        } else {
+            return Ok(all);
+        };
+        Err(RendezvousError::BadGather { reason })
     }
 }
 
