@@ -62,10 +62,6 @@ pub(crate) struct Session {
     forged_abort: bool,
 }
 
-fn u64s(parts: &[u64]) -> Vec<u8> {
-    parts.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
 /// Bytes of a first-round value: the nonce and the world size.
 const HELLO_PLAIN: usize = 32 + 8;
 /// Ranks an abort lists at most.
@@ -79,9 +75,10 @@ const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL
 const TORCH_MAX_WORLD: usize = 128 * 1024;
 
 /// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
-/// of the session id; the all-gather rounds are 0, 1, ...
-const HELLO: u64 = u64::MAX;
-const CONFIRM: u64 = u64::MAX - 1;
+/// of the session id; the all-gather rounds are 0, 1, ..., each round numbered one past the
+/// one before it (wrapping).
+const HELLO: u64 = u64::MAX - 1;
+const CONFIRM: u64 = u64::MAX;
 
 /// A round's name in keys, and what its values are, in errors.
 fn round_name(round: u64) -> (String, String) {
@@ -163,14 +160,25 @@ impl Session {
         first.map(|_| s)
     }
 
+    /// What a value of `round` from `rank` is sealed for.
     fn aad(&self, round: u64, rank: usize) -> Vec<u8> {
-        let mut aad = match round {
-            HELLO => b"gpucast hello".to_vec(),
-            CONFIRM => b"gpucast confirm".to_vec(),
-            _ => b"gpucast round".to_vec(),
+        let label: &[u8] = match round {
+            HELLO => b"gpucast hello",
+            CONFIRM => b"gpucast confirm",
+            _ => b"gpucast round",
         };
-        aad.extend(self.session.iter().flatten());
-        aad.extend(u64s(&[self.instance, round, rank as u64]));
+        self.bind(label, &[round, rank as u64])
+    }
+
+    /// `label`, the session id once there is one, the instance and `more`.
+    fn bind(&self, label: &[u8], more: &[u64]) -> Vec<u8> {
+        let mut aad = [label, self.session.as_ref().map_or(&[], |s| &s[..])].concat();
+        aad.extend(
+            [self.instance]
+                .iter()
+                .chain(more)
+                .flat_map(|v| v.to_le_bytes()),
+        );
         aad
     }
 
@@ -194,13 +202,6 @@ impl Session {
             None => format!("{}abort-hello", self.base),
             Some(_) => format!("{}abort", self.base),
         }
-    }
-
-    fn abort_aad(&self) -> Vec<u8> {
-        let mut aad = b"gpucast abort".to_vec();
-        aad.extend(self.session.iter().flatten());
-        aad.extend(u64s(&[self.instance]));
-        aad
     }
 
     /// Rank `r`'s first-round value, opened: its nonce and world size.
@@ -232,13 +233,10 @@ impl Session {
         let what = round_name(round).1;
         for (r, k) in self.keys(round).iter().enumerate() {
             let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
-            let value = self
-                .sealer
-                .open(&self.aad(round, r), &sealed)
-                .ok_or_else(|| RendezvousError::Forged {
-                    what: format!("rank {r}'s {what}"),
-                    store: self.store.peer.clone(),
-                })?;
+            let Some(value) = self.sealer.open(&self.aad(round, r), &sealed) else {
+                let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
+                return Err(RendezvousError::Forged { what, store });
+            };
             total += value.len();
             if total > MAX_GATHER_BYTES {
                 let what = format!("all-gather round {round}");
@@ -247,18 +245,12 @@ impl Session {
             out.push(value);
         }
         if out[self.rank] != plain {
-            return Err(RendezvousError::DuplicateRank {
-                rank: self.rank,
-                detail: format!("another process of the job wrote this rank's {what}"),
-            });
+            let detail = format!("another process of the job wrote this rank's {what}");
+            let rank = self.rank;
+            return Err(RendezvousError::DuplicateRank { rank, detail });
         }
-        let previous = match round {
-            HELLO => None,
-            CONFIRM => Some(HELLO),
-            0 => Some(CONFIRM),
-            r => Some(r - 1),
-        };
-        if let (0, Some(previous)) = (self.rank, previous) {
+        if self.rank == 0 && round != HELLO {
+            let previous = round.wrapping_sub(1);
             let mut old = self.keys(previous);
             old.push(self.counter(previous));
             for k in old {
@@ -281,9 +273,8 @@ impl Session {
                 (RendezvousError::Timeout { .. }, Some(failure)) => failure,
                 (e, _) => e,
             })?;
-        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
         let instance = self.instance.to_le_bytes();
-        parts.push(&instance);
+        let mut parts: Vec<&[u8]> = vec![b"gpucast session", &instance];
         for (r, hello) in hellos.iter().enumerate() {
             let world = hello.get(32..).and_then(|w| w.try_into().ok());
             let world = world.map_or(u64::MAX, u64::from_le_bytes);
@@ -355,14 +346,7 @@ impl Session {
                         missing.push(r);
                     }
                 }
-                let what = match round {
-                    HELLO => format!("hello from all {} ranks", self.world),
-                    CONFIRM => format!(
-                        "every one of the {} ranks to confirm the session",
-                        self.world
-                    ),
-                    r => format!("all-gather round {r}"),
-                };
+                let what = format!("every rank's {}", round_name(round).1);
                 return Err(RendezvousError::Timeout {
                     what,
                     timeout,
@@ -385,15 +369,18 @@ impl Session {
             // gpucast's own store proved the token, and only proven ranks write to it.
             return Err(decode_error(&value).unwrap_or_else(malformed));
         }
-        let parsed = self.sealer.open(&self.abort_aad(), &value).and_then(|p| {
-            let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
-            let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
-            Some((
-                usize::try_from(sender).ok()?,
-                nonce,
-                decode_error(&p[40..])?,
-            ))
-        });
+        let parsed = self
+            .sealer
+            .open(&self.bind(b"gpucast abort", &[]), &value)
+            .and_then(|p| {
+                let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
+                let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
+                Some((
+                    usize::try_from(sender).ok()?,
+                    nonce,
+                    decode_error(&p[40..])?,
+                ))
+            });
         let Some((sender, nonce, failure)) = parsed else {
             if !self.forged_abort {
                 self.forged_abort = true;
@@ -432,7 +419,7 @@ impl Session {
             true => failure,
             false => {
                 let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &failure].concat();
-                self.sealer.seal(&self.abort_aad(), &plain)
+                self.sealer.seal(&self.bind(b"gpucast abort", &[]), &plain)
             }
         };
         self.store.set(&self.abort_key(), &value, later(timeout))
