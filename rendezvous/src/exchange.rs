@@ -269,22 +269,15 @@ impl Rendezvous {
             ),
             None => (env.master_addr.clone(), env.master_port),
         };
-        match Session::join(env, &host, port, deadline) {
-            Ok(session) => {
-                info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
-                Ok(rendezvous(Some(Box::new(session)), server))
-            }
-            Err(e) => {
-                if let Some(server) = &server {
-                    server.fail_with(
-                        format!("rank 0 could not complete the rendezvous: {e}"),
-                        e.missing_ranks().to_vec(),
-                    );
-                    server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
-                }
-                Err(e)
-            }
+        let joined = Session::join(env, &host, port, deadline);
+        if let (Err(e), Some(server)) = (&joined, &server) {
+            let reason = format!("rank 0 could not complete the rendezvous: {e}");
+            server.fail_with(&reason, e.missing_ranks());
+            server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
         }
+        let session = Box::new(joined?);
+        info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
+        Ok(rendezvous(Some(session), server))
     }
 
     /// Tells the other ranks of the job that this one cannot take part (`reason`), so that
@@ -305,7 +298,7 @@ impl Rendezvous {
                 let deadline = super::later(within);
                 let told = match env.store {
                     StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
-                        server.fail_with(reason, Vec::new());
+                        server.fail_with(&reason, &[]);
                         server.mark_told(0);
                         server.linger_until_told(deadline);
                     }),

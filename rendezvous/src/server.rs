@@ -240,16 +240,13 @@ impl State {
     /// [`ServerOptions::pending_floor`] old. Otherwise the reason the newcomer is turned away.
     fn make_room(&mut self, opts: &ServerOptions, ip: IpAddr, now: Instant) -> Result<(), String> {
         let mine = self.pending_from(ip);
+        let held = self.pending.len();
         let (from, why) = if mine >= opts.max_pending_per_addr {
-            (
-                ip,
-                format!("{mine} connections from {ip} have not proven the job token yet"),
-            )
-        } else if self.pending.len() >= opts.max_pending {
-            let why = format!(
-                "{} connections that have not proven the job token fill the store",
-                self.pending.len()
-            );
+            let why = format!("{mine} connections from {ip} have not proven the job token yet");
+            (ip, why)
+        } else if held >= opts.max_pending {
+            let why =
+                format!("{held} connections that have not proven the job token fill the store");
             let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
             self.pending
                 .iter()
@@ -274,12 +271,6 @@ impl State {
         self.evicted += 1;
         Ok(())
     }
-
-    fn unregistered(&self) -> Vec<usize> {
-        (0..self.registered.len())
-            .filter(|&r| self.registered[r].is_none())
-            .collect()
-    }
 }
 
 impl StoreServer {
@@ -293,11 +284,9 @@ impl StoreServer {
     pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
         let n = opts.world_size;
         if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!(
-                    "world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait"
-                ),
-            });
+            let reason =
+                format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
+            return Err(RendezvousError::invalid(reason));
         }
         let bind_err = |source: io::Error| match source.kind() {
             io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },
@@ -344,10 +333,10 @@ impl StoreServer {
 
     /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
     /// first failure's reason is kept.
-    pub(crate) fn fail_with(&self, reason: String, missing: Vec<usize>) {
+    pub(crate) fn fail_with(&self, reason: &str, missing: &[usize]) {
         self.shared
             .lock()
-            .fail(&self.shared.cond, &reason, &missing, false);
+            .fail(&self.shared.cond, reason, missing, false);
     }
 
     /// Records that `rank` knows of the failure already (the rank that caused it, in this
@@ -393,7 +382,11 @@ impl Drop for StoreServer {
             .unwrap_or_default();
         let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
-        let missing = st.unregistered();
+        let registered = st.registered.iter().enumerate();
+        let missing: Vec<usize> = registered
+            .filter(|(_, m)| m.is_none())
+            .map(|(r, _)| r)
+            .collect();
         st.fail(
             &self.shared.cond,
             "the store on rank 0 shut down",
