@@ -285,23 +285,18 @@ impl JobEnv {
             None => return Err(missing("master port", PORT)),
         };
 
-        let slurm = get("SLURM_JOB_ID").map(|job| match get("SLURM_STEP_ID") {
-            Some(step) => format!("{job}.{step}"),
-            None => job,
-        });
-        let sources = [
-            (JOB_TOKEN_ENV, get(JOB_TOKEN_ENV), TokenSource::Explicit),
-            (
-                "TORCHELASTIC_RUN_ID",
-                get("TORCHELASTIC_RUN_ID"),
-                TokenSource::TorchRunId,
-            ),
-            ("SLURM_JOB_ID", slurm, TokenSource::SlurmJobId),
-        ];
-        let (var, job_token, token_source) = sources
-            .into_iter()
-            .find_map(|(var, t, source)| Some((var, t?, source)))
-            .unwrap_or((JOB_TOKEN_ENV, String::new(), TokenSource::Unset));
+        let (var, job_token, token_source) = if let Some(t) = get(JOB_TOKEN_ENV) {
+            (JOB_TOKEN_ENV, t, TokenSource::Explicit)
+        } else if let Some(t) = get("TORCHELASTIC_RUN_ID") {
+            ("TORCHELASTIC_RUN_ID", t, TokenSource::TorchRunId)
+        } else if let Some(job) = get("SLURM_JOB_ID") {
+            let step = get("SLURM_STEP_ID")
+                .map(|s| format!(".{s}"))
+                .unwrap_or_default();
+            ("SLURM_JOB_ID", job + &step, TokenSource::SlurmJobId)
+        } else {
+            (JOB_TOKEN_ENV, String::new(), TokenSource::Unset)
+        };
         if job_token.len() > MAX_TOKEN_LEN {
             let shown = format!("<{} bytes, not shown>", job_token.len());
             let why = format!("the job token is limited to {MAX_TOKEN_LEN} bytes");

@@ -382,17 +382,11 @@ impl Drop for StoreServer {
             .unwrap_or_default();
         let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
-        let registered = st.registered.iter().enumerate();
-        let missing: Vec<usize> = registered
-            .filter(|(_, m)| m.is_none())
-            .map(|(r, _)| r)
+        let missing: Vec<usize> = (0..st.told.len())
+            .filter(|&r| st.registered[r].is_none())
             .collect();
-        st.fail(
-            &self.shared.cond,
-            "the store on rank 0 shut down",
-            &missing,
-            true,
-        );
+        let reason = "the store on rank 0 shut down";
+        st.fail(&self.shared.cond, reason, &missing, true);
         // Members that still read (the last round's values) finish first.
         while st.busy > 0 || st.last_request.is_some_and(|t| t.elapsed() < QUIET) {
             let left = grace_end.saturating_duration_since(Instant::now());
@@ -417,12 +411,11 @@ impl Drop for StoreServer {
 /// (unproven: the client takes it as a reason to try again, and names it if its time runs out).
 fn tell_crowded(stream: &TcpStream, reason: &str) {
     use nix::sys::socket::{send, MsgFlags};
-    let m = message(kind::CROWDED, reason.as_bytes());
-    let _ = send(
-        stream.as_raw_fd(),
-        &m,
-        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+    let (m, flags) = (
+        message(kind::CROWDED, reason.as_bytes()),
+        MsgFlags::MSG_DONTWAIT,
     );
+    let _ = send(stream.as_raw_fd(), &m, flags | MsgFlags::MSG_NOSIGNAL);
 }
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
@@ -446,10 +439,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         };
         let accepted = Instant::now();
         handles.retain(|h| !h.is_finished());
-        let Ok(clone) = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.try_clone())
-        else {
+        let blocking = stream.set_nonblocking(false);
+        let Ok(clone) = blocking.and_then(|()| stream.try_clone()) else {
             continue;
         };
         let (id, ip) = (next_id, peer.ip());
@@ -483,11 +474,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             .name("gpucast-store-conn".into())
             .stack_size(256 * 1024)
             .spawn(move || conn.serve());
-        match spawned {
-            Ok(h) => handles.push(h),
-            Err(e) => {
-                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread")
-            }
+        if let Err(e) = spawned.map(|h| handles.push(h)) {
+            warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
         }
     }
     handles
@@ -517,9 +505,7 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        if let Some(at) = st.pending.iter().position(|p| p.id == self.id) {
-            st.pending.remove(at);
-        }
+        st.pending.retain(|p| p.id != self.id);
         st.members.remove(&self.id);
         st.usage.remove(&self.id);
         let Some(r) = self.rank else { return };
@@ -572,6 +558,11 @@ impl Conn {
         (&self.stream).write_all(bytes).map_err(|e| e.to_string())
     }
 
+    /// Sends the admission message of kind `k` with `body`.
+    fn tell(&self, k: u8, body: &[u8]) -> Option<()> {
+        self.send(&message(k, body)).ok()
+    }
+
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
     /// within the handshake timeout from accept. Some once this connection is a rank's.
     fn handshake(&mut self) -> Option<()> {
@@ -580,11 +571,10 @@ impl Conn {
         let hello_by = self.accepted.checked_add(opts.handshake_timeout);
         let hello_by = hello_by.unwrap_or(self.accepted);
         let left = hello_by.saturating_duration_since(Instant::now());
-        let _ = self
-            .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        let left = Some(left.max(Duration::from_millis(1)));
+        let _ = self.stream.set_write_timeout(left);
         let server_nonce = auth::random::<{ auth::NONCE_LEN }>().ok()?;
-        self.send(&message(kind::CHALLENGE, &server_nonce)).ok()?;
+        self.tell(kind::CHALLENGE, &server_nonce)?;
         // Nothing but one HELLO is read from a connection that has not proven the token, all
         // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
@@ -604,19 +594,15 @@ impl Conn {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
-            let _ = self.send(&message(kind::TOKEN_REFUSED, &[]));
-            return None;
+            return self.tell(kind::TOKEN_REFUSED, &[]).and(None);
         }
         match self.admit(rank as usize, world_size as usize) {
-            Ok(()) => self
-                .send(&message(kind::WELCOME, &proof(Purpose::Welcome, b"")))
-                .ok(),
+            Ok(()) => self.tell(kind::WELCOME, &proof(Purpose::Welcome, b"")),
             Err(Some(e)) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let mut refusal = encode_error(&e);
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
-                let _ = self.send(&message(kind::REFUSED, &refusal));
-                None
+                self.tell(kind::REFUSED, &refusal).and(None)
             }
             // Evicted, or no handle to keep: closed without an answer.
             Err(None) => None,
