@@ -280,11 +280,10 @@ impl RendezvousError {
 
 /// At most `max` bytes of `s`, cut at a character boundary.
 pub(crate) fn clip(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
+    let end = (0..=s.len().min(max))
+        .rev()
+        .find(|&i| s.is_char_boundary(i));
+    &s[..end.unwrap_or(0)]
 }
 
 fn last_error_text(e: &Option<io::Error>) -> String {

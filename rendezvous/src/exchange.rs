@@ -188,23 +188,22 @@ fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
 
 /// Starts rank 0's store on the first of `listen_addrs(env)` that this host can bind.
 fn host_store(env: &JobEnv) -> Result<StoreServer> {
-    let candidates = listen_addrs(env);
-    let last = candidates.len() - 1;
-    for (i, addr) in candidates.into_iter().enumerate() {
-        let options = ServerOptions::new(env.world_size, &env.job_token);
-        match StoreServer::bind(addr, options) {
-            Ok(server) => {
-                if addr.ip().is_unspecified() {
-                    debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
-                }
-                return Ok(server);
-            }
+    let mut bound = Err(RendezvousError::invalid("no address to listen on"));
+    for addr in listen_addrs(env) {
+        bound = StoreServer::bind(addr, ServerOptions::new(env.world_size, &env.job_token));
+        match &bound {
             Err(RendezvousError::Bind { source, .. })
-                if i < last && source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
-            Err(e) => return Err(e),
+                if source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
+            _ => break,
         }
     }
-    unreachable!("the unspecified address is always a candidate")
+    if bound
+        .as_ref()
+        .is_ok_and(|s| s.local_addr().ip().is_unspecified())
+    {
+        debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
+    }
+    bound
 }
 
 /// Where rank 0 reaches its own server.
@@ -422,11 +421,7 @@ mod tests {
         let started = Instant::now();
         let deadline = Instant::now() + Duration::from_millis(700);
         let key = crate::auth::Key::of(&env.job_token);
-        let admission = crate::store::Admission {
-            key: &key,
-            rank: 1,
-            world_size: 2,
-        };
+        let admission = (&key, 1, 2);
         let e = crate::store::Store::connect("127.0.0.1", port, Some(admission), deadline)
             .err()
             .unwrap();

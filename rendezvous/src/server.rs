@@ -33,7 +33,7 @@ use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose, SEAL_OVERHEAD};
 use super::error::{RendezvousError, Result};
-use super::store::{decode_error, encode_error, encode_failure, kind, message, push_bytes, query};
+use super::store::{decode_error, encode_error, encode_failure, kind, message, query};
 use super::store::{read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
 use super::{Throttle, MAX_STORE_BYTES, MAX_VALUE_LEN, MAX_WORLD_SIZE};
@@ -677,19 +677,16 @@ impl Conn {
     /// `N` bytes of the request.
     fn read<const N: usize>(&self) -> Result<[u8; N], String> {
         let mut b = [0u8; N];
-        (&self.stream)
-            .read_exact(&mut b)
-            .map_err(|e| e.to_string())?;
-        Ok(b)
+        let read = (&self.stream).read_exact(&mut b);
+        read.map(|()| b).map_err(|e| e.to_string())
     }
 
     /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
     fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
         let len = u64::from_le_bytes(self.read()?);
         if len > max as u64 {
-            return Err(format!(
-                "a key or value of {len} bytes, over the limit of {max}"
-            ));
+            let over = format!("a key or value of {len} bytes, over the limit of {max}");
+            return Err(over);
         }
         let mut v = Vec::new();
         match (&self.stream).take(len).read_to_end(&mut v) {
@@ -710,10 +707,8 @@ impl Conn {
                 }
             }
             query::SET => {
-                let (key, value) = (
-                    self.read_bytes(MAX_KEY_LEN)?,
-                    self.read_bytes(MAX_SET_VALUE)?,
-                );
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let value = self.read_bytes(MAX_SET_VALUE)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
                     let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
@@ -736,12 +731,8 @@ impl Conn {
                 }
                 let value = st.keys.get(&key).map(|(v, _)| v.clone());
                 drop(st);
-                let mut reply = Vec::new();
-                push_bytes(
-                    &mut reply,
-                    &value.ok_or("a GET of a key that does not exist")?,
-                );
-                reply
+                let value = value.ok_or("a GET of a key that does not exist")?;
+                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
@@ -751,9 +742,8 @@ impl Conn {
                     Some((v, _)) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
                     None => Some(0),
                 };
-                let sum = now
-                    .and_then(|n: i64| n.checked_add(delta))
-                    .ok_or("a bad ADD")?;
+                let sum = now.and_then(|n: i64| n.checked_add(delta));
+                let sum = sum.ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
                     self.wrote(&mut st);
                     st.put(self.id, key, sum.to_string().into_bytes())?;
@@ -814,7 +804,7 @@ mod tests {
     use super::*;
     use crate::env::JobEnv;
     use crate::session::Session;
-    use crate::store::{Admission, Store};
+    use crate::store::Store;
 
     const T: Duration = Duration::from_secs(3);
     const TOKEN: &str = "a token for the unit tests of the store";
@@ -836,11 +826,7 @@ mod tests {
         t: Duration,
     ) -> Result<Store> {
         let key = auth::Key::of(token);
-        let admission = Admission {
-            key: &key,
-            rank,
-            world_size: world,
-        };
+        let admission = (&key, rank, world);
         Store::connect(
             "127.0.0.1",
             s.local_addr().port(),
@@ -970,11 +956,7 @@ mod tests {
 
     fn client_of(port: u16, t: Duration) -> Result<Store> {
         let key = auth::Key::of(TOKEN);
-        let admission = Admission {
-            key: &key,
-            rank: 0,
-            world_size: 2,
-        };
+        let admission = (&key, 0, 2);
         Store::connect("127.0.0.1", port, Some(admission), Instant::now() + t)
     }
 

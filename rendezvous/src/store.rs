@@ -183,21 +183,14 @@ pub(crate) fn read_full(
 }
 
 /// `bytes` as c10d sends a string: a u64 length, then the bytes.
-pub(crate) fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
 }
 
-/// What a rank proves to gpucast's own store before it speaks c10d there.
-#[derive(Clone, Copy)]
-pub(crate) struct Admission<'a> {
-    /// The key of the job token.
-    pub key: &'a auth::Key,
-    /// The rank claimed.
-    pub rank: usize,
-    /// The world size claimed.
-    pub world_size: usize,
-}
+/// What a rank proves to gpucast's own store before it speaks c10d there: the key of the job
+/// token, and the rank and world size it claims.
+pub(crate) type Admission<'a> = (&'a auth::Key, usize, usize);
 
 /// A c10d connection to a store (torchrun's, or gpucast's own once admitted). Every call
 /// returns by its deadline; after an I/O or protocol error the connection is unusable.
@@ -287,18 +280,18 @@ impl Store {
 
     /// The admission handshake: the store's challenge, this rank's HELLO, the store's proven
     /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
-    fn admit(&mut self, a: Admission<'_>, deadline: Instant) -> Result<()> {
+    fn admit(&mut self, (key, rank, world): Admission<'_>, deadline: Instant) -> Result<()> {
         let (k, body) = self.admission_message(deadline)?;
         let server_nonce: auth::Nonce = match body.as_slice().try_into() {
             Ok(n) if k == kind::CHALLENGE => n,
             _ => return Err(self.unproven(k, &body)),
         };
         let client_nonce = auth::random::<{ auth::NONCE_LEN }>()?;
-        let rank = u32::try_from(a.rank).unwrap_or(u32::MAX);
-        let world_size = u32::try_from(a.world_size).unwrap_or(u32::MAX);
-        let claimed = [rank.to_le_bytes(), world_size.to_le_bytes()].concat();
+        let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+        let world = u32::try_from(world).unwrap_or(u32::MAX);
+        let claimed = [rank.to_le_bytes(), world.to_le_bytes()].concat();
         let claim = [&server_nonce[..], &client_nonce, &claimed];
-        let proof = |purpose, extra: &[u8]| a.key.prove(purpose, &claim, extra);
+        let proof = |purpose, extra: &[u8]| key.prove(purpose, &claim, extra);
         let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
         self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
         let (k, body) = self.admission_message(deadline)?;
