@@ -242,23 +242,6 @@ impl RendezvousError {
         )
     }
 
-    /// The error of a connection made unusable by an earlier one (`why`).
-    pub(crate) fn unusable(peer: &str, during: &str, why: &str) -> Self {
-        let why = format!("the connection is unusable after an earlier error: {why}");
-        let source = io::Error::new(io::ErrorKind::NotConnected, why);
-        Self::io(peer, during, source)
-    }
-
-    /// [`RendezvousError::Io`] with `peer` during `during`.
-    pub(crate) fn io(peer: &str, during: &str, source: io::Error) -> Self {
-        let (peer, during) = (peer.to_owned(), during.to_owned());
-        Self::Io {
-            peer,
-            during,
-            source,
-        }
-    }
-
     /// [`RendezvousError::Protocol`] with `peer`.
     pub(crate) fn protocol(peer: &str, reason: impl Into<String>) -> Self {
         let (peer, reason) = (peer.to_owned(), reason.into());

@@ -334,9 +334,8 @@ impl StoreServer {
     /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
     /// first failure's reason is kept.
     pub(crate) fn fail_with(&self, reason: &str, missing: &[usize]) {
-        self.shared
-            .lock()
-            .fail(&self.shared.cond, reason, missing, false);
+        let mut st = self.shared.lock();
+        st.fail(&self.shared.cond, reason, missing, false);
     }
 
     /// Records that `rank` knows of the failure already (the rank that caused it, in this
@@ -636,19 +635,16 @@ impl Conn {
         let refusal = if let Some(failed) = st.failure.as_deref().and_then(decode_error) {
             failed
         } else if world_size != n {
-            let (client, server) = (world_size, n);
             RendezvousError::WorldSizeMismatch {
                 rank,
-                client,
-                server,
+                client: world_size,
+                server: n,
             }
         } else if rank >= n {
             RendezvousError::RankOutOfRange { rank, world_size }
         } else if let Some(first) = &st.registered[rank] {
-            let detail = format!(
-                "{} registered it first, then {} claimed it too",
-                first.peer, self.peer
-            );
+            let (first, then) = (first.peer, self.peer);
+            let detail = format!("{first} registered it first, then {then} claimed it too");
             RendezvousError::DuplicateRank { rank, detail }
         } else {
             let (conn, peer, wrote) = (self.id, self.peer, false);

@@ -200,14 +200,6 @@ impl Session {
         }
     }
 
-    /// Rank `r`'s first-round value, opened: its nonce and world size.
-    fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
-        let plain = self.sealer.open(&self.aad(HELLO, r), sealed)?;
-        let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
-        let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
-        (plain.len() == HELLO_PLAIN).then_some((nonce, world))
-    }
-
     /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
     /// then reads each (at most `max` bytes, opened at once: a process that overwrites keys
     /// with junk costs no more memory than a real round) and returns them in rank order. Rank
@@ -365,18 +357,12 @@ impl Session {
             // gpucast's own store proved the token, and only proven ranks write to it.
             return Err(decode_error(&value).unwrap_or_else(malformed));
         }
-        let parsed = self
-            .sealer
-            .open(&self.bind(b"gpucast abort", &[]), &value)
-            .and_then(|p| {
-                let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
-                let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
-                Some((
-                    usize::try_from(sender).ok()?,
-                    nonce,
-                    decode_error(&p[40..])?,
-                ))
-            });
+        let opened = self.sealer.open(&self.bind(b"gpucast abort", &[]), &value);
+        let parsed = opened.and_then(|p| {
+            let sender = usize::try_from(u64::from_le_bytes(p.get(..8)?.try_into().ok()?));
+            let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
+            Some((sender.ok()?, nonce, decode_error(&p[40..])?))
+        });
         let Some((sender, nonce, failure)) = parsed else {
             if !self.forged_abort {
                 self.forged_abort = true;
@@ -391,9 +377,8 @@ impl Session {
         let key = vec![self.key(HELLO, sender.min(self.world))];
         if sender < self.world && self.store.check(&key, hard)? {
             let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
-            if self
-                .open_hello(sender, &hello)
-                .is_some_and(|(n, _)| auth::same_secret(&n, &nonce))
+            let hello = self.sealer.open(&self.aad(HELLO, sender), &hello);
+            if hello.is_some_and(|h| h.len() == HELLO_PLAIN && auth::same_secret(&h[..32], &nonce))
             {
                 self.early_abort = Some(failure);
             }
@@ -410,14 +395,11 @@ impl Session {
         timeout: Duration,
     ) -> Result<()> {
         let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
-        let failure = encode_failure(&reason, missing);
-        let value = match self.own {
-            true => failure,
-            false => {
-                let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &failure].concat();
-                self.sealer.seal(&self.bind(b"gpucast abort", &[]), &plain)
-            }
-        };
+        let mut value = encode_failure(&reason, missing);
+        if !self.own {
+            let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &value].concat();
+            value = self.sealer.seal(&self.bind(b"gpucast abort", &[]), &plain);
+        }
         self.store.set(&self.abort_key(), &value, later(timeout))
     }
 

@@ -349,21 +349,30 @@ impl Store {
         Ok((h[5], body))
     }
 
+    /// The error of `source` during `during`, which makes the connection unusable (the first
+    /// such error is the reason later calls give).
     fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
-        self.broken = Some(format!("{during}: {source}"));
-        E::io(&self.peer, during, source)
+        self.broken
+            .get_or_insert_with(|| format!("{during}: {source}"));
+        let (peer, during) = (self.peer.clone(), during.to_owned());
+        E::Io {
+            peer,
+            during,
+            source,
+        }
     }
 
     /// Writes all of `bytes` by `deadline`.
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
-        if let Some(why) = &self.broken {
-            return Err(E::unusable(&self.peer, during, why));
-        }
         let left = deadline.saturating_duration_since(Instant::now());
-        let sent = self
+        let mut sent = self
             .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
-            .and_then(|()| self.stream.write_all(bytes));
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        if let Some(why) = &self.broken {
+            let why = format!("the connection is unusable after an earlier error: {why}");
+            sent = Err(io::Error::new(io::ErrorKind::NotConnected, why));
+        }
+        let sent = sent.and_then(|()| self.stream.write_all(bytes));
         sent.map_err(|e| self.io_error(during, e))
     }
 
@@ -414,11 +423,8 @@ impl Store {
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
-            return Err(E::too_large(
-                format!("the store's value of {key}"),
-                len,
-                max,
-            ));
+            let what = format!("the store's value of {key}");
+            return Err(E::too_large(what, len, max));
         }
         let mut value = vec![0u8; len];
         self.receive(&mut value, deadline, &format!("getting {key}"))?;
