@@ -173,11 +173,7 @@ impl JobEnv {
     /// below local world size, port 0) are [`RendezvousError::InvalidEnv`] naming the variable.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         // Empty values count as unset.
-        let get = |var: &str| {
-            lookup(var)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
+        let get = |var: &str| nonempty(lookup(var));
         let first = |vars: &[&'static str]| vars.iter().find_map(|&var| get(var).map(|v| (var, v)));
         let missing = |what, vars: &[&'static str]| RendezvousError::MissingEnv {
             what,
@@ -476,11 +472,14 @@ fn expand_item(
     Ok(())
 }
 
+/// `v` trimmed, unless that leaves nothing.
+fn nonempty(v: Option<String>) -> Option<String> {
+    v.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+/// The trimmed contents of `path`, unless empty or systemd's placeholder `uninitialized`.
 fn read_trimmed(path: &str) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty() && s != "uninitialized")
+    nonempty(std::fs::read_to_string(path).ok()).filter(|s| s != "uninitialized")
 }
 
 /// An identifier of the physical host this process runs on: processes with the same id share
@@ -493,18 +492,14 @@ fn read_trimmed(path: &str) -> Option<String> {
 /// different containers on one machine usually get different ids (their host names differ),
 /// which errs on the safe side.
 pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
-    if let Some(id) = lookup(HOST_ID_ENV)
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-    {
+    if let Some(id) = nonempty(lookup(HOST_ID_ENV)) {
         return id;
     }
-    let hostname = read_trimmed("/proc/sys/kernel/hostname")
-        .or_else(|| lookup("HOSTNAME").filter(|h| !h.trim().is_empty()))
-        .unwrap_or_else(|| "unknown-host".to_owned());
-    match read_trimmed("/etc/machine-id")
-        .or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"))
-    {
+    let hostname =
+        read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
+    let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
+    let machine = read_trimmed("/etc/machine-id");
+    match machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id")) {
         Some(machine) => format!("{hostname}/{machine}"),
         None => hostname,
     }

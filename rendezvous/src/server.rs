@@ -310,8 +310,8 @@ impl StoreServer {
             state: Mutex::new(state),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            refused: Throttle::new(),
-            crowded: Throttle::new(),
+            refused: Throttle::default(),
+            crowded: Throttle::default(),
         });
         let for_thread = Arc::clone(&shared);
         let accept = thread::Builder::new()

@@ -169,21 +169,14 @@ impl Session {
     /// `label`, the session id once there is one, the instance and `more`.
     fn bind(&self, label: &[u8], more: &[u64]) -> Vec<u8> {
         let mut aad = [label, self.session.as_ref().map_or(&[], |s| &s[..])].concat();
-        aad.extend(
-            [self.instance]
-                .iter()
-                .chain(more)
-                .flat_map(|v| v.to_le_bytes()),
-        );
+        let nums = [&[self.instance][..], more].concat();
+        aad.extend(nums.iter().flat_map(|v| v.to_le_bytes()));
         aad
     }
 
-    fn key(&self, round: u64, rank: usize) -> String {
-        format!("{}{}/{rank}", self.base, round_name(round).0)
-    }
-
-    fn counter(&self, round: u64) -> String {
-        format!("{}{}/count", self.base, round_name(round).0)
+    /// The key of `round`'s `name`: a rank, or `count` for its counter.
+    fn key(&self, round: u64, name: impl std::fmt::Display) -> String {
+        format!("{}{}/{name}", self.base, round_name(round).0)
     }
 
     fn keys(&self, round: u64) -> Vec<String> {
@@ -215,7 +208,7 @@ impl Session {
         let timeout = deadline.saturating_duration_since(Instant::now());
         let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
         self.store.set(&self.key(round, self.rank), &sealed, hard)?;
-        self.store.add(&self.counter(round), 1, hard)?;
+        self.store.add(&self.key(round, "count"), 1, hard)?;
         self.wait_round(round, deadline, timeout)?;
         let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
         let what = round_name(round).1;
@@ -240,7 +233,7 @@ impl Session {
         if self.rank == 0 && round != HELLO {
             let previous = round.wrapping_sub(1);
             let mut old = self.keys(previous);
-            old.push(self.counter(previous));
+            old.push(self.key(previous, "count"));
             for k in old {
                 if let Err(e) = self.store.delete(&k, hard) {
                     debug!(error = %e, "rendezvous: could not delete a finished key");
@@ -298,7 +291,7 @@ impl Session {
     /// the missing ranks).
     fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let counter = self.counter(round);
+        let counter = self.key(round, "count");
         let keys = self.keys(round);
         let abort = vec![self.abort_key()];
         let world = i64::try_from(self.world).unwrap_or(i64::MAX);
