@@ -341,12 +341,8 @@ impl JobEnv {
     /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
     /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
-        let (rank, world, local, local_rank) = (
-            self.rank,
-            self.world_size,
-            self.local_world_size,
-            self.local_rank,
-        );
+        let (rank, world) = (self.rank, self.world_size);
+        let (local, local_rank) = (self.local_world_size, self.local_rank);
         let reason = if world == 0 || world > MAX_WORLD_SIZE {
             format!("world size {world} is not in 1..={MAX_WORLD_SIZE}")
         } else if rank >= world {

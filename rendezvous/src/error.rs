@@ -232,16 +232,6 @@ impl RendezvousError {
         }
     }
 
-    /// Whether a rank that hit this error should abort the job so that the others fail now:
-    /// not when the failure came from them (the job failed already) or from the store itself
-    /// (the connection is gone, or spoke nonsense).
-    pub(crate) fn is_worth_an_abort(&self) -> bool {
-        !matches!(
-            self,
-            Self::JobFailed { .. } | Self::Io { .. } | Self::Protocol { .. }
-        )
-    }
-
     /// [`RendezvousError::Protocol`] with `peer`.
     pub(crate) fn protocol(peer: &str, reason: impl Into<String>) -> Self {
         let (peer, reason) = (peer.to_owned(), reason.into());

@@ -21,6 +21,7 @@
 //! or by a rank that aborts; from then on the store takes no more writes.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::ErrorKind::{TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
@@ -410,11 +411,9 @@ impl Drop for StoreServer {
 /// (unproven: the client takes it as a reason to try again, and names it if its time runs out).
 fn tell_crowded(stream: &TcpStream, reason: &str) {
     use nix::sys::socket::{send, MsgFlags};
-    let (m, flags) = (
-        message(kind::CROWDED, reason.as_bytes()),
-        MsgFlags::MSG_DONTWAIT,
-    );
-    let _ = send(stream.as_raw_fd(), &m, flags | MsgFlags::MSG_NOSIGNAL);
+    let m = message(kind::CROWDED, reason.as_bytes());
+    let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL;
+    let _ = send(stream.as_raw_fd(), &m, flags);
 }
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
@@ -424,7 +423,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     while !shared.shutting_down() {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(e) if e.kind() == WouldBlock => {
                 let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
                 let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
                 continue;
@@ -789,10 +788,7 @@ impl Conn {
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
+    matches!(e.kind(), WouldBlock | TimedOut)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
-use super::error::{clip, RendezvousError, Result};
+use super::error::{clip, RendezvousError, RendezvousError as E, Result};
 use super::store::{decode_error, encode_failure, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
@@ -85,10 +85,7 @@ fn round_name(round: u64) -> (String, String) {
     match round {
         HELLO => ("hello".into(), "hello".into()),
         CONFIRM => ("confirm".into(), "confirmation of the session".into()),
-        r => (
-            r.to_string(),
-            format!("contribution to all-gather round {r}"),
-        ),
+        r => (r.to_string(), format!("contribution to round {r}")),
     }
 }
 
@@ -399,7 +396,7 @@ impl Session {
     /// After a local failure, tells the others (best effort), unless the failure came from
     /// them or from the store itself.
     pub(crate) fn abort_after(&mut self, e: &RendezvousError) {
-        if !e.is_worth_an_abort() {
+        if matches!(e, E::JobFailed { .. } | E::Io { .. } | E::Protocol { .. }) {
             return;
         }
         let reason = e.to_string();

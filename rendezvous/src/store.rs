@@ -109,26 +109,19 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
         .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
         .collect();
     let text = String::from_utf8_lossy(&rest[end..]).into_owned();
-    let num = |i: usize| nums.get(i).copied();
-    Some(match code {
-        1 => E::WorldSizeMismatch {
-            rank: num(0)?,
-            client: num(1)?,
-            server: num(2)?,
+    Some(match (code, nums.as_slice()) {
+        (1, &[rank, client, server, ..]) => E::WorldSizeMismatch {
+            rank,
+            client,
+            server,
         },
-        2 => E::RankOutOfRange {
-            rank: num(0)?,
-            world_size: num(1)?,
-        },
-        3 => E::DuplicateRank {
-            rank: num(0)?,
-            detail: text,
-        },
-        4 => E::JobFailed {
+        (2, &[rank, world_size, ..]) => E::RankOutOfRange { rank, world_size },
+        (3, &[rank, ..]) => E::DuplicateRank { rank, detail: text },
+        (4, missing) => E::JobFailed {
             reason: text,
-            missing: nums,
+            missing: missing.to_vec(),
         },
-        5 => E::Rejected { reason: text },
+        (5, _) => E::Rejected { reason: text },
         _ => return None,
     })
 }
