@@ -229,18 +229,13 @@ impl State {
         true
     }
 
-    /// How many pending connections `ip` holds.
-    fn pending_from(&self, ip: IpAddr) -> usize {
-        self.pending.iter().filter(|p| p.ip == ip).count()
-    }
-
     /// Makes room for one more pending connection from `ip` at `now`: nothing to do below the
     /// limits; else the oldest of `ip`'s own connections at its address's limit, or, the store
     /// being full, the oldest of the address holding the most when that is at least two more
     /// than `ip` holds, is closed (with a message that says why), provided it is
     /// [`ServerOptions::pending_floor`] old. Otherwise the reason the newcomer is turned away.
     fn make_room(&mut self, opts: &ServerOptions, ip: IpAddr, now: Instant) -> Result<(), String> {
-        let mine = self.pending_from(ip);
+        let mine = self.pending.iter().filter(|p| p.ip == ip).count();
         let held = self.pending.len();
         let (from, why) = if mine >= opts.max_pending_per_addr {
             let why = format!("{mine} connections from {ip} have not proven the job token yet");
@@ -249,9 +244,9 @@ impl State {
             let why =
                 format!("{held} connections that have not proven the job token fill the store");
             let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
-            self.pending
-                .iter()
-                .for_each(|p| *per_addr.entry(p.ip).or_default() += 1);
+            for p in &self.pending {
+                *per_addr.entry(p.ip).or_default() += 1;
+            }
             match per_addr.into_iter().max_by_key(|(_, n)| *n) {
                 Some((most, n)) if n > mine + 1 => (most, why),
                 _ => return Err(why),
@@ -260,10 +255,9 @@ impl State {
             return Ok(());
         };
         let floor = opts.pending_floor;
-        let old = self
-            .pending
-            .iter()
-            .position(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor);
+        let old_enough =
+            |p: &Pending| p.ip == from && now.saturating_duration_since(p.since) >= floor;
+        let old = self.pending.iter().position(old_enough);
         let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
