@@ -524,3 +524,34 @@ fn a_replayed_first_round_abort_is_ignored() {
         "{e:?}"
     );
 }
+
+/// A rank that learns of the job's failure from the store does not abort in turn: a rank that
+/// looks later still reads the first reason, not one passed on.
+#[test]
+fn a_failure_heard_from_the_store_is_not_passed_on() {
+    let Some(py) = python() else { return };
+    let store = TorchStore::start(&py);
+    let (port, token) = (store.port, random_token().unwrap());
+    let joining: Vec<_> = (0..3)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || {
+                Rendezvous::connect(&job(rank, 3, port, &token), Duration::from_secs(20)).unwrap()
+            })
+        })
+        .collect();
+    let rdvs: Vec<Rendezvous> = joining.into_iter().map(|j| j.join().unwrap()).collect();
+    rdvs[1].abort("rank 1 ran out of memory").unwrap();
+    for rank in [0, 2] {
+        match rdvs[rank].all_gather(b"x") {
+            Err(RendezvousError::JobFailed { reason, .. }) => {
+                assert!(
+                    reason.starts_with("rank 1 aborted"),
+                    "rank {rank}: {reason}"
+                );
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+    drop(store);
+}
