@@ -451,6 +451,35 @@ impl Store {
 mod tests {
     use super::*;
 
+    /// After an error the connection sends nothing more: a later call fails at once, naming
+    /// the error that broke it.
+    #[test]
+    fn a_broken_connection_sends_nothing() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (peer, _) = listener.accept().unwrap();
+        let broken = Some("an earlier error".to_owned());
+        let mut store = Store {
+            stream,
+            peer: "the test's peer".into(),
+            broken,
+        };
+        let e = store
+            .set("k", b"v", Instant::now() + Duration::from_secs(1))
+            .unwrap_err();
+        assert!(
+            matches!(&e, E::Io { source, .. } if source.kind() == io::ErrorKind::NotConnected
+                && source.to_string().contains("an earlier error")),
+            "{e:?}"
+        );
+        peer.set_nonblocking(true).unwrap();
+        let read = (&peer).read(&mut [0u8; 1]);
+        assert!(
+            matches!(&read, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "it sent something: {read:?}"
+        );
+    }
+
     #[test]
     fn admission_messages_have_the_documented_layout() {
         let m = message(kind::HELLO, &[7; HELLO_LEN]);
