@@ -206,14 +206,14 @@ fn host_store(env: &JobEnv) -> Result<StoreServer> {
     bound
 }
 
-/// Where rank 0 reaches its own server.
-fn local_target(listening: SocketAddr) -> SocketAddr {
+/// Where rank 0 reaches its own server: its host and port.
+fn local_target(listening: SocketAddr) -> (String, u16) {
     let ip = match listening.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
         IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
         ip => ip,
     };
-    SocketAddr::new(ip, listening.port())
+    (ip.to_string(), listening.port())
 }
 
 impl Rendezvous {
@@ -262,10 +262,7 @@ impl Rendezvous {
             _ => None,
         };
         let (host, port) = match &server {
-            Some(s) => (
-                local_target(s.local_addr()).ip().to_string(),
-                s.local_addr().port(),
-            ),
+            Some(s) => local_target(s.local_addr()),
             None => (env.master_addr.clone(), env.master_port),
         };
         let joined = Session::join(env, &host, port, deadline);
@@ -552,11 +549,11 @@ mod tests {
         );
         assert_eq!(
             local_target("0.0.0.0:5".parse().unwrap()),
-            "127.0.0.1:5".parse().unwrap()
+            ("127.0.0.1".to_owned(), 5)
         );
         assert_eq!(
             local_target("[::]:5".parse().unwrap()),
-            "[::1]:5".parse().unwrap()
+            ("::1".to_owned(), 5)
         );
     }
 }

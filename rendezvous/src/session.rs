@@ -27,7 +27,7 @@ const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
 
 /// Requests may run this long past the end of the wait they serve, so that a wait that times
 /// out can still name what it missed.
-const REQUEST_SLACK: Duration = Duration::from_secs(1);
+pub(crate) const REQUEST_SLACK: Duration = Duration::from_secs(1);
 /// First and longest pause between two looks at the keys of a round.
 const POLL_START: Duration = Duration::from_micros(200);
 const POLL_MAX: Duration = Duration::from_millis(10);

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::auth::{self, Purpose};
 use super::error::{clip, RendezvousError, RendezvousError as E, Result};
-use super::session::{ABORT_RANKS, ABORT_REASON};
+use super::session::{ABORT_RANKS, ABORT_REASON, REQUEST_SLACK};
 
 /// Query types of the c10d store protocol.
 pub(crate) mod query {
@@ -243,9 +243,7 @@ impl Store {
     ) -> Result<Store> {
         let _ = stream.set_nodelay(true);
         // What answers may take a second longer, so that a failure says what it was.
-        let deadline = deadline
-            .checked_add(Duration::from_secs(1))
-            .unwrap_or(deadline);
+        let deadline = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let (peer, broken) = (host_port(host, port), None);
         let mut store = Store {
             stream,
