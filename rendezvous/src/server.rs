@@ -465,7 +465,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
             .stack_size(256 * 1024)
-            .spawn(move || conn.serve());
+            .spawn(move || conn.serve().unwrap_or_default());
         if let Err(e) = spawned.map(|h| handles.push(h)) {
             warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
         }
@@ -515,11 +515,10 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    fn serve(&mut self) {
+    /// Serves the connection until it closes or breaks the rules.
+    fn serve(&mut self) -> Option<()> {
         let _ = self.stream.set_nodelay(true);
-        if self.handshake().is_none() {
-            return;
-        }
+        self.handshake()?;
         let io_timeout = Some(self.shared.opts.io_timeout);
         let _ = self.stream.set_write_timeout(io_timeout);
         let _ = self.stream.set_read_timeout(io_timeout);
@@ -528,7 +527,7 @@ impl Conn {
             match (&self.stream).read(&mut q) {
                 Ok(1) => {}
                 Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
-                _ => return,
+                _ => return None,
             }
             let mut st = self.shared.lock();
             st.busy += 1;
@@ -541,7 +540,7 @@ impl Conn {
                 if !self.shared.shutting_down() {
                     warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
                 }
-                return;
+                return None;
             }
         }
     }

@@ -99,12 +99,13 @@ impl Session {
             StoreKind::Torch { prefix } => (prefix.as_str(), false),
             StoreKind::Own => ("gpucast-own", true),
         };
-        if !own && env.world_size > TORCH_MAX_WORLD {
-            return Err(RendezvousError::invalid(format!(
-                "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
-                 (set GPUCAST_MASTER_PORT to host gpucast's own store)",
-                env.world_size
-            )));
+        let n = env.world_size;
+        if !own && n > TORCH_MAX_WORLD {
+            let reason = format!(
+                "{n} ranks: a job through torchrun's store has at most \
+                {TORCH_MAX_WORLD} (set GPUCAST_MASTER_PORT to host gpucast's own store)"
+            );
+            return Err(RendezvousError::invalid(reason));
         }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
@@ -144,9 +145,8 @@ impl Session {
         // The second round: an empty value sealed under the session id, from every rank. A
         // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
         // that never came) has another session id, and its confirmation does not open here.
-        let first = s
-            .hello(deadline)
-            .and_then(|()| s.round(CONFIRM, &[], 0, deadline));
+        let first = s.hello(deadline);
+        let first = first.and_then(|()| s.round(CONFIRM, &[], 0, deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
