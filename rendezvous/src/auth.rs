@@ -328,6 +328,18 @@ mod tests {
             b"x"
         )));
         assert!(!same_secret(&p, &p[..31]));
+        // The labels are the documented ones.
+        for (purpose, label) in [
+            (Purpose::Hello, &b"gpucast rendezvous v4: hello"[..]),
+            (Purpose::Welcome, b"gpucast rendezvous v4: welcome"),
+            (Purpose::Refusal, b"gpucast rendezvous v4: refusal"),
+        ] {
+            let parts: [&[u8]; 4] = [&s, &c, &claim(3, 8), b""];
+            assert_eq!(
+                tok.prove(purpose, &[&s, &c, &claim(3, 8)], b""),
+                mac(&tok.0, label, &parts)
+            );
+        }
         // A refusal's proof covers the error it proves.
         let r = tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 1");
         assert_ne!(
