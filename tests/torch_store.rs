@@ -511,3 +511,60 @@ fn a_replayed_hello_does_not_pass_for_a_rank() {
         );
     }
 }
+
+/// An abort of the first round recorded in an earlier launch, planted where this launch's is
+/// looked for, is not taken for one: its sender's hello here carries another nonce. The rank
+/// times out naming the missing rank instead of failing with the recorded reason.
+#[test]
+fn a_replayed_first_round_abort_is_ignored() {
+    let Some(py) = python() else { return };
+    let token = random_token().unwrap();
+    // Launch 1: rank 0 of 2 comes alone, times out in the first round and aborts it.
+    let mut first = TorchStore::start(&py);
+    first.send("wait gpucast/1/abort-hello");
+    let env = job(0, 2, first.port, &token);
+    let e = Rendezvous::connect(&env, Duration::from_millis(500)).unwrap_err();
+    assert!(matches!(e, RendezvousError::Timeout { .. }), "{e:?}");
+    let abort = decode_hex(&first.answer()).expect("rank 0's abort of the first round");
+
+    // Launch 2, same token: the recorded abort is there before rank 0 comes, rank 1 never does.
+    let mut second = TorchStore::start(&py);
+    plant(&mut second, "gpucast/1/abort-hello", &abort);
+    let env = job(0, 2, second.port, &token);
+    let e = Rendezvous::connect(&env, Duration::from_secs(1)).unwrap_err();
+    assert!(
+        matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[1]),
+        "{e:?}"
+    );
+}
+
+/// A rank that learns of the job's failure from the store does not abort in turn: a rank that
+/// looks later still reads the first reason, not one passed on.
+#[test]
+fn a_failure_heard_from_the_store_is_not_passed_on() {
+    let Some(py) = python() else { return };
+    let store = TorchStore::start(&py);
+    let (port, token) = (store.port, random_token().unwrap());
+    let joining: Vec<_> = (0..3)
+        .map(|rank| {
+            let token = token.clone();
+            thread::spawn(move || {
+                Rendezvous::connect(&job(rank, 3, port, &token), Duration::from_secs(20)).unwrap()
+            })
+        })
+        .collect();
+    let rdvs: Vec<Rendezvous> = joining.into_iter().map(|j| j.join().unwrap()).collect();
+    rdvs[1].abort("rank 1 ran out of memory").unwrap();
+    for rank in [0, 2] {
+        match rdvs[rank].all_gather(b"x") {
+            Err(RendezvousError::JobFailed { reason, .. }) => {
+                assert!(
+                    reason.starts_with("rank 1 aborted"),
+                    "rank {rank}: {reason}"
+                );
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+    drop(store);
+}

@@ -17,6 +17,7 @@
 //! can be derived once and tried against many captures.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::PoisonError;
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
@@ -125,9 +126,7 @@ impl Key {
     /// process and token.
     pub(crate) fn of(token: &str) -> Key {
         let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
-        let mut keys = KEYS
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut keys = KEYS.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, key)) = keys.iter().find(|(k, _)| same_secret(k, &id)) {
             return key.clone();
         }
@@ -144,13 +143,10 @@ impl Key {
     /// store's fresh nonce, the client's, and the rank and world size the HELLO claims) and
     /// `extra` (a refusal's encoded error).
     pub(crate) fn prove(&self, purpose: Purpose, claim: &[&[u8]; 3], extra: &[u8]) -> Proof {
-        let label: &[u8] = match purpose {
-            Purpose::Hello => b"gpucast rendezvous v4: hello",
-            Purpose::Welcome => b"gpucast rendezvous v4: welcome",
-            Purpose::Refusal => b"gpucast rendezvous v4: refusal",
-        };
+        // `gpucast rendezvous v4: hello`, `...: welcome` or `...: refusal`.
+        let label = format!("gpucast rendezvous v4: {purpose:?}").to_ascii_lowercase();
         let [a, b, c] = *claim;
-        mac(&self.0, label, &[a, b, c, extra])
+        mac(&self.0, label.as_bytes(), &[a, b, c, extra])
     }
 }
 
@@ -184,21 +180,21 @@ impl Sealer {
         Sealer(mac(&key.0, b"gpucast rendezvous v3: value key", &[context]))
     }
 
+    /// The tag of `value` for `aad`.
+    fn tag(&self, aad: &[u8], value: &[u8]) -> [u8; 32] {
+        mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value])
+    }
+
     /// `value`, then its tag for `aad`.
     pub(crate) fn seal(&self, aad: &[u8], value: &[u8]) -> Vec<u8> {
-        [
-            value,
-            &mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]),
-        ]
-        .concat()
+        [value, &self.tag(aad, value)].concat()
     }
 
     /// The value of `sealed` if its tag is this key's for `aad` (compared in constant time),
     /// else `None`.
     pub(crate) fn open(&self, aad: &[u8], sealed: &[u8]) -> Option<Vec<u8>> {
         let (value, tag) = sealed.split_at(sealed.len().checked_sub(SEAL_OVERHEAD)?);
-        let expected = mac(&self.0, b"gpucast rendezvous v3: value", &[aad, value]);
-        same_secret(&expected, tag).then(|| value.to_vec())
+        same_secret(&self.tag(aad, value), tag).then(|| value.to_vec())
     }
 }
 
@@ -226,40 +222,34 @@ pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str>
 /// and with as many distinct characters as a random string of its length and alphabet would
 /// almost surely have.
 fn looks_random(t: &[u8]) -> bool {
+    let any = |f: fn(&u8) -> bool| t.iter().any(f);
     let hex = t.iter().all(u8::is_ascii_hexdigit)
-        && !(t.iter().any(u8::is_ascii_lowercase) && t.iter().any(u8::is_ascii_uppercase));
+        && !(any(u8::is_ascii_lowercase) && any(u8::is_ascii_uppercase));
     let alphabet: u32 = if t.iter().all(u8::is_ascii_digit) {
         10
     } else if hex {
         16
     } else {
-        [
-            (t.iter().any(u8::is_ascii_digit), 10),
-            (t.iter().any(u8::is_ascii_lowercase), 26),
-            (t.iter().any(u8::is_ascii_uppercase), 26),
-            (t.iter().any(u8::is_ascii_punctuation), 32),
-            (
-                t.iter()
-                    .any(|b| !b.is_ascii_alphanumeric() && !b.is_ascii_punctuation()),
-                128,
-            ),
-        ]
-        .iter()
-        .filter(|(present, _)| *present)
-        .map(|(_, n)| n)
-        .sum()
+        let other = |b: &u8| !b.is_ascii_alphanumeric() && !b.is_ascii_punctuation();
+        let classes = [
+            (any(u8::is_ascii_digit), 10),
+            (any(u8::is_ascii_lowercase), 26),
+            (any(u8::is_ascii_uppercase), 26),
+            (any(u8::is_ascii_punctuation), 32),
+            (any(other), 128),
+        ];
+        classes
+            .iter()
+            .filter_map(|&(present, n)| present.then_some(n))
+            .sum()
     };
+    let a = f64::from(alphabet);
     #[allow(clippy::cast_precision_loss)]
-    let bits = t.len() as f64 * f64::from(alphabet).log2();
+    let bits = t.len() as f64 * a.log2();
     let repeated = (1..=t.len() / 2).any(|p| t[p..] == t[..t.len() - p]);
-    let mut seen = [false; 256];
-    for &b in t {
-        seen[usize::from(b)] = true;
-    }
-    let distinct = seen.iter().filter(|&&s| s).count();
+    let distinct = (0..=u8::MAX).filter(|c| t.contains(c)).count();
     // A random string of n characters from an alphabet of a has about a(1 - (1 - 1/a)^n)
     // distinct ones; half of that is far below what chance gives.
-    let a = f64::from(alphabet);
     #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
     let expected = a * (1.0 - (1.0 - 1.0 / a).powi(t.len().min(1 << 20) as i32));
     #[allow(clippy::cast_precision_loss)]
@@ -338,6 +328,18 @@ mod tests {
             b"x"
         )));
         assert!(!same_secret(&p, &p[..31]));
+        // The labels are the documented ones.
+        for (purpose, label) in [
+            (Purpose::Hello, &b"gpucast rendezvous v4: hello"[..]),
+            (Purpose::Welcome, b"gpucast rendezvous v4: welcome"),
+            (Purpose::Refusal, b"gpucast rendezvous v4: refusal"),
+        ] {
+            let parts: [&[u8]; 4] = [&s, &c, &claim(3, 8), b""];
+            assert_eq!(
+                tok.prove(purpose, &[&s, &c, &claim(3, 8)], b""),
+                mac(&tok.0, label, &parts)
+            );
+        }
         // A refusal's proof covers the error it proves.
         let r = tok.prove(Purpose::Refusal, &[&s, &c, &claim(3, 8)], b"error 1");
         assert_ne!(

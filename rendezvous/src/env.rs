@@ -1,9 +1,9 @@
 //! What a launcher (torchrun, Slurm) tells each process about the job, and which host it is on.
 
 use std::fmt;
-use std::net::IpAddr;
 
 use super::error::{RendezvousError, Result};
+use super::store::host_port;
 use super::{MAX_TOKEN_LEN, MAX_WORLD_SIZE};
 
 /// Overrides `MASTER_ADDR` (and the Slurm node list) for gpucast's rendezvous only.
@@ -173,11 +173,7 @@ impl JobEnv {
     /// below local world size, port 0) are [`RendezvousError::InvalidEnv`] naming the variable.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         // Empty values count as unset.
-        let get = |var: &str| {
-            lookup(var)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
+        let get = |var: &str| nonempty(lookup(var));
         let first = |vars: &[&'static str]| vars.iter().find_map(|&var| get(var).map(|v| (var, v)));
         let missing = |what, vars: &[&'static str]| RendezvousError::MissingEnv {
             what,
@@ -203,36 +199,25 @@ impl JobEnv {
         ];
         const PORT: &[&str] = &[MASTER_PORT_ENV, "MASTER_PORT", "SLURM_JOB_ID"];
 
-        let (rank_var, rank_value) = first(RANK).ok_or_else(|| missing("rank", RANK))?;
-        let rank = parse_count(rank_var, &rank_value)?;
-        let (world_var, world_value) = first(WORLD).ok_or_else(|| missing("world size", WORLD))?;
-        let world_size = parse_count(world_var, &world_value)?;
+        let num = |vars: &[&'static str]| -> Result<Option<(&'static str, usize)>> {
+            let found = first(vars).map(|(var, v)| parse_count(var, &v).map(|n| (var, n)));
+            found.transpose()
+        };
+        let (rank_var, rank) = num(RANK)?.ok_or_else(|| missing("rank", RANK))?;
+        let (world_var, world_size) = num(WORLD)?.ok_or_else(|| missing("world size", WORLD))?;
         if world_size == 0 {
-            return Err(invalid(
-                world_var,
-                &world_value,
-                "the world size must be at least 1",
-            ));
+            return Err(invalid(world_var, "0", "the world size must be at least 1"));
         }
         if rank >= world_size {
-            return Err(invalid(
-                rank_var,
-                &rank_value,
-                format!("rank {rank} is not below {world_var}={world_size}"),
-            ));
+            let why = format!("rank {rank} is not below {world_var}={world_size}");
+            return Err(invalid(rank_var, &rank.to_string(), why));
         }
         let single = world_size == 1;
-
-        let node = match first(NODE) {
-            Some((var, value)) => Some((var, parse_count(var, &value)?)),
-            None => None,
-        };
-
+        let node = num(NODE)?.map(|(_, n)| n);
         let (local_world_var, local_world_size) = match first(LOCAL_WORLD) {
             Some((var @ ("SLURM_STEP_TASKS_PER_NODE" | "SLURM_TASKS_PER_NODE"), value)) => {
-                let (_, node) = node.ok_or_else(|| missing("node index", NODE))?;
-                let n =
-                    tasks_on_node(&value, node).map_err(|reason| invalid(var, &value, reason))?;
+                let node = node.ok_or_else(|| missing("node index", NODE))?;
+                let n = tasks_on_node(&value, node).map_err(|why| invalid(var, &value, why))?;
                 (var, n)
             }
             Some((var, value)) => (var, parse_count(var, &value)?),
@@ -240,37 +225,23 @@ impl JobEnv {
             None => return Err(missing("number of processes on this node", LOCAL_WORLD)),
         };
         if local_world_size == 0 || local_world_size > world_size {
-            return Err(invalid(
-                local_world_var,
-                &local_world_size.to_string(),
-                format!("the processes on this node must number 1..={world_size} ({world_var})"),
-            ));
+            let why =
+                format!("the processes on this node must number 1..={world_size} ({world_var})");
+            return Err(invalid(local_world_var, &local_world_size.to_string(), why));
         }
         let one_node = local_world_size == world_size;
-
-        let local_rank = match first(LOCAL_RANK) {
-            Some((var, value)) => {
-                let local_rank = parse_count(var, &value)?;
-                if local_rank >= local_world_size {
-                    return Err(invalid(
-                        var,
-                        &value,
-                        format!(
-                            "local rank {local_rank} is not below {local_world_var}={local_world_size}"
-                        ),
-                    ));
-                }
-                local_rank
+        let local_rank = match num(LOCAL_RANK)? {
+            Some((var, n)) if n >= local_world_size => {
+                let why =
+                    format!("local rank {n} is not below {local_world_var}={local_world_size}");
+                return Err(invalid(var, &n.to_string(), why));
             }
+            Some((_, n)) => n,
             None if single => 0,
             None => return Err(missing("local rank", LOCAL_RANK)),
         };
-
-        let node = match node {
-            Some((_, n)) => n,
-            None if one_node => 0,
-            None => return Err(missing("node index", NODE)),
-        };
+        let node = node.or(one_node.then_some(0));
+        let node = node.ok_or_else(|| missing("node index", NODE))?;
 
         let master_addr = match first(ADDR) {
             Some((var @ (MASTER_ADDR_ENV | "MASTER_ADDR"), value)) => {
@@ -279,9 +250,7 @@ impl JobEnv {
                 }
                 value
             }
-            Some((var, value)) => {
-                first_host(&value).map_err(|reason| invalid(var, &value, reason))?
-            }
+            Some((var, value)) => first_host(&value).map_err(|why| invalid(var, &value, why))?,
             None if one_node => "127.0.0.1".to_owned(),
             None => return Err(missing("master address", ADDR)),
         };
@@ -295,13 +264,9 @@ impl JobEnv {
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store {
                     const RESTART: &str = "TORCHELASTIC_RESTART_COUNT";
-                    let attempt = match get(RESTART) {
-                        Some(v) => parse_count(RESTART, &v)?,
-                        None => 0,
-                    };
-                    store = StoreKind::Torch {
-                        prefix: format!("/worker/attempt_{attempt}"),
-                    };
+                    let attempt = get(RESTART).map(|v| parse_count(RESTART, &v)).transpose()?;
+                    let prefix = format!("/worker/attempt_{}", attempt.unwrap_or(0));
+                    store = StoreKind::Torch { prefix };
                 }
                 port
             }
@@ -309,31 +274,25 @@ impl JobEnv {
                 let job: u64 = value.parse().map_err(|_| {
                     invalid(var, &value, "not a numeric job id to derive a port from")
                 })?;
-                let offset = job % u64::from(SLURM_PORT_SPAN);
                 // The offset is below SLURM_PORT_SPAN, a u16.
-                SLURM_PORT_BASE + u16::try_from(offset).unwrap_or(0)
+                SLURM_PORT_BASE + u16::try_from(job % u64::from(SLURM_PORT_SPAN)).unwrap_or(0)
             }
             None if single => DEFAULT_MASTER_PORT,
             None => return Err(missing("master port", PORT)),
         };
 
-        let slurm = get("SLURM_JOB_ID").map(|job| match get("SLURM_STEP_ID") {
-            Some(step) => format!("{job}.{step}"),
-            None => job,
-        });
-        let sources = [
-            (JOB_TOKEN_ENV, get(JOB_TOKEN_ENV), TokenSource::Explicit),
-            (
-                "TORCHELASTIC_RUN_ID",
-                get("TORCHELASTIC_RUN_ID"),
-                TokenSource::TorchRunId,
-            ),
-            ("SLURM_JOB_ID", slurm, TokenSource::SlurmJobId),
-        ];
-        let (var, job_token, token_source) = sources
-            .into_iter()
-            .find_map(|(var, t, source)| Some((var, t?, source)))
-            .unwrap_or((JOB_TOKEN_ENV, String::new(), TokenSource::Unset));
+        let (var, job_token, token_source) = if let Some(t) = get(JOB_TOKEN_ENV) {
+            (JOB_TOKEN_ENV, t, TokenSource::Explicit)
+        } else if let Some(t) = get("TORCHELASTIC_RUN_ID") {
+            ("TORCHELASTIC_RUN_ID", t, TokenSource::TorchRunId)
+        } else if let Some(job) = get("SLURM_JOB_ID") {
+            let step = get("SLURM_STEP_ID")
+                .map(|s| format!(".{s}"))
+                .unwrap_or_default();
+            ("SLURM_JOB_ID", job + &step, TokenSource::SlurmJobId)
+        } else {
+            (JOB_TOKEN_ENV, String::new(), TokenSource::Unset)
+        };
         if job_token.len() > MAX_TOKEN_LEN {
             let shown = format!("<{} bytes, not shown>", job_token.len());
             let why = format!("the job token is limited to {MAX_TOKEN_LEN} bytes");
@@ -382,52 +341,32 @@ impl JobEnv {
     /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
     /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
-        let (rank, world, local) = (self.rank, self.world_size, self.local_world_size);
-        let checks = [
-            (
-                world == 0 || world > MAX_WORLD_SIZE,
-                format!("world size {world} is not in 1..={MAX_WORLD_SIZE}"),
-            ),
-            (
-                rank >= world,
-                format!("rank {rank} is not below the world size {world}"),
-            ),
-            (
-                local == 0 || local > world,
-                format!("local world size {local} is not in 1..={world}"),
-            ),
-            (
-                self.local_rank >= local,
-                format!(
-                    "local rank {} is not below the local world size {local}",
-                    self.local_rank
-                ),
-            ),
-            (
-                self.master_addr.is_empty(),
-                "the master address is empty".into(),
-            ),
-            (self.master_port == 0, "the master port is 0".into()),
-            (
-                self.job_token.len() > MAX_TOKEN_LEN,
-                format!(
-                    "the job token has {} bytes, more than {MAX_TOKEN_LEN}",
-                    self.job_token.len()
-                ),
-            ),
-        ];
-        match checks.into_iter().find(|(bad, _)| *bad) {
-            Some((_, reason)) => Err(RendezvousError::InvalidArgument { reason }),
-            None => Ok(()),
-        }
+        let (rank, world) = (self.rank, self.world_size);
+        let (local, local_rank) = (self.local_world_size, self.local_rank);
+        let reason = if world == 0 || world > MAX_WORLD_SIZE {
+            format!("world size {world} is not in 1..={MAX_WORLD_SIZE}")
+        } else if rank >= world {
+            format!("rank {rank} is not below the world size {world}")
+        } else if local == 0 || local > world {
+            format!("local world size {local} is not in 1..={world}")
+        } else if local_rank >= local {
+            format!("local rank {local_rank} is not below the local world size {local}")
+        } else if self.master_addr.is_empty() {
+            "the master address is empty".into()
+        } else if self.master_port == 0 {
+            "the master port is 0".into()
+        } else if self.job_token.len() > MAX_TOKEN_LEN {
+            let len = self.job_token.len();
+            format!("the job token has {len} bytes, more than {MAX_TOKEN_LEN}")
+        } else {
+            return Ok(());
+        };
+        Err(RendezvousError::invalid(reason))
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.
     pub fn master(&self) -> String {
-        match self.master_addr.parse::<IpAddr>() {
-            Ok(IpAddr::V6(ip)) => format!("[{ip}]:{}", self.master_port),
-            _ => format!("{}:{}", self.master_addr, self.master_port),
-        }
+        host_port(&self.master_addr, self.master_port)
     }
 }
 
@@ -435,28 +374,19 @@ impl JobEnv {
 /// `4(x2),3` (nodes 0 and 1 run 4 tasks, node 2 runs 3).
 pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
     let mut first = node;
-    for entry in spec.split(',') {
-        let entry = entry.trim();
-        let (count, repeat) = match entry.split_once('(') {
-            Some((count, rest)) => {
-                let reps = rest
-                    .strip_prefix('x')
-                    .and_then(|r| r.strip_suffix(')'))
-                    .ok_or_else(|| format!("malformed entry {entry:?} (expected like 4(x2))"))?;
-                let reps: usize = reps
-                    .parse()
-                    .map_err(|_| format!("malformed repeat count in {entry:?}"))?;
-                (count, reps)
-            }
-            None => (entry, 1),
-        };
-        let count: usize = count
+    for entry in spec.split(',').map(str::trim) {
+        let bad = |what: &str| format!("malformed {what} in {entry:?} (expected like 4(x2),3)");
+        let (count, reps) = entry.split_once('(').unwrap_or((entry, "x1)"));
+        let reps = reps.strip_prefix('x').and_then(|r| r.strip_suffix(')'));
+        let reps: usize = reps
+            .ok_or_else(|| bad("entry"))?
             .parse()
-            .map_err(|_| format!("malformed task count in {entry:?}"))?;
-        if first < repeat {
+            .map_err(|_| bad("repeat"))?;
+        let count: usize = count.parse().map_err(|_| bad("task count"))?;
+        if first < reps {
             return Ok(count);
         }
-        first -= repeat;
+        first -= reps;
     }
     Err(format!("lists fewer nodes than node index {node} needs"))
 }
@@ -466,9 +396,7 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
 /// product), keeping zero padding. At most 65536 hosts; a malformed list is
 /// [`RendezvousError::InvalidArgument`].
 pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
-    hosts(list, false).map_err(|reason| RendezvousError::InvalidArgument {
-        reason: format!("host list {list:?}: {reason}"),
-    })
+    hosts(list, false).map_err(|why| RendezvousError::invalid(format!("host list {list:?}: {why}")))
 }
 
 /// The first host of a Slurm host list, without expanding the rest.
@@ -540,11 +468,14 @@ fn expand_item(
     Ok(())
 }
 
+/// `v` trimmed, unless that leaves nothing.
+fn nonempty(v: Option<String>) -> Option<String> {
+    v.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+/// The trimmed contents of `path`, unless empty or systemd's placeholder `uninitialized`.
 fn read_trimmed(path: &str) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_owned())
-        .filter(|s| !s.is_empty() && s != "uninitialized")
+    nonempty(std::fs::read_to_string(path).ok()).filter(|s| s != "uninitialized")
 }
 
 /// An identifier of the physical host this process runs on: processes with the same id share
@@ -557,18 +488,14 @@ fn read_trimmed(path: &str) -> Option<String> {
 /// different containers on one machine usually get different ids (their host names differ),
 /// which errs on the safe side.
 pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
-    if let Some(id) = lookup(HOST_ID_ENV)
-        .map(|v| v.trim().to_owned())
-        .filter(|v| !v.is_empty())
-    {
+    if let Some(id) = nonempty(lookup(HOST_ID_ENV)) {
         return id;
     }
-    let hostname = read_trimmed("/proc/sys/kernel/hostname")
-        .or_else(|| lookup("HOSTNAME").filter(|h| !h.trim().is_empty()))
-        .unwrap_or_else(|| "unknown-host".to_owned());
-    match read_trimmed("/etc/machine-id")
-        .or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"))
-    {
+    let hostname =
+        read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
+    let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
+    let machine = read_trimmed("/etc/machine-id");
+    match machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id")) {
         Some(machine) => format!("{hostname}/{machine}"),
         None => hostname,
     }

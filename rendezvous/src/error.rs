@@ -232,36 +232,31 @@ impl RendezvousError {
         }
     }
 
-    /// Whether a rank that hit this error should abort the job so that the others fail now:
-    /// not when the failure came from them (the job failed already) or from the store itself
-    /// (the connection is gone, or spoke nonsense).
-    pub(crate) fn is_worth_an_abort(&self) -> bool {
-        !matches!(
-            self,
-            Self::JobFailed { .. } | Self::Io { .. } | Self::Protocol { .. }
-        )
+    /// [`RendezvousError::Protocol`] with `peer`.
+    pub(crate) fn protocol(peer: &str, reason: impl Into<String>) -> Self {
+        let (peer, reason) = (peer.to_owned(), reason.into());
+        Self::Protocol { peer, reason }
     }
 
-    /// The error of a connection made unusable by an earlier one (`why`).
-    pub(crate) fn unusable(peer: &str, during: &str, why: &str) -> Self {
-        Self::Io {
-            peer: peer.to_owned(),
-            during: during.to_owned(),
-            source: io::Error::new(
-                io::ErrorKind::NotConnected,
-                format!("the connection is unusable after an earlier error: {why}"),
-            ),
-        }
+    /// [`RendezvousError::InvalidArgument`].
+    pub(crate) fn invalid(reason: impl Into<String>) -> Self {
+        let reason = reason.into();
+        Self::InvalidArgument { reason }
+    }
+
+    /// [`RendezvousError::TooLarge`].
+    pub(crate) fn too_large(what: impl Into<String>, len: usize, max: usize) -> Self {
+        let what = what.into();
+        Self::TooLarge { what, len, max }
     }
 }
 
 /// At most `max` bytes of `s`, cut at a character boundary.
 pub(crate) fn clip(s: &str, max: usize) -> &str {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
+    let end = (0..=s.len().min(max))
+        .rev()
+        .find(|&i| s.is_char_boundary(i));
+    &s[..end.unwrap_or(0)]
 }
 
 fn last_error_text(e: &Option<io::Error>) -> String {
@@ -271,21 +266,14 @@ fn last_error_text(e: &Option<io::Error>) -> String {
     }
 }
 
-/// `[2, 5]`, or the first 32 ranks and a count when there are more.
-fn rank_list(ranks: &[usize]) -> String {
-    let listed: Vec<String> = ranks.iter().take(32).map(ToString::to_string).collect();
-    let more = match ranks.len() {
-        n if n > 32 => format!(", ... ({n} in all)"),
-        _ => String::new(),
-    };
-    format!("[{}{more}]", listed.join(", "))
-}
-
+/// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or
+/// nothing when `missing` is empty.
 fn missing_text(missing: &[usize]) -> String {
-    if missing.is_empty() {
-        String::new()
-    } else {
-        format!("; missing ranks: {}", rank_list(missing))
+    let listed: Vec<String> = missing.iter().take(32).map(ToString::to_string).collect();
+    match missing.len() {
+        0 => String::new(),
+        n if n > 32 => format!("; missing ranks: [{}, ... ({n} in all)]", listed.join(", ")),
+        _ => format!("; missing ranks: [{}]", listed.join(", ")),
     }
 }
 
@@ -306,9 +294,9 @@ mod tests {
         );
         assert_eq!(e.missing_ranks(), &[2]);
         let many: Vec<usize> = (0..100).collect();
-        let s = rank_list(&many);
+        let s = missing_text(&many);
         assert!(
-            s.starts_with("[0, 1, 2") && s.ends_with("(100 in all)]"),
+            s.starts_with("; missing ranks: [0, 1, 2") && s.ends_with("(100 in all)]"),
             "{s}"
         );
     }

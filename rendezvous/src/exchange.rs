@@ -42,12 +42,10 @@ pub trait Exchange {
 
     /// `bytes` of rank `root`, on every rank (other ranks' `bytes` are ignored).
     fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
-        if root >= self.world_size() {
-            let reason = format!(
-                "broadcast root {root} is out of range for {} ranks",
-                self.world_size()
-            );
-            return Err(RendezvousError::InvalidArgument { reason });
+        let n = self.world_size();
+        if root >= n {
+            let reason = format!("broadcast root {root} is out of range for {n} ranks");
+            return Err(RendezvousError::invalid(reason));
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
@@ -85,9 +83,8 @@ impl<F> FnExchange<F> {
     /// Wraps `gather` for rank `rank` of `world_size` (checked: `rank < world_size`).
     pub fn new(rank: usize, world_size: usize, gather: F) -> Result<Self> {
         if rank >= world_size {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!("rank {rank} is not below the world size {world_size}"),
-            });
+            let reason = format!("rank {rank} is not below the world size {world_size}");
+            return Err(RendezvousError::invalid(reason));
         }
         Ok(Self {
             rank,
@@ -114,27 +111,16 @@ where
         let all = (self.gather)(mine).map_err(|e| RendezvousError::External {
             message: e.to_string(),
         })?;
-        if all.len() != self.world_size {
-            return Err(RendezvousError::BadGather {
-                reason: format!(
-                    "{} entries for a world of {} ranks",
-                    all.len(),
-                    self.world_size
-                ),
-            });
-        }
-        if all[self.rank] != mine {
-            return Err(RendezvousError::BadGather {
-                reason: format!(
-                    "entry {} ({} bytes) is not what rank {} contributed ({} bytes)",
-                    self.rank,
-                    all[self.rank].len(),
-                    self.rank,
-                    mine.len()
-                ),
-            });
-        }
-        Ok(all)
+        let (n, r, len) = (self.world_size, self.rank, mine.len());
+        let reason = if all.len() != n {
+            format!("{} entries for a world of {n} ranks", all.len())
+        } else if all[r] != mine {
+            let got = all[r].len();
+            format!("entry {r} ({got} bytes) is not what rank {r} contributed ({len} bytes)")
+        } else {
+            return Ok(all);
+        };
+        Err(RendezvousError::BadGather { reason })
     }
 }
 
@@ -202,33 +188,32 @@ fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
 
 /// Starts rank 0's store on the first of `listen_addrs(env)` that this host can bind.
 fn host_store(env: &JobEnv) -> Result<StoreServer> {
-    let candidates = listen_addrs(env);
-    let last = candidates.len() - 1;
-    for (i, addr) in candidates.into_iter().enumerate() {
-        let options = ServerOptions::new(env.world_size, &env.job_token);
-        match StoreServer::bind(addr, options) {
-            Ok(server) => {
-                if addr.ip().is_unspecified() {
-                    debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
-                }
-                return Ok(server);
-            }
+    let mut bound = Err(RendezvousError::invalid("no address to listen on"));
+    for addr in listen_addrs(env) {
+        bound = StoreServer::bind(addr, ServerOptions::new(env.world_size, &env.job_token));
+        match &bound {
             Err(RendezvousError::Bind { source, .. })
-                if i < last && source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
-            Err(e) => return Err(e),
+                if source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
+            _ => break,
         }
     }
-    unreachable!("the unspecified address is always a candidate")
+    if bound
+        .as_ref()
+        .is_ok_and(|s| s.local_addr().ip().is_unspecified())
+    {
+        debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
+    }
+    bound
 }
 
-/// Where rank 0 reaches its own server.
-fn local_target(listening: SocketAddr) -> SocketAddr {
+/// Where rank 0 reaches its own server: its host and port.
+fn local_target(listening: SocketAddr) -> (String, u16) {
     let ip = match listening.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
         IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
         ip => ip,
     };
-    SocketAddr::new(ip, listening.port())
+    (ip.to_string(), listening.port())
 }
 
 impl Rendezvous {
@@ -277,28 +262,18 @@ impl Rendezvous {
             _ => None,
         };
         let (host, port) = match &server {
-            Some(s) => (
-                local_target(s.local_addr()).ip().to_string(),
-                s.local_addr().port(),
-            ),
+            Some(s) => local_target(s.local_addr()),
             None => (env.master_addr.clone(), env.master_port),
         };
-        match Session::join(env, &host, port, deadline) {
-            Ok(session) => {
-                info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
-                Ok(rendezvous(Some(Box::new(session)), server))
-            }
-            Err(e) => {
-                if let Some(server) = &server {
-                    server.fail_with(
-                        format!("rank 0 could not complete the rendezvous: {e}"),
-                        e.missing_ranks().to_vec(),
-                    );
-                    server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
-                }
-                Err(e)
-            }
+        let joined = Session::join(env, &host, port, deadline);
+        if let (Err(e), Some(server)) = (&joined, &server) {
+            let reason = format!("rank 0 could not complete the rendezvous: {e}");
+            server.fail_with(&reason, e.missing_ranks());
+            server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
         }
+        let session = Box::new(joined?);
+        info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
+        Ok(rendezvous(Some(session), server))
     }
 
     /// Tells the other ranks of the job that this one cannot take part (`reason`), so that
@@ -319,7 +294,7 @@ impl Rendezvous {
                 let deadline = super::later(within);
                 let told = match env.store {
                     StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
-                        server.fail_with(reason, Vec::new());
+                        server.fail_with(&reason, &[]);
                         server.mark_told(0);
                         server.linger_until_told(deadline);
                     }),
@@ -443,11 +418,7 @@ mod tests {
         let started = Instant::now();
         let deadline = Instant::now() + Duration::from_millis(700);
         let key = crate::auth::Key::of(&env.job_token);
-        let admission = crate::store::Admission {
-            key: &key,
-            rank: 1,
-            world_size: 2,
-        };
+        let admission = (&key, 1, 2);
         let e = crate::store::Store::connect("127.0.0.1", port, Some(admission), deadline)
             .err()
             .unwrap();
@@ -578,11 +549,11 @@ mod tests {
         );
         assert_eq!(
             local_target("0.0.0.0:5".parse().unwrap()),
-            "127.0.0.1:5".parse().unwrap()
+            ("127.0.0.1".to_owned(), 5)
         );
         assert_eq!(
             local_target("[::]:5".parse().unwrap()),
-            "[::1]:5".parse().unwrap()
+            ("::1".to_owned(), 5)
         );
     }
 }

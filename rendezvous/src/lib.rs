@@ -186,14 +186,10 @@ pub(crate) fn later(timeout: Duration) -> std::time::Instant {
 
 /// Lets the first few of a kind of event be logged, then one in 1024, so that strangers who
 /// make the same mistake (or attack) many times cannot flood the log.
+#[derive(Default)]
 pub(crate) struct Throttle(std::sync::atomic::AtomicU64);
 
 impl Throttle {
-    /// A throttle that has seen nothing yet.
-    pub(crate) const fn new() -> Self {
-        Self(std::sync::atomic::AtomicU64::new(0))
-    }
-
     /// Whether this occurrence is to be logged, and how many came before it.
     pub(crate) fn allow(&self) -> Option<u64> {
         let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -207,7 +203,7 @@ mod tests {
 
     #[test]
     fn the_throttle_lets_the_first_few_through_then_one_in_1024() {
-        let t = Throttle::new();
+        let t = Throttle::default();
         let allowed = (0..5000).filter(|_| t.allow().is_some()).count();
         assert_eq!(allowed, 8 + 4, "0..8, then 1024, 2048, 3072, 4096");
     }

@@ -21,6 +21,7 @@
 //! or by a rank that aborts; from then on the store takes no more writes.
 
 use std::collections::{HashMap, VecDeque};
+use std::io::ErrorKind::{TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
@@ -32,9 +33,9 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose, SEAL_OVERHEAD};
-use super::error::{clip, RendezvousError, Result};
-use super::session::{ABORT_RANKS, ABORT_REASON};
-use super::store::{decode_error, encode_error, kind, message, query, read_full, FAILED_KEY};
+use super::error::{RendezvousError, Result};
+use super::store::{decode_error, encode_error, encode_failure, kind, message, query};
+use super::store::{read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
 use super::{Throttle, MAX_STORE_BYTES, MAX_VALUE_LEN, MAX_WORLD_SIZE};
 
@@ -137,8 +138,9 @@ struct State {
     registered: Vec<Option<Member>>,
     /// Ranks that have learned of the failure (or can no longer be told: disconnected).
     told: Vec<bool>,
-    /// Why the job failed, if it has, and the ranks it names as missing.
-    failure: Option<(String, Vec<usize>)>,
+    /// Why the job failed, if it has, and the ranks it names as missing: the value of
+    /// [`FAILED_KEY`].
+    failure: Option<Vec<u8>>,
     /// The keys: value, and the connection that wrote it.
     keys: HashMap<Vec<u8>, (Vec<u8>, u64)>,
     /// Bytes held in `keys`.
@@ -188,16 +190,11 @@ impl State {
             } else {
                 warn!(%reason, "rendezvous job failed");
             }
-            let reason = clip(reason, ABORT_REASON).to_owned();
-            let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
-            let value = encode_error(&RendezvousError::JobFailed {
-                reason: reason.clone(),
-                missing: missing.clone(),
-            });
+            let value = encode_failure(reason, missing);
             self.stored += entry_bytes(FAILED_KEY.as_bytes(), &value);
-            let key = FAILED_KEY.as_bytes().to_vec();
-            self.keys.insert(key, (value, u64::MAX));
-            self.failure = Some((reason, missing));
+            self.keys
+                .insert(FAILED_KEY.into(), (value.clone(), u64::MAX));
+            self.failure = Some(value);
         }
         cond.notify_all();
     }
@@ -232,32 +229,24 @@ impl State {
         true
     }
 
-    /// How many pending connections `ip` holds.
-    fn pending_from(&self, ip: IpAddr) -> usize {
-        self.pending.iter().filter(|p| p.ip == ip).count()
-    }
-
     /// Makes room for one more pending connection from `ip` at `now`: nothing to do below the
     /// limits; else the oldest of `ip`'s own connections at its address's limit, or, the store
     /// being full, the oldest of the address holding the most when that is at least two more
     /// than `ip` holds, is closed (with a message that says why), provided it is
     /// [`ServerOptions::pending_floor`] old. Otherwise the reason the newcomer is turned away.
     fn make_room(&mut self, opts: &ServerOptions, ip: IpAddr, now: Instant) -> Result<(), String> {
-        let mine = self.pending_from(ip);
+        let mine = self.pending.iter().filter(|p| p.ip == ip).count();
+        let held = self.pending.len();
         let (from, why) = if mine >= opts.max_pending_per_addr {
-            (
-                ip,
-                format!("{mine} connections from {ip} have not proven the job token yet"),
-            )
-        } else if self.pending.len() >= opts.max_pending {
-            let why = format!(
-                "{} connections that have not proven the job token fill the store",
-                self.pending.len()
-            );
+            let why = format!("{mine} connections from {ip} have not proven the job token yet");
+            (ip, why)
+        } else if held >= opts.max_pending {
+            let why =
+                format!("{held} connections that have not proven the job token fill the store");
             let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
-            self.pending
-                .iter()
-                .for_each(|p| *per_addr.entry(p.ip).or_default() += 1);
+            for p in &self.pending {
+                *per_addr.entry(p.ip).or_default() += 1;
+            }
             match per_addr.into_iter().max_by_key(|(_, n)| *n) {
                 Some((most, n)) if n > mine + 1 => (most, why),
                 _ => return Err(why),
@@ -266,10 +255,9 @@ impl State {
             return Ok(());
         };
         let floor = opts.pending_floor;
-        let old = self
-            .pending
-            .iter()
-            .position(|p| p.ip == from && now.saturating_duration_since(p.since) >= floor);
+        let old_enough =
+            |p: &Pending| p.ip == from && now.saturating_duration_since(p.since) >= floor;
+        let old = self.pending.iter().position(old_enough);
         let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
@@ -277,12 +265,6 @@ impl State {
         let _ = old.stream.shutdown(Shutdown::Both);
         self.evicted += 1;
         Ok(())
-    }
-
-    fn unregistered(&self) -> Vec<usize> {
-        (0..self.registered.len())
-            .filter(|&r| self.registered[r].is_none())
-            .collect()
     }
 }
 
@@ -297,11 +279,9 @@ impl StoreServer {
     pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
         let n = opts.world_size;
         if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!(
-                    "world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait"
-                ),
-            });
+            let reason =
+                format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
+            return Err(RendezvousError::invalid(reason));
         }
         let bind_err = |source: io::Error| match source.kind() {
             io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },
@@ -325,8 +305,8 @@ impl StoreServer {
             state: Mutex::new(state),
             cond: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            refused: Throttle::new(),
-            crowded: Throttle::new(),
+            refused: Throttle::default(),
+            crowded: Throttle::default(),
         });
         let for_thread = Arc::clone(&shared);
         let accept = thread::Builder::new()
@@ -348,10 +328,9 @@ impl StoreServer {
 
     /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
     /// first failure's reason is kept.
-    pub(crate) fn fail_with(&self, reason: String, missing: Vec<usize>) {
-        self.shared
-            .lock()
-            .fail(&self.shared.cond, &reason, &missing, false);
+    pub(crate) fn fail_with(&self, reason: &str, missing: &[usize]) {
+        let mut st = self.shared.lock();
+        st.fail(&self.shared.cond, reason, missing, false);
     }
 
     /// Records that `rank` knows of the failure already (the rank that caused it, in this
@@ -365,7 +344,10 @@ impl StoreServer {
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
-        self.shared.lock().failure.as_ref().map(|f| f.0.clone())
+        let failure = self.shared.lock().failure.clone();
+        failure
+            .and_then(|f| decode_error(&f))
+            .map(|e| e.to_string())
     }
 
     /// After a failure: keeps serving until every rank has been told (or has disconnected) or
@@ -394,13 +376,11 @@ impl Drop for StoreServer {
             .unwrap_or_default();
         let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
         let mut st = self.shared.lock();
-        let missing = st.unregistered();
-        st.fail(
-            &self.shared.cond,
-            "the store on rank 0 shut down",
-            &missing,
-            true,
-        );
+        let missing: Vec<usize> = (0..st.told.len())
+            .filter(|&r| st.registered[r].is_none())
+            .collect();
+        let reason = "the store on rank 0 shut down";
+        st.fail(&self.shared.cond, reason, &missing, true);
         // Members that still read (the last round's values) finish first.
         while st.busy > 0 || st.last_request.is_some_and(|t| t.elapsed() < QUIET) {
             let left = grace_end.saturating_duration_since(Instant::now());
@@ -426,11 +406,8 @@ impl Drop for StoreServer {
 fn tell_crowded(stream: &TcpStream, reason: &str) {
     use nix::sys::socket::{send, MsgFlags};
     let m = message(kind::CROWDED, reason.as_bytes());
-    let _ = send(
-        stream.as_raw_fd(),
-        &m,
-        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
-    );
+    let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL;
+    let _ = send(stream.as_raw_fd(), &m, flags);
 }
 
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<()>> {
@@ -440,7 +417,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     while !shared.shutting_down() {
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(e) if e.kind() == WouldBlock => {
                 let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
                 let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
                 continue;
@@ -454,10 +431,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         };
         let accepted = Instant::now();
         handles.retain(|h| !h.is_finished());
-        let Ok(clone) = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.try_clone())
-        else {
+        let blocking = stream.set_nonblocking(false);
+        let Ok(clone) = blocking.and_then(|()| stream.try_clone()) else {
             continue;
         };
         let (id, ip) = (next_id, peer.ip());
@@ -490,12 +465,9 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
             .stack_size(256 * 1024)
-            .spawn(move || conn.serve());
-        match spawned {
-            Ok(h) => handles.push(h),
-            Err(e) => {
-                warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread")
-            }
+            .spawn(move || conn.serve().unwrap_or_default());
+        if let Err(e) = spawned.map(|h| handles.push(h)) {
+            warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
         }
     }
     handles
@@ -525,9 +497,7 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
-        if let Some(at) = st.pending.iter().position(|p| p.id == self.id) {
-            st.pending.remove(at);
-        }
+        st.pending.retain(|p| p.id != self.id);
         st.members.remove(&self.id);
         st.usage.remove(&self.id);
         let Some(r) = self.rank else { return };
@@ -545,11 +515,10 @@ impl Drop for Conn {
 }
 
 impl Conn {
-    fn serve(&mut self) {
+    /// Serves the connection until it closes or breaks the rules.
+    fn serve(&mut self) -> Option<()> {
         let _ = self.stream.set_nodelay(true);
-        if !self.handshake() {
-            return;
-        }
+        self.handshake()?;
         let io_timeout = Some(self.shared.opts.io_timeout);
         let _ = self.stream.set_write_timeout(io_timeout);
         let _ = self.stream.set_read_timeout(io_timeout);
@@ -558,7 +527,7 @@ impl Conn {
             match (&self.stream).read(&mut q) {
                 Ok(1) => {}
                 Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
-                _ => return,
+                _ => return None,
             }
             let mut st = self.shared.lock();
             st.busy += 1;
@@ -571,34 +540,32 @@ impl Conn {
                 if !self.shared.shutting_down() {
                     warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
                 }
-                return;
+                return None;
             }
         }
     }
 
-    fn send(&self, bytes: &[u8]) -> bool {
-        (&self.stream).write_all(bytes).is_ok()
+    fn send(&self, bytes: &[u8]) -> Result<(), String> {
+        (&self.stream).write_all(bytes).map_err(|e| e.to_string())
+    }
+
+    /// Sends the admission message of kind `k` with `body`.
+    fn tell(&self, k: u8, body: &[u8]) -> Option<()> {
+        self.send(&message(k, body)).ok()
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
-    /// within the handshake timeout from accept. True once this connection is a rank's.
-    fn handshake(&mut self) -> bool {
+    /// within the handshake timeout from accept. Some once this connection is a rank's.
+    fn handshake(&mut self) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self
-            .accepted
-            .checked_add(opts.handshake_timeout)
-            .unwrap_or(self.accepted);
+        let hello_by = self.accepted.checked_add(opts.handshake_timeout);
+        let hello_by = hello_by.unwrap_or(self.accepted);
         let left = hello_by.saturating_duration_since(Instant::now());
-        let _ = self
-            .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
-        let Ok(server_nonce) = auth::random::<{ auth::NONCE_LEN }>() else {
-            return false;
-        };
-        if !self.send(&message(kind::CHALLENGE, &server_nonce)) {
-            return false;
-        }
+        let left = Some(left.max(Duration::from_millis(1)));
+        let _ = self.stream.set_write_timeout(left);
+        let server_nonce = auth::random::<{ auth::NONCE_LEN }>().ok()?;
+        self.tell(kind::CHALLENGE, &server_nonce)?;
         // Nothing but one HELLO is read from a connection that has not proven the token, all
         // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
@@ -608,10 +575,9 @@ impl Conn {
             || read_full(&self.stream, &mut body, hello_by).is_err()
         {
             debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
-            return false;
+            return None;
         }
-        let u32_at =
-            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let u32_at = |i: usize| u32::from_le_bytes(body[i..i + 4].try_into().unwrap_or_default());
         let (rank, world_size) = (u32_at(0), u32_at(4));
         let claim = [&server_nonce[..], &body[8..40], &body[..8]];
         let proof = |purpose, extra: &[u8]| opts.key.prove(purpose, &claim, extra);
@@ -619,20 +585,18 @@ impl Conn {
             if let Some(before) = shared.refused.allow() {
                 warn!(peer = %self.peer, rank, before, "rendezvous store: refused a connection that did not prove the job token");
             }
-            self.send(&message(kind::TOKEN_REFUSED, &[]));
-            return false;
+            return self.tell(kind::TOKEN_REFUSED, &[]).and(None);
         }
         match self.admit(rank as usize, world_size as usize) {
-            Ok(()) => self.send(&message(kind::WELCOME, &proof(Purpose::Welcome, b""))),
+            Ok(()) => self.tell(kind::WELCOME, &proof(Purpose::Welcome, b"")),
             Err(Some(e)) => {
                 // Proven, so that the rank can believe it (and nothing else can pass for it).
                 let mut refusal = encode_error(&e);
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
-                self.send(&message(kind::REFUSED, &refusal));
-                false
+                self.tell(kind::REFUSED, &refusal).and(None)
             }
             // Evicted, or no handle to keep: closed without an answer.
-            Err(None) => false,
+            Err(None) => None,
         }
     }
 
@@ -646,14 +610,13 @@ impl Conn {
         // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
         // member be kept that the store cannot close at shutdown.
         let at = st.pending.iter().position(|p| p.id == self.id);
-        let Some(handle) = at.and_then(|_| self.stream.try_clone().ok()) else {
+        let Some((at, handle)) = at.zip(self.stream.try_clone().ok()) else {
             return Err(None);
         };
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
         // its welcome may never have reached it.
         if let Some(Some(old)) = st.registered.get(rank) {
-            let gone = st.members.get(&old.conn).is_none_or(closed);
-            if gone && !old.wrote {
+            if !old.wrote && st.members.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
             }
@@ -661,8 +624,8 @@ impl Conn {
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
-        let refusal = if let Some((reason, missing)) = st.failure.clone() {
-            RendezvousError::JobFailed { reason, missing }
+        let refusal = if let Some(failed) = st.failure.as_deref().and_then(decode_error) {
+            failed
         } else if world_size != n {
             RendezvousError::WorldSizeMismatch {
                 rank,
@@ -670,25 +633,15 @@ impl Conn {
                 server: n,
             }
         } else if rank >= n {
-            RendezvousError::RankOutOfRange {
-                rank,
-                world_size: n,
-            }
+            RendezvousError::RankOutOfRange { rank, world_size }
         } else if let Some(first) = &st.registered[rank] {
-            let detail = format!(
-                "{} registered it first, then {} claimed it too",
-                first.peer, self.peer
-            );
+            let (first, then) = (first.peer, self.peer);
+            let detail = format!("{first} registered it first, then {then} claimed it too");
             RendezvousError::DuplicateRank { rank, detail }
         } else {
-            st.registered[rank] = Some(Member {
-                conn: self.id,
-                peer: self.peer,
-                wrote: false,
-            });
-            if let Some(at) = at {
-                st.pending.remove(at);
-            }
+            let (conn, peer, wrote) = (self.id, self.peer, false);
+            st.registered[rank] = Some(Member { conn, peer, wrote });
+            st.pending.remove(at);
             st.members.insert(self.id, handle);
             self.rank = Some(rank);
             self.shared.cond.notify_all();
@@ -709,64 +662,48 @@ impl Conn {
         Err(Some(refusal))
     }
 
-    /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
-    fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
-        let len = self.read_u64()?;
-        if len > max as u64 {
-            return Err(format!(
-                "a key or value of {len} bytes, over the limit of {max}"
-            ));
-        }
-        let mut v = Vec::new();
-        (&self.stream)
-            .take(len)
-            .read_to_end(&mut v)
-            .map_err(|e| e.to_string())?;
-        match v.len() as u64 == len {
-            true => Ok(v),
-            false => Err("the connection closed in the middle of a request".into()),
-        }
+    /// `N` bytes of the request.
+    fn read<const N: usize>(&self) -> Result<[u8; N], String> {
+        let mut b = [0u8; N];
+        let read = (&self.stream).read_exact(&mut b);
+        read.map(|()| b).map_err(|e| e.to_string())
     }
 
-    fn read_u64(&self) -> Result<u64, String> {
-        let mut b = [0u8; 8];
-        (&self.stream)
-            .read_exact(&mut b)
-            .map_err(|e| e.to_string())?;
-        Ok(u64::from_le_bytes(b))
+    /// A u64 length and that many bytes, refused beyond `max` before any memory is taken.
+    fn read_bytes(&self, max: usize) -> Result<Vec<u8>, String> {
+        let len = u64::from_le_bytes(self.read()?);
+        if len > max as u64 {
+            let over = format!("a key or value of {len} bytes, over the limit of {max}");
+            return Err(over);
+        }
+        let mut v = Vec::new();
+        match (&self.stream).take(len).read_to_end(&mut v) {
+            Ok(n) if n as u64 == len => Ok(v),
+            Ok(_) => Err("the connection closed in the middle of a request".into()),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Serves one c10d request of query type `q` from a proven rank; an error closes the
     /// connection.
     fn request(&mut self, q: u8) -> Result<(), String> {
-        let told = |st: &mut State, rank: Option<usize>| {
-            if let Some(t) = rank.and_then(|r| st.told.get_mut(r)) {
-                *t = true;
-            }
-        };
-        let reply: Vec<u8> = match q {
+        let reply = match q {
             query::VALIDATE => {
-                let mut m = [0u8; 4];
-                (&self.stream)
-                    .read_exact(&mut m)
-                    .map_err(|e| e.to_string())?;
-                return match u32::from_le_bytes(m) == VALIDATION_MAGIC {
-                    true => Ok(()),
-                    false => Err("a VALIDATE with the wrong magic".into()),
-                };
+                return match u32::from_le_bytes(self.read()?) {
+                    VALIDATION_MAGIC => Ok(()),
+                    _ => Err("a VALIDATE with the wrong magic".into()),
+                }
             }
             query::SET => {
-                let (key, value) = (
-                    self.read_bytes(MAX_KEY_LEN)?,
-                    self.read_bytes(MAX_SET_VALUE)?,
-                );
+                let key = self.read_bytes(MAX_KEY_LEN)?;
+                let value = self.read_bytes(MAX_SET_VALUE)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
                     let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
                     else {
                         return Err("a malformed abort".into());
                     };
-                    told(&mut st, self.rank);
+                    self.told(&mut st);
                     st.fail(&self.shared.cond, &reason, &missing, false);
                 } else if st.failure.is_none() {
                     self.wrote(&mut st);
@@ -778,8 +715,7 @@ impl Conn {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
-                    told(&mut st, self.rank);
-                    self.shared.cond.notify_all();
+                    self.told(&mut st);
                 }
                 let value = st.keys.get(&key).map(|(v, _)| v.clone());
                 drop(st);
@@ -788,15 +724,14 @@ impl Conn {
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
-                let delta = i64::from_le_bytes(self.read_u64()?.to_le_bytes());
+                let delta = i64::from_le_bytes(self.read()?);
                 let mut st = self.shared.lock();
                 let now = match st.keys.get(&key) {
-                    Some((v, _)) => std::str::from_utf8(v)
-                        .ok()
-                        .and_then(|v| v.parse::<i64>().ok()),
+                    Some((v, _)) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
                     None => Some(0),
                 };
-                let sum = now.and_then(|n| n.checked_add(delta)).ok_or("a bad ADD")?;
+                let sum = now.and_then(|n: i64| n.checked_add(delta));
+                let sum = sum.ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
                     self.wrote(&mut st);
                     st.put(self.id, key, sum.to_string().into_bytes())?;
@@ -804,7 +739,7 @@ impl Conn {
                 sum.to_le_bytes().to_vec()
             }
             query::CHECK => {
-                let count = self.read_u64()?;
+                let count = u64::from_le_bytes(self.read()?);
                 if count > self.shared.opts.world_size as u64 + 1 {
                     return Err(format!("a CHECK of {count} keys"));
                 }
@@ -826,10 +761,15 @@ impl Conn {
                 ))
             }
         };
-        match self.send(&reply) {
-            true => Ok(()),
-            false => Err("the reply was not delivered".into()),
+        self.send(&reply)
+    }
+
+    /// Records that this rank has learned of the job's failure.
+    fn told(&self, st: &mut State) {
+        if let Some(t) = self.rank.and_then(|r| st.told.get_mut(r)) {
+            *t = true;
         }
+        self.shared.cond.notify_all();
     }
 
     /// Records that this rank has written to the store: it may not come again.
@@ -841,10 +781,7 @@ impl Conn {
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-    )
+    matches!(e.kind(), WouldBlock | TimedOut)
 }
 
 #[cfg(test)]
@@ -852,7 +789,7 @@ mod tests {
     use super::*;
     use crate::env::JobEnv;
     use crate::session::Session;
-    use crate::store::{Admission, Store};
+    use crate::store::Store;
 
     const T: Duration = Duration::from_secs(3);
     const TOKEN: &str = "a token for the unit tests of the store";
@@ -874,11 +811,7 @@ mod tests {
         t: Duration,
     ) -> Result<Store> {
         let key = auth::Key::of(token);
-        let admission = Admission {
-            key: &key,
-            rank,
-            world_size: world,
-        };
+        let admission = (&key, rank, world);
         Store::connect(
             "127.0.0.1",
             s.local_addr().port(),
@@ -1008,11 +941,7 @@ mod tests {
 
     fn client_of(port: u16, t: Duration) -> Result<Store> {
         let key = auth::Key::of(TOKEN);
-        let admission = Admission {
-            key: &key,
-            rank: 0,
-            world_size: 2,
-        };
+        let admission = (&key, 0, 2);
         Store::connect("127.0.0.1", port, Some(admission), Instant::now() + t)
     }
 
@@ -1349,13 +1278,11 @@ mod tests {
         assert!(reads_eof(&store.stream, T));
         let st = s.shared.lock();
         assert_eq!(st.keys.len(), CONN_KEYS + 1, "its keys and the failure");
-        assert!(st
-            .failure
-            .as_ref()
-            .unwrap()
-            .0
-            .contains("rank 0 closed its connection"));
         drop(st);
+        assert!(s
+            .failure()
+            .unwrap()
+            .contains("rank 0 closed its connection"));
         // Bytes: four of the largest values fit, a fifth does not.
         let s = server(1);
         let mut store = member(&s, 0, 1);

@@ -18,8 +18,8 @@ use tracing::{debug, warn};
 
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
-use super::error::{clip, RendezvousError, Result};
-use super::store::{decode_error, encode_error, Admission, Store, FAILED_KEY, TORCH_MAX_VALUE};
+use super::error::{clip, RendezvousError, RendezvousError as E, Result};
+use super::store::{decode_error, encode_failure, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
@@ -27,7 +27,7 @@ const _: () = assert!(MAX_VALUE_LEN + SEAL_OVERHEAD <= TORCH_MAX_VALUE);
 
 /// Requests may run this long past the end of the wait they serve, so that a wait that times
 /// out can still name what it missed.
-const REQUEST_SLACK: Duration = Duration::from_secs(1);
+pub(crate) const REQUEST_SLACK: Duration = Duration::from_secs(1);
 /// First and longest pause between two looks at the keys of a round.
 const POLL_START: Duration = Duration::from_micros(200);
 const POLL_MAX: Duration = Duration::from_millis(10);
@@ -62,10 +62,6 @@ pub(crate) struct Session {
     forged_abort: bool,
 }
 
-fn u64s(parts: &[u64]) -> Vec<u8> {
-    parts.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
 /// Bytes of a first-round value: the nonce and the world size.
 const HELLO_PLAIN: usize = 32 + 8;
 /// Ranks an abort lists at most.
@@ -79,19 +75,17 @@ const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL
 const TORCH_MAX_WORLD: usize = 128 * 1024;
 
 /// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
-/// of the session id; the all-gather rounds are 0, 1, ...
-const HELLO: u64 = u64::MAX;
-const CONFIRM: u64 = u64::MAX - 1;
+/// of the session id; the all-gather rounds are 0, 1, ..., each round numbered one past the
+/// one before it (wrapping).
+const HELLO: u64 = u64::MAX - 1;
+const CONFIRM: u64 = u64::MAX;
 
 /// A round's name in keys, and what its values are, in errors.
 fn round_name(round: u64) -> (String, String) {
     match round {
         HELLO => ("hello".into(), "hello".into()),
         CONFIRM => ("confirm".into(), "confirmation of the session".into()),
-        r => (
-            r.to_string(),
-            format!("contribution to all-gather round {r}"),
-        ),
+        r => (r.to_string(), format!("contribution to round {r}")),
     }
 }
 
@@ -105,14 +99,13 @@ impl Session {
             StoreKind::Torch { prefix } => (prefix.as_str(), false),
             StoreKind::Own => ("gpucast-own", true),
         };
-        if !own && env.world_size > TORCH_MAX_WORLD {
-            return Err(RendezvousError::InvalidArgument {
-                reason: format!(
-                    "{} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
-                     (set GPUCAST_MASTER_PORT to host gpucast's own store)",
-                    env.world_size
-                ),
-            });
+        let n = env.world_size;
+        if !own && n > TORCH_MAX_WORLD {
+            let reason = format!(
+                "{n} ranks: a job through torchrun's store has at most \
+                {TORCH_MAX_WORLD} (set GPUCAST_MASTER_PORT to host gpucast's own store)"
+            );
+            return Err(RendezvousError::invalid(reason));
         }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
@@ -128,17 +121,12 @@ impl Session {
         }
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let key = auth::Key::of(&env.job_token);
-        let admission = own.then_some(Admission {
-            key: &key,
-            rank: env.rank,
-            world_size: env.world_size,
-        });
+        let admission = own.then_some((&key, env.rank, env.world_size));
         let mut store = Store::connect(host, port, admission, deadline)?;
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
-        let instance = u64::try_from(instance).map_err(|_| RendezvousError::Protocol {
-            peer: store.peer.clone(),
-            reason: format!("the instance counter is {instance}"),
+        let instance = u64::try_from(instance).map_err(|_| {
+            RendezvousError::protocol(&store.peer, format!("the instance counter is {instance}"))
         })?;
         let mut s = Session {
             store,
@@ -157,32 +145,35 @@ impl Session {
         // The second round: an empty value sealed under the session id, from every rank. A
         // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
         // that never came) has another session id, and its confirmation does not open here.
-        let first = s
-            .hello(deadline)
-            .and_then(|()| s.round(CONFIRM, &[], 0, deadline));
+        let first = s.hello(deadline);
+        let first = first.and_then(|()| s.round(CONFIRM, &[], 0, deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
         first.map(|_| s)
     }
 
+    /// What a value of `round` from `rank` is sealed for.
     fn aad(&self, round: u64, rank: usize) -> Vec<u8> {
-        let mut aad = match round {
-            HELLO => b"gpucast hello".to_vec(),
-            CONFIRM => b"gpucast confirm".to_vec(),
-            _ => b"gpucast round".to_vec(),
+        let label: &[u8] = match round {
+            HELLO => b"gpucast hello",
+            CONFIRM => b"gpucast confirm",
+            _ => b"gpucast round",
         };
-        aad.extend(self.session.iter().flatten());
-        aad.extend(u64s(&[self.instance, round, rank as u64]));
+        self.bind(label, &[round, rank as u64])
+    }
+
+    /// `label`, the session id once there is one, the instance and `more`.
+    fn bind(&self, label: &[u8], more: &[u64]) -> Vec<u8> {
+        let mut aad = [label, self.session.as_ref().map_or(&[], |s| &s[..])].concat();
+        let nums = [&[self.instance][..], more].concat();
+        aad.extend(nums.iter().flat_map(|v| v.to_le_bytes()));
         aad
     }
 
-    fn key(&self, round: u64, rank: usize) -> String {
-        format!("{}{}/{rank}", self.base, round_name(round).0)
-    }
-
-    fn counter(&self, round: u64) -> String {
-        format!("{}{}/count", self.base, round_name(round).0)
+    /// The key of `round`'s `name`: a rank, or `count` for its counter.
+    fn key(&self, round: u64, name: impl std::fmt::Display) -> String {
+        format!("{}{}/{name}", self.base, round_name(round).0)
     }
 
     fn keys(&self, round: u64) -> Vec<String> {
@@ -197,21 +188,6 @@ impl Session {
             None => format!("{}abort-hello", self.base),
             Some(_) => format!("{}abort", self.base),
         }
-    }
-
-    fn abort_aad(&self) -> Vec<u8> {
-        let mut aad = b"gpucast abort".to_vec();
-        aad.extend(self.session.iter().flatten());
-        aad.extend(u64s(&[self.instance]));
-        aad
-    }
-
-    /// Rank `r`'s first-round value, opened: its nonce and world size.
-    fn open_hello(&self, r: usize, sealed: &[u8]) -> Option<([u8; 32], u64)> {
-        let plain = self.sealer.open(&self.aad(HELLO, r), sealed)?;
-        let nonce: [u8; 32] = plain.get(..32)?.try_into().ok()?;
-        let world = u64::from_le_bytes(plain.get(32..HELLO_PLAIN)?.try_into().ok()?);
-        (plain.len() == HELLO_PLAIN).then_some((nonce, world))
     }
 
     /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
@@ -229,44 +205,32 @@ impl Session {
         let timeout = deadline.saturating_duration_since(Instant::now());
         let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
         self.store.set(&self.key(round, self.rank), &sealed, hard)?;
-        self.store.add(&self.counter(round), 1, hard)?;
+        self.store.add(&self.key(round, "count"), 1, hard)?;
         self.wait_round(round, deadline, timeout)?;
         let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
         let what = round_name(round).1;
         for (r, k) in self.keys(round).iter().enumerate() {
             let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
-            let value = self
-                .sealer
-                .open(&self.aad(round, r), &sealed)
-                .ok_or_else(|| RendezvousError::Forged {
-                    what: format!("rank {r}'s {what}"),
-                    store: self.store.peer.clone(),
-                })?;
+            let Some(value) = self.sealer.open(&self.aad(round, r), &sealed) else {
+                let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
+                return Err(RendezvousError::Forged { what, store });
+            };
             total += value.len();
             if total > MAX_GATHER_BYTES {
-                return Err(RendezvousError::TooLarge {
-                    what: format!("all-gather round {round}"),
-                    len: total,
-                    max: MAX_GATHER_BYTES,
-                });
+                let what = format!("all-gather round {round}");
+                return Err(RendezvousError::too_large(what, total, MAX_GATHER_BYTES));
             }
             out.push(value);
         }
         if out[self.rank] != plain {
-            return Err(RendezvousError::DuplicateRank {
-                rank: self.rank,
-                detail: format!("another process of the job wrote this rank's {what}"),
-            });
+            let detail = format!("another process of the job wrote this rank's {what}");
+            let rank = self.rank;
+            return Err(RendezvousError::DuplicateRank { rank, detail });
         }
-        let previous = match round {
-            HELLO => None,
-            CONFIRM => Some(HELLO),
-            0 => Some(CONFIRM),
-            r => Some(r - 1),
-        };
-        if let (0, Some(previous)) = (self.rank, previous) {
+        if self.rank == 0 && round != HELLO {
+            let previous = round.wrapping_sub(1);
             let mut old = self.keys(previous);
-            old.push(self.counter(previous));
+            old.push(self.key(previous, "count"));
             for k in old {
                 if let Err(e) = self.store.delete(&k, hard) {
                     debug!(error = %e, "rendezvous: could not delete a finished key");
@@ -287,9 +251,8 @@ impl Session {
                 (RendezvousError::Timeout { .. }, Some(failure)) => failure,
                 (e, _) => e,
             })?;
-        let mut parts: Vec<&[u8]> = vec![b"gpucast session"];
         let instance = self.instance.to_le_bytes();
-        parts.push(&instance);
+        let mut parts: Vec<&[u8]> = vec![b"gpucast session", &instance];
         for (r, hello) in hellos.iter().enumerate() {
             let world = hello.get(32..).and_then(|w| w.try_into().ok());
             let world = world.map_or(u64::MAX, u64::from_le_bytes);
@@ -314,11 +277,8 @@ impl Session {
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>> {
         if mine.len() > MAX_VALUE_LEN {
-            return Err(RendezvousError::TooLarge {
-                what: "all-gather contribution".into(),
-                len: mine.len(),
-                max: MAX_VALUE_LEN,
-            });
+            let what = "all-gather contribution";
+            return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
         }
         self.round(round, mine, MAX_VALUE_LEN, later(timeout))
     }
@@ -328,7 +288,7 @@ impl Session {
     /// the missing ranks).
     fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let counter = self.counter(round);
+        let counter = self.key(round, "count");
         let keys = self.keys(round);
         let abort = vec![self.abort_key()];
         let world = i64::try_from(self.world).unwrap_or(i64::MAX);
@@ -364,14 +324,7 @@ impl Session {
                         missing.push(r);
                     }
                 }
-                let what = match round {
-                    HELLO => format!("hello from all {} ranks", self.world),
-                    CONFIRM => format!(
-                        "every one of the {} ranks to confirm the session",
-                        self.world
-                    ),
-                    r => format!("all-gather round {r}"),
-                };
+                let what = format!("every rank's {}", round_name(round).1);
                 return Err(RendezvousError::Timeout {
                     what,
                     timeout,
@@ -389,22 +342,16 @@ impl Session {
     /// this launch yet (a hello and an abort recorded together in an earlier launch would pass).
     fn read_abort(&mut self, hard: Instant) -> Result<()> {
         let value = self.store.get(&self.abort_key(), ABORT_MAX, hard)?;
-        let malformed = || RendezvousError::Protocol {
-            peer: self.store.peer.clone(),
-            reason: "a malformed failure".into(),
-        };
+        let malformed = || RendezvousError::protocol(&self.store.peer, "a malformed failure");
         if self.own {
             // gpucast's own store proved the token, and only proven ranks write to it.
             return Err(decode_error(&value).unwrap_or_else(malformed));
         }
-        let parsed = self.sealer.open(&self.abort_aad(), &value).and_then(|p| {
-            let sender = u64::from_le_bytes(p.get(..8)?.try_into().ok()?);
+        let opened = self.sealer.open(&self.bind(b"gpucast abort", &[]), &value);
+        let parsed = opened.and_then(|p| {
+            let sender = usize::try_from(u64::from_le_bytes(p.get(..8)?.try_into().ok()?));
             let nonce: [u8; 32] = p.get(8..40)?.try_into().ok()?;
-            Some((
-                usize::try_from(sender).ok()?,
-                nonce,
-                decode_error(&p[40..])?,
-            ))
+            Some((sender.ok()?, nonce, decode_error(&p[40..])?))
         });
         let Some((sender, nonce, failure)) = parsed else {
             if !self.forged_abort {
@@ -420,9 +367,8 @@ impl Session {
         let key = vec![self.key(HELLO, sender.min(self.world))];
         if sender < self.world && self.store.check(&key, hard)? {
             let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
-            if self
-                .open_hello(sender, &hello)
-                .is_some_and(|(n, _)| auth::same_secret(&n, &nonce))
+            let hello = self.sealer.open(&self.aad(HELLO, sender), &hello);
+            if hello.is_some_and(|h| h.len() == HELLO_PLAIN && auth::same_secret(&h[..32], &nonce))
             {
                 self.early_abort = Some(failure);
             }
@@ -439,22 +385,18 @@ impl Session {
         timeout: Duration,
     ) -> Result<()> {
         let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
-        let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
-        let failure = encode_error(&RendezvousError::JobFailed { reason, missing });
-        let value = match self.own {
-            true => failure,
-            false => {
-                let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &failure].concat();
-                self.sealer.seal(&self.abort_aad(), &plain)
-            }
-        };
+        let mut value = encode_failure(&reason, missing);
+        if !self.own {
+            let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &value].concat();
+            value = self.sealer.seal(&self.bind(b"gpucast abort", &[]), &plain);
+        }
         self.store.set(&self.abort_key(), &value, later(timeout))
     }
 
     /// After a local failure, tells the others (best effort), unless the failure came from
     /// them or from the store itself.
     pub(crate) fn abort_after(&mut self, e: &RendezvousError) {
-        if !e.is_worth_an_abort() {
+        if matches!(e, E::JobFailed { .. } | E::Io { .. } | E::Protocol { .. }) {
             return;
         }
         let reason = e.to_string();

@@ -17,7 +17,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Purpose};
-use super::error::{RendezvousError, RendezvousError as E, Result};
+use super::error::{clip, RendezvousError, RendezvousError as E, Result};
+use super::session::{ABORT_RANKS, ABORT_REASON, REQUEST_SLACK};
 
 /// Query types of the c10d store protocol.
 pub(crate) mod query {
@@ -62,35 +63,38 @@ const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
 
 /// An admission message: header, then `body`.
 pub(crate) fn message(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut m = b"GCRV".to_vec();
-    m.extend_from_slice(&[4, kind]);
-    m.extend_from_slice(&u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes());
-    m.extend_from_slice(body);
-    m
+    let len = u32::try_from(body.len()).unwrap_or(u32::MAX).to_le_bytes();
+    [&b"GCRV\x04"[..], &[kind], &len, body].concat()
 }
 
 /// The store's refusals (and its job failure) as bytes: a code, a u32 count of u64 numbers,
 /// the numbers, then UTF-8 text. Variants without a code of their own travel as "rejected".
 pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
-    let n = |v: &usize| u64::try_from(*v).unwrap_or(u64::MAX);
-    let (code, nums, text): (u8, Vec<u64>, String) = match e {
+    let (code, nums, text) = match e {
         E::WorldSizeMismatch {
-            rank,
-            client,
-            server,
-        } => (1, vec![n(rank), n(client), n(server)], String::new()),
-        E::RankOutOfRange { rank, world_size } => (2, vec![n(rank), n(world_size)], String::new()),
-        E::DuplicateRank { rank, detail } => (3, vec![n(rank)], detail.clone()),
-        E::JobFailed { reason, missing } => (4, missing.iter().map(n).collect(), reason.clone()),
+            rank: r,
+            client: c,
+            server: s,
+        } => (1, vec![*r, *c, *s], String::new()),
+        E::RankOutOfRange { rank, world_size } => (2, vec![*rank, *world_size], String::new()),
+        E::DuplicateRank { rank, detail } => (3, vec![*rank], detail.clone()),
+        E::JobFailed { reason, missing } => (4, missing.clone(), reason.clone()),
         E::Rejected { reason } => (5, vec![], reason.clone()),
         other => (5, vec![], other.to_string()),
     };
     let mut out = vec![code];
     out.extend_from_slice(&u32::try_from(nums.len()).unwrap_or(0).to_le_bytes());
-    nums.iter()
-        .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+    out.extend(nums.iter().flat_map(|&v| (v as u64).to_le_bytes()));
     out.extend_from_slice(text.as_bytes());
     out
+}
+
+/// The encoding of the job's failure: `reason` and the `missing` ranks, within what an abort
+/// carries.
+pub(crate) fn encode_failure(reason: &str, missing: &[usize]) -> Vec<u8> {
+    let reason = clip(reason, ABORT_REASON).to_owned();
+    let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
+    encode_error(&E::JobFailed { reason, missing })
 }
 
 /// The error `bytes` encode, if they are one.
@@ -105,36 +109,28 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
         .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
         .collect();
     let text = String::from_utf8_lossy(&rest[end..]).into_owned();
-    let num = |i: usize| nums.get(i).copied();
-    Some(match code {
-        1 => E::WorldSizeMismatch {
-            rank: num(0)?,
-            client: num(1)?,
-            server: num(2)?,
+    Some(match (code, nums.as_slice()) {
+        (1, &[rank, client, server, ..]) => E::WorldSizeMismatch {
+            rank,
+            client,
+            server,
         },
-        2 => E::RankOutOfRange {
-            rank: num(0)?,
-            world_size: num(1)?,
-        },
-        3 => E::DuplicateRank {
-            rank: num(0)?,
-            detail: text,
-        },
-        4 => E::JobFailed {
+        (2, &[rank, world_size, ..]) => E::RankOutOfRange { rank, world_size },
+        (3, &[rank, ..]) => E::DuplicateRank { rank, detail: text },
+        (4, missing) => E::JobFailed {
             reason: text,
-            missing: nums,
+            missing: missing.to_vec(),
         },
-        5 => E::Rejected { reason: text },
+        (5, _) => E::Rejected { reason: text },
         _ => return None,
     })
 }
 
 /// `host:port`, with brackets around an IPv6 address.
 pub(crate) fn host_port(host: &str, port: u16) -> String {
-    if host.contains(':') && !host.starts_with('[') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
+    match host.contains(':') && !host.starts_with('[') {
+        true => format!("[{host}]:{port}"),
+        false => format!("{host}:{port}"),
     }
 }
 
@@ -143,10 +139,8 @@ fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
     for addr in (host, port).to_socket_addrs()? {
         let left = deadline.saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(
-            &addr,
-            left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT),
-        ) {
+        let limit = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
+        match TcpStream::connect_timeout(&addr, limit) {
             Ok(stream) => return Ok(stream),
             Err(e) => last = e,
         }
@@ -164,10 +158,8 @@ pub(crate) fn read_full(
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the peer did not answer in time",
-            ));
+            let late = "the peer did not answer in time";
+            return Err(io::Error::new(io::ErrorKind::TimedOut, late));
         }
         stream.set_read_timeout(Some(left))?;
         match stream.read(&mut buf[got..]) {
@@ -183,21 +175,15 @@ pub(crate) fn read_full(
     Ok(())
 }
 
+/// `bytes` as c10d sends a string: a u64 length, then the bytes.
 fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
 }
 
-/// What a rank proves to gpucast's own store before it speaks c10d there.
-#[derive(Clone, Copy)]
-pub(crate) struct Admission<'a> {
-    /// The key of the job token.
-    pub key: &'a auth::Key,
-    /// The rank claimed.
-    pub rank: usize,
-    /// The world size claimed.
-    pub world_size: usize,
-}
+/// What a rank proves to gpucast's own store before it speaks c10d there: the key of the job
+/// token, and the rank and world size it claims.
+pub(crate) type Admission<'a> = (&'a auth::Key, usize, usize);
 
 /// A c10d connection to a store (torchrun's, or gpucast's own once admitted). Every call
 /// returns by its deadline; after an I/O or protocol error the connection is unusable.
@@ -226,28 +212,17 @@ impl Store {
                 Err(e) => last_error = Some(e),
                 Ok(stream) => match Self::attempt(stream, host, port, admission, deadline) {
                     Ok(store) => return Ok(store),
+                    // A closed connection says less than a reason given before it.
+                    Err(E::Io { .. })
+                        if !matches!(last, None | Some(E::Io { .. } | E::Protocol { .. })) => {}
                     Err(e @ (E::Io { .. } | E::Protocol { .. } | E::StoreNotAuthentic { .. }))
-                    | Err(e @ (E::JobTokenMismatch { .. } | E::Crowded { .. })) => {
-                        // A closed connection says less than a reason given before it.
-                        let named = matches!(
-                            last,
-                            Some(
-                                E::Crowded { .. }
-                                    | E::JobTokenMismatch { .. }
-                                    | E::StoreNotAuthentic { .. }
-                            )
-                        );
-                        if !(named && matches!(e, E::Io { .. })) {
-                            last = Some(e);
-                        }
-                    }
+                    | Err(e @ (E::JobTokenMismatch { .. } | E::Crowded { .. })) => last = Some(e),
                     Err(e) => return Err(e),
                 },
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let addr = host_port(host, port);
-                let waited = start.elapsed();
+                let (addr, waited) = (host_port(host, port), start.elapsed());
                 return Err(last.unwrap_or(E::ConnectTimeout {
                     addr,
                     waited,
@@ -268,13 +243,12 @@ impl Store {
     ) -> Result<Store> {
         let _ = stream.set_nodelay(true);
         // What answers may take a second longer, so that a failure says what it was.
-        let deadline = deadline
-            .checked_add(Duration::from_secs(1))
-            .unwrap_or(deadline);
+        let deadline = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let (peer, broken) = (host_port(host, port), None);
         let mut store = Store {
             stream,
-            peer: host_port(host, port),
-            broken: None,
+            peer,
+            broken,
         };
         if let Some(a) = admission {
             store.admit(a, deadline)?;
@@ -286,31 +260,29 @@ impl Store {
         if admission.is_some() {
             return Ok(store);
         }
-        let probe = store.check(&["/gpucast/validate".to_owned()], deadline);
-        if let Err(e @ (E::Io { .. } | E::Protocol { .. })) = probe {
-            let reason = format!("no c10d store answers there: {e}");
-            return Err(E::Protocol {
-                peer: store.peer,
-                reason,
-            });
+        match store.check(&["/gpucast/validate".to_owned()], deadline) {
+            Err(e @ (E::Io { .. } | E::Protocol { .. })) => Err(E::protocol(
+                &store.peer,
+                format!("no c10d store answers there: {e}"),
+            )),
+            probe => probe.map(|_| store),
         }
-        probe.map(|_| store)
     }
 
     /// The admission handshake: the store's challenge, this rank's HELLO, the store's proven
     /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
-    fn admit(&mut self, a: Admission<'_>, deadline: Instant) -> Result<()> {
+    fn admit(&mut self, (key, rank, world): Admission<'_>, deadline: Instant) -> Result<()> {
         let (k, body) = self.admission_message(deadline)?;
         let server_nonce: auth::Nonce = match body.as_slice().try_into() {
             Ok(n) if k == kind::CHALLENGE => n,
             _ => return Err(self.unproven(k, &body)),
         };
         let client_nonce = auth::random::<{ auth::NONCE_LEN }>()?;
-        let rank = u32::try_from(a.rank).unwrap_or(u32::MAX);
-        let world_size = u32::try_from(a.world_size).unwrap_or(u32::MAX);
-        let claimed = [rank.to_le_bytes(), world_size.to_le_bytes()].concat();
+        let rank = u32::try_from(rank).unwrap_or(u32::MAX);
+        let world = u32::try_from(world).unwrap_or(u32::MAX);
+        let claimed = [rank.to_le_bytes(), world.to_le_bytes()].concat();
         let claim = [&server_nonce[..], &client_nonce, &claimed];
-        let proof = |purpose, extra: &[u8]| a.key.prove(purpose, &claim, extra);
+        let proof = |purpose, extra: &[u8]| key.prove(purpose, &claim, extra);
         let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
         self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
         let (k, body) = self.admission_message(deadline)?;
@@ -321,13 +293,7 @@ impl Store {
                 if !auth::same_secret(&proof(Purpose::Refusal, refusal), claimed_proof) {
                     return Err(self.unproven(0, &[]));
                 }
-                self.broken = Some("the store refused this rank".into());
-                Err(
-                    decode_error(refusal).unwrap_or_else(|| RendezvousError::Protocol {
-                        peer: self.peer.clone(),
-                        reason: "a malformed refusal".into(),
-                    }),
-                )
+                Err(decode_error(refusal).unwrap_or_else(|| self.fail("a malformed refusal")))
             }
             k => Err(self.unproven(k, &body)),
         }
@@ -338,13 +304,20 @@ impl Store {
         self.broken = Some("an unproven answer to the admission".into());
         let store = self.peer.clone();
         match k {
-            kind::TOKEN_REFUSED => RendezvousError::JobTokenMismatch { store },
-            kind::CROWDED => RendezvousError::Crowded {
-                store,
-                reason: String::from_utf8_lossy(body).into_owned(),
-            },
-            _ => RendezvousError::StoreNotAuthentic { store },
+            kind::TOKEN_REFUSED => E::JobTokenMismatch { store },
+            kind::CROWDED => {
+                let reason = String::from_utf8_lossy(body).into_owned();
+                E::Crowded { store, reason }
+            }
+            _ => E::StoreNotAuthentic { store },
         }
+    }
+
+    /// Marks the connection unusable, for `reason`: a protocol error.
+    fn fail(&mut self, reason: impl Into<String>) -> RendezvousError {
+        let reason = reason.into();
+        self.broken = Some(reason.clone());
+        E::protocol(&self.peer, reason)
     }
 
     /// One admission message, all of it by `deadline`, of at most 64 KiB.
@@ -353,47 +326,44 @@ impl Store {
         let mut h = [0u8; HEADER_LEN];
         self.receive(&mut h, deadline, during)?;
         if h[..5] != message(0, &[])[..5] {
-            self.broken = Some("not gpucast's store".into());
-            return Err(RendezvousError::Protocol {
-                peer: self.peer.clone(),
-                reason: "what answers is not gpucast's store (protocol version 4)".into(),
-            });
+            return Err(self.fail("what answers is not gpucast's store (protocol version 4)"));
         }
         let len = u32::from_le_bytes([h[6], h[7], h[8], h[9]]) as usize;
         if len > MAX_UNPROVEN {
             // Unproven, like every answer before the store's proof: a reason to try again.
-            self.broken = Some("an oversize admission message".into());
-            let reason =
+            let too_long =
                 format!("an admission message of {len} bytes, over the limit of {MAX_UNPROVEN}");
-            return Err(E::Protocol {
-                peer: self.peer.clone(),
-                reason,
-            });
+            return Err(self.fail(too_long));
         }
         let mut body = vec![0u8; len];
         self.receive(&mut body, deadline, during)?;
         Ok((h[5], body))
     }
 
+    /// The error of `source` during `during`, which makes the connection unusable (the first
+    /// such error is the reason later calls give).
     fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
-        self.broken = Some(format!("{during}: {source}"));
-        RendezvousError::Io {
-            peer: self.peer.clone(),
-            during: during.to_owned(),
+        self.broken
+            .get_or_insert_with(|| format!("{during}: {source}"));
+        let (peer, during) = (self.peer.clone(), during.to_owned());
+        E::Io {
+            peer,
+            during,
             source,
         }
     }
 
     /// Writes all of `bytes` by `deadline`.
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
-        if let Some(why) = &self.broken {
-            return Err(RendezvousError::unusable(&self.peer, during, why));
-        }
         let left = deadline.saturating_duration_since(Instant::now());
-        let sent = self
+        let mut sent = self
             .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))))
-            .and_then(|()| self.stream.write_all(bytes));
+            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        if let Some(why) = &self.broken {
+            let why = format!("the connection is unusable after an earlier error: {why}");
+            sent = Err(io::Error::new(io::ErrorKind::NotConnected, why));
+        }
+        let sent = sent.and_then(|()| self.stream.write_all(bytes));
         sent.map_err(|e| self.io_error(during, e))
     }
 
@@ -402,18 +372,22 @@ impl Store {
         read_full(&self.stream, buf, deadline).map_err(|e| self.io_error(during, e))
     }
 
-    /// Sends request `q` on `key` with `tail`, and reads a reply of `reply` bytes.
+    /// Sends request `q` with `keys` (a count first when `q` is CHECK) and `tail`, and reads a
+    /// reply of `reply` bytes.
     fn call(
         &mut self,
         q: u8,
-        key: &str,
+        keys: &[&str],
         tail: &[u8],
         reply: usize,
         deadline: Instant,
     ) -> Result<[u8; 8]> {
-        let during = format!("request {q} on {key}");
+        let during = format!("request {q} on {}", keys.first().unwrap_or(&""));
         let mut req = vec![q];
-        push_bytes(&mut req, key.as_bytes());
+        if q == query::CHECK {
+            req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        }
+        keys.iter().for_each(|k| push_bytes(&mut req, k.as_bytes()));
         req.extend_from_slice(tail);
         self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
@@ -424,66 +398,49 @@ impl Store {
     /// Stores `value` under `key`.
     pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
         if value.len() > TORCH_MAX_VALUE {
-            return Err(RendezvousError::TooLarge {
-                what: format!("the value of {key}"),
-                len: value.len(),
-                max: TORCH_MAX_VALUE,
-            });
+            let what = format!("the value of {key}");
+            return Err(E::too_large(what, value.len(), TORCH_MAX_VALUE));
         }
         let mut tail = Vec::with_capacity(value.len() + 8);
         push_bytes(&mut tail, value);
-        self.call(query::SET, key, &tail, 0, deadline).map(drop)
+        self.call(query::SET, &[key], &tail, 0, deadline).map(drop)
     }
 
     /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
     /// any memory is taken.
     pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
-        let len = u64::from_le_bytes(self.call(query::GET, key, &[], 8, deadline)?);
+        let len = u64::from_le_bytes(self.call(query::GET, &[key], &[], 8, deadline)?);
         let max = max.min(TORCH_MAX_VALUE);
-        if len > max as u64 {
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
-            return Err(RendezvousError::TooLarge {
-                what: format!("the store's value of {key}"),
-                len: usize::try_from(len).unwrap_or(usize::MAX),
-                max,
-            });
+            let what = format!("the store's value of {key}");
+            return Err(E::too_large(what, len, max));
         }
-        let mut value = vec![0u8; usize::try_from(len).unwrap_or(0)];
+        let mut value = vec![0u8; len];
         self.receive(&mut value, deadline, &format!("getting {key}"))?;
         Ok(value)
     }
 
     /// Adds `delta` to the integer under `key` (0 if unset) and returns the sum.
     pub(crate) fn add(&mut self, key: &str, delta: i64, deadline: Instant) -> Result<i64> {
-        let sum = self.call(query::ADD, key, &delta.to_le_bytes(), 8, deadline)?;
+        let sum = self.call(query::ADD, &[key], &delta.to_le_bytes(), 8, deadline)?;
         Ok(i64::from_le_bytes(sum))
     }
 
     /// Deletes `key`.
     pub(crate) fn delete(&mut self, key: &str, deadline: Instant) -> Result<()> {
-        self.call(query::DELETE_KEY, key, &[], 8, deadline)
+        self.call(query::DELETE_KEY, &[key], &[], 8, deadline)
             .map(drop)
     }
 
     /// Whether every key of `keys` exists.
     pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
-        let during = "checking for keys";
-        let mut req = vec![query::CHECK];
-        req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
-        keys.iter().for_each(|k| push_bytes(&mut req, k.as_bytes()));
-        self.send(&req, deadline, during)?;
-        let mut b = [0u8; 1];
-        self.receive(&mut b, deadline, during)?;
-        match b[0] {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        match self.call(query::CHECK, &keys, &[], 1, deadline)?[0] {
             0 => Ok(true),
             1 => Ok(false),
-            other => {
-                self.broken = Some(format!("CHECK answered {other}"));
-                Err(RendezvousError::Protocol {
-                    peer: self.peer.clone(),
-                    reason: format!("CHECK answered {other}, expected 0 or 1"),
-                })
-            }
+            other => Err(self.fail(format!("CHECK answered {other}, expected 0 or 1"))),
         }
     }
 }
@@ -491,6 +448,35 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// After an error the connection sends nothing more: a later call fails at once, naming
+    /// the error that broke it.
+    #[test]
+    fn a_broken_connection_sends_nothing() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (peer, _) = listener.accept().unwrap();
+        let broken = Some("an earlier error".to_owned());
+        let mut store = Store {
+            stream,
+            peer: "the test's peer".into(),
+            broken,
+        };
+        let e = store
+            .set("k", b"v", Instant::now() + Duration::from_secs(1))
+            .unwrap_err();
+        assert!(
+            matches!(&e, E::Io { source, .. } if source.kind() == io::ErrorKind::NotConnected
+                && source.to_string().contains("an earlier error")),
+            "{e:?}"
+        );
+        peer.set_nonblocking(true).unwrap();
+        let read = (&peer).read(&mut [0u8; 1]);
+        assert!(
+            matches!(&read, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "it sent something: {read:?}"
+        );
+    }
 
     #[test]
     fn admission_messages_have_the_documented_layout() {
