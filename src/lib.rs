@@ -308,11 +308,13 @@
 //!   nothing of it goes on afterwards. It does not
 //!   wait where a graph with NCCL steps outlives it (forgotten: an abort may wait for that graph
 //!   forever), and an abort still running at the bound goes on in the background.
-//! - Dropping a clique releases its device memory (P2P signal areas, copy-engine flags) and
-//!   kernels with driver calls (`cuMemFree` and the like) that wait for all work on the
-//!   device, the caller's unrelated work on other streams included (seen on one H100: a drop beside 3 s of unrelated work on another
-//!   stream took 3.0 s; `results/h100x1-shared/gpu-279e76f.md` in the repository). The drop's
-//!   own waits stay bounded; that one lasts as long as the unrelated work.
+//! - Dropping a clique releases its device memory (P2P signal areas, copy-engine flags, NCCL's
+//!   communicators) with driver calls (`cuMemFree` and the like) that wait for all work on the
+//!   device, the caller's unrelated work on other streams included. The release runs on a
+//!   thread of its own, waited for at most half a second: beside unrelated work the drop
+//!   returns then, and the memory is freed when that work ends (before, a drop beside 3 s of
+//!   unrelated work took 3.0 s on one H100: `results/h100x1-shared/gpu-279e76f.md` in the
+//!   repository).
 //! - A graph captured before its P2P path closed (or before the copy-engine flags had to be
 //!   replaced, or before its NCCL communicators were aborted) is refused at launch
 //!   (`Error::P2pUnavailable` / `Error::CopyEngineUnavailable` / `Error::CommunicatorsAborted`):

@@ -51,6 +51,43 @@ pub(crate) fn until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Runs `work` on a thread of its own named `name` and waits for it at most `limit`; whether it
+/// finished within it. Past the limit it goes on in the background (its results are dropped
+/// with it). Where no thread can be started, `work` runs on the calling thread.
+///
+/// For releases that can wait on work that is not ours: freeing device memory (`cuMemFree`)
+/// waits for every stream of the device, the caller's unrelated ones included.
+pub(crate) fn detached_within(
+    limit: Duration,
+    name: &str,
+    work: impl FnOnce() + Send + 'static,
+) -> bool {
+    let (done, finished) = std::sync::mpsc::sync_channel::<()>(1);
+    let work = std::sync::Arc::new(std::sync::Mutex::new(Some(work)));
+    let run = {
+        let work = std::sync::Arc::clone(&work);
+        move || {
+            let job = work.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(job) = job {
+                job();
+            }
+            // The receiver may be gone (the wait ended): nothing to tell then.
+            let _ = done.try_send(());
+        }
+    };
+    match std::thread::Builder::new().name(name.into()).spawn(run) {
+        Ok(_) => finished.recv_timeout(limit).is_ok(),
+        Err(_) => {
+            // No thread: the work, still here, runs now.
+            let job = work.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(job) = job {
+                job();
+            }
+            true
+        }
+    }
+}
+
 /// Whole milliseconds of `d`, saturating.
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -67,5 +104,28 @@ mod tests {
             b.pause();
         }
         assert_eq!(b.pause, Backoff::MAX);
+    }
+
+    #[test]
+    fn detached_work_is_waited_for_within_its_limit_only() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        assert!(detached_within(Duration::from_secs(10), "quick", move || {
+            tx.send(1).unwrap();
+        }));
+        assert_eq!(rx.try_recv(), Ok(1), "done when the wait returned");
+
+        let (tx, rx) = std::sync::mpsc::channel();
+        let start = std::time::Instant::now();
+        let finished = detached_within(Duration::from_millis(50), "slow", move || {
+            std::thread::sleep(Duration::from_millis(500));
+            tx.send(2).unwrap();
+        });
+        assert!(!finished);
+        assert!(start.elapsed() < Duration::from_millis(400), "waited past its limit");
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(10)),
+            Ok(2),
+            "the work goes on in the background"
+        );
     }
 }

@@ -260,3 +260,39 @@ fn a_capture_closure_that_waits_for_a_thread_calling_the_clique_ends() {
     assert!(graph_ok, "the capture itself failed");
     clique.synchronize().unwrap();
 }
+
+/// Unrelated work of the caller: a stream of the rank's context (not the clique's) held on the
+/// host for `ms`.
+fn unrelated_work(clique: &Clique, ms: u64) -> Arc<gpucast::cudarc::driver::CudaStream> {
+    let other = clique.context(0).new_stream().unwrap();
+    stall_stream(&other, ms);
+    other
+}
+
+/// Freeing device memory waits for every stream of the device: the drop hands that to a
+/// thread of its own, so the caller's unrelated work holds neither the drop nor a new clique.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_a_clique_does_not_wait_for_the_callers_unrelated_work() {
+    for devices in [vec![0, 0], vec![0]] {
+        let clique = clique_on(Clique::builder(), &devices);
+        let path = if devices.len() == 1 {
+            BroadcastPath::Nccl
+        } else {
+            BroadcastPath::P2p
+        };
+        broadcast_and_check(&clique, path, 4096, "before the drop");
+        let other = unrelated_work(&clique, 3000);
+        let start = Instant::now();
+        drop(clique);
+        let took = start.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "devices {devices:?}: the drop took {took:?} beside 3 s of unrelated work"
+        );
+        other.synchronize().unwrap();
+        // The memory freed in the background meanwhile: a new clique runs as before.
+        let again = clique_on(Clique::builder(), &devices);
+        broadcast_and_check(&again, path, 4096, "after the drop");
+    }
+}

@@ -33,6 +33,7 @@
 mod graphs;
 pub(crate) mod streams;
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::ThreadId;
@@ -127,7 +128,8 @@ pub(crate) struct Engine {
     /// Two ranks are on one device (a clique built with `shared_devices`).
     shared_device: bool,
     settings: Settings,
-    state: Mutex<State>,
+    /// Taken out only by the drop, which hands it to [`release`].
+    state: ManuallyDrop<Mutex<State>>,
     /// Whether the P2P path can run, or why not: what the P2P state says, readable without
     /// the lock (routes are chosen before it is taken). Closed for good after a failure across
     /// processes.
@@ -201,7 +203,7 @@ impl Engine {
             ranks,
             shared_device,
             settings,
-            state: Mutex::new(State {
+            state: ManuallyDrop::new(Mutex::new(State {
                 nccl,
                 segments: Vec::new(),
                 capture_failed: None,
@@ -210,7 +212,7 @@ impl Engine {
                 aux_events,
                 ce,
                 desynced: false,
-            }),
+            })),
             p2p_status,
             calls: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
@@ -1090,5 +1092,32 @@ impl Drop for Engine {
             state.ce.leak_flags();
         }
         state.p2p.drop_path(idle);
+        // SAFETY: `self.state` is never used again: this is the end of the drop, and the
+        // engine's fields dropped after it do not touch it.
+        let state = unsafe { ManuallyDrop::take(&mut self.state) };
+        release(std::mem::take(&mut self.ranks), state);
+    }
+}
+
+/// How long a drop waits for the release of its streams and device memory: freeing device
+/// memory (`cuMemFree`, and NCCL's in `ncclCommDestroy`) waits for every stream of the device,
+/// the caller's unrelated work included. Past this the release goes on in the background.
+const RELEASE_WAIT: Duration = Duration::from_millis(500);
+
+/// Destroys a dropped engine's streams, then frees its NCCL communicators, P2P memory and
+/// copy-engine flags (in that order, as the engine's fields drop), on a thread of its own,
+/// waited for at most [`RELEASE_WAIT`]: with the device idle it is over before the drop
+/// returns; beside the caller's unrelated work it finishes when that work does, without
+/// holding the caller. The engine's own work has ended (or its memory was leaked) by then.
+fn release(ranks: Vec<Rank>, state: Mutex<State>) {
+    let done = crate::wait::detached_within(RELEASE_WAIT, "gpucast-release", move || {
+        drop(ranks);
+        drop(state);
+    });
+    if !done {
+        tracing::debug!(
+            "a dropped clique's device memory is freed in the background: the device still \
+             runs other work"
+        );
     }
 }
