@@ -109,9 +109,13 @@ mod tests {
     #[test]
     fn detached_work_is_waited_for_within_its_limit_only() {
         let (tx, rx) = std::sync::mpsc::channel();
-        assert!(detached_within(Duration::from_secs(10), "quick", move || {
-            tx.send(1).unwrap();
-        }));
+        assert!(detached_within(
+            Duration::from_secs(10),
+            "quick",
+            move || {
+                tx.send(1).unwrap();
+            }
+        ));
         assert_eq!(rx.try_recv(), Ok(1), "done when the wait returned");
 
         let (tx, rx) = std::sync::mpsc::channel();
@@ -121,7 +125,10 @@ mod tests {
             tx.send(2).unwrap();
         });
         assert!(!finished);
-        assert!(start.elapsed() < Duration::from_millis(400), "waited past its limit");
+        assert!(
+            start.elapsed() < Duration::from_millis(400),
+            "waited past its limit"
+        );
         assert_eq!(
             rx.recv_timeout(Duration::from_secs(10)),
             Ok(2),

@@ -52,6 +52,10 @@ pub(crate) const CONN_BYTES: usize = 4 * (MAX_SET_VALUE + MAX_KEY_LEN);
 const ENTRY_BYTES: usize = 64;
 /// Longest the accept loop sleeps in `poll` before it looks at the shutdown flag, in ms.
 const ACCEPT_POLL_MS: u16 = 20;
+/// How long a proven claim of a registered rank waits at most for that rank's earlier
+/// connection, which wrote nothing, to be seen closed (else the claim is a duplicate).
+const REGISTERED_GONE_WAIT: Duration = Duration::from_secs(1);
+
 /// How long a dropped server waits at most for its members to finish what they were reading.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Members quiet this long are done with the store.
@@ -476,11 +480,15 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
 /// Whether the peer of `stream` has closed it (or it broke), looked at without blocking and
 /// without taking any byte from whoever reads it.
 fn closed(stream: &TcpStream) -> bool {
-    use nix::sys::socket::{recv, MsgFlags};
-    let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
-    match recv(stream.as_raw_fd(), &mut [0u8; 1], flags) {
-        Ok(n) => n == 0,
-        Err(e) => !matches!(e, nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR),
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    // The peer's end shows as RDHUP even before the server has read what it sent last (a
+    // client closes right after its VALIDATE, which has no answer): a peek sees that data.
+    let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
+    let ended = rdhup | PollFlags::POLLHUP | PollFlags::POLLERR;
+    let mut fds = [PollFd::new(stream.as_fd(), ended)];
+    match poll(&mut fds, PollTimeout::ZERO) {
+        Ok(_) => fds[0].revents().is_some_and(|r| r.intersects(ended)),
+        Err(_) => false,
     }
 }
 
@@ -606,6 +614,25 @@ impl Conn {
     fn admit(&mut self, rank: usize, world_size: usize) -> Result<(), Option<RendezvousError>> {
         let n = self.shared.opts.world_size;
         let mut st = self.shared.lock();
+        // A rank whose earlier connection is gone, before it wrote anything, may come again:
+        // its welcome may never have reached it. Its end can reach the store after the new
+        // connection's HELLO (on a loaded host), so it is waited for, briefly.
+        let gone_by = Instant::now() + REGISTERED_GONE_WAIT;
+        while let Some(Some(old)) = st.registered.get(rank) {
+            if old.wrote {
+                break;
+            }
+            if st.members.get(&old.conn).is_none_or(closed) {
+                st.registered[rank] = None;
+                st.told[rank] = false;
+                break;
+            }
+            let left = gone_by.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.shared.shutting_down() {
+                break;
+            }
+            st = self.shared.wait_on(st, left.min(Duration::from_millis(10)));
+        }
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
         // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
         // member be kept that the store cannot close at shutdown.
@@ -613,14 +640,6 @@ impl Conn {
         let Some((at, handle)) = at.zip(self.stream.try_clone().ok()) else {
             return Err(None);
         };
-        // A rank whose earlier connection is gone, before it wrote anything, may come again:
-        // its welcome may never have reached it.
-        if let Some(Some(old)) = st.registered.get(rank) {
-            if !old.wrote && st.members.get(&old.conn).is_none_or(closed) {
-                st.registered[rank] = None;
-                st.told[rank] = false;
-            }
-        }
         // The claimed rank learns of a failure through this reply, unless another connection
         // holds that rank (then that one still has to be told).
         let claims_free_rank = rank < n && st.registered[rank].is_none();
