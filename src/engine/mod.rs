@@ -1048,6 +1048,8 @@ impl Drop for Engine {
             .unwrap_or_else(|e| e.into_inner())
             .nccl
             .shared();
+        // The communicators to destroy, in the release.
+        let mut comms = None;
         // The watchdog holds NCCL briefly when it aborts (the abort itself is detached).
         match nccl::lock_within(&shared, Duration::from_secs(1)) {
             Some(mut nccl) => {
@@ -1063,6 +1065,8 @@ impl Drop for Engine {
                              NCCL communicators are leaked, as destroying them would wait for it"
                         );
                         std::mem::forget(old);
+                    } else {
+                        comms = Some(old);
                     }
                 }
             }
@@ -1091,11 +1095,18 @@ impl Drop for Engine {
             );
             state.ce.leak_flags();
         }
-        state.p2p.drop_path(idle);
+        let p2p = state.p2p.take_path(idle);
         // SAFETY: `self.state` is never used again: this is the end of the drop, and the
         // engine's fields dropped after it do not touch it.
         let state = unsafe { ManuallyDrop::take(&mut self.state) };
-        release(std::mem::take(&mut self.ranks), state);
+        let ranks = std::mem::take(&mut self.ranks);
+        release(move || {
+            // The order the engine has always dropped them in.
+            drop(comms);
+            drop(p2p);
+            drop(ranks);
+            drop(state);
+        });
     }
 }
 
@@ -1104,17 +1115,13 @@ impl Drop for Engine {
 /// the caller's unrelated work included. Past this the release goes on in the background.
 const RELEASE_WAIT: Duration = Duration::from_millis(500);
 
-/// Destroys a dropped engine's streams, then frees its NCCL communicators, P2P memory and
-/// copy-engine flags (in that order, as the engine's fields drop), on a thread of its own,
-/// waited for at most [`RELEASE_WAIT`]: with the device idle it is over before the drop
-/// returns; beside the caller's unrelated work it finishes when that work does, without
-/// holding the caller. The engine's own work has ended (or its memory was leaked) by then.
-fn release(ranks: Vec<Rank>, state: Mutex<State>) {
-    let done = crate::wait::detached_within(RELEASE_WAIT, "gpucast-release", move || {
-        drop(ranks);
-        drop(state);
-    });
-    if !done {
+/// Runs the end of a dropped engine (its NCCL communicators destroyed, its P2P memory, streams
+/// and copy-engine flags freed) on a thread of its own, waited for at most [`RELEASE_WAIT`]:
+/// with the device idle it is over before the drop returns; beside the caller's unrelated work
+/// it finishes when that work does, without holding the caller. The engine's own work has
+/// ended by then (or what it may still use was leaked).
+fn release(end: impl FnOnce() + Send + 'static) {
+    if !crate::wait::detached_within(RELEASE_WAIT, "gpucast-release", end) {
         tracing::debug!(
             "a dropped clique's device memory is freed in the background: the device still \
              runs other work"

@@ -128,12 +128,14 @@ impl State {
         gen == self.gen
     }
 
-    /// Lets go of the path when its engine is dropped: freed where the streams are `idle`,
-    /// leaked otherwise (a kernel may still use its memory).
-    pub(crate) fn drop_path(&mut self, idle: bool) {
+    /// Lets go of the path when its engine is dropped: handed back to be freed where the
+    /// streams are `idle`, leaked otherwise (a kernel may still use its memory).
+    pub(crate) fn take_path(&mut self, idle: bool) -> Option<P2p> {
         let old = std::mem::replace(&mut self.path, Err(Error::P2pUnavailable("dropped".into())));
         if !idle {
             std::mem::forget(old);
+            return None;
         }
+        old.ok()
     }
 }
