@@ -1036,7 +1036,7 @@ impl Drop for Engine {
     /// second; if work is still running then (an NCCL peer that will never come), aborts NCCL
     /// and waits a second more; then for the NCCL aborts still running as long again; if the
     /// streams are still busy, leaks the P2P memory rather than free it under a running
-    /// kernel.
+    /// kernel. What is left to free goes to [`release`] (at most [`RELEASE_WAIT`] more).
     fn drop(&mut self) {
         // A P2P kernel's longest wait for messages of up to 2 GB (see `Timeouts::drop_drain`).
         let limit = self.settings.timeouts.drop_drain();
