@@ -293,8 +293,10 @@
 //! - One process per GPU: after a peer process died, the survivors' P2P path closes (their signal
 //!   areas cannot be reset in step) and their NCCL communicators are aborted; the survivors create
 //!   a new `Communicator` with a new rendezvous (`Communicator::builder().job(..)` with the new
-//!   world size and ranks). Dropping a communicator or clique never hangs: it waits at most twice
-//!   the timeout plus a second, aborts NCCL if work is still running, and never panics.
+//!   world size and ranks). Dropping a communicator or clique never hangs and never panics: it
+//!   waits for its streams at most twice the timeout plus a second (aborting NCCL and waiting a
+//!   second more if work is still running), for its NCCL aborts still running as long again, and
+//!   for the release of its memory (below) half a second.
 //! - NCCL's abort waits for the NCCL kernels already queued (they return at once when they run),
 //!   so an abort never frees what a queued kernel uses. It also waits until every CUDA graph that
 //!   captured the communicators is destroyed, so it always finishes on a thread of its own:
@@ -304,8 +306,8 @@
 //!   until it is done, other CUDA calls of the process may wait too (seen on one H200: a P2P
 //!   recovery right after an abort waited behind unrelated work; `results/h200x1-shared/` in
 //!   the repository). Dropping the clique or communicator waits for its aborts still running
-//!   (bounded like the rest of the drop: twice the timeout plus a second), so that as a rule
-//!   nothing of it goes on afterwards. It does not
+//!   (bounded like the rest of the drop: twice the timeout plus a second), so an abort beside
+//!   unrelated work holds the drop that long. It does not
 //!   wait where a graph with NCCL steps outlives it (forgotten: an abort may wait for that graph
 //!   forever), and an abort still running at the bound goes on in the background.
 //! - Dropping a clique releases its device memory (P2P signal areas, copy-engine flags, NCCL's
@@ -314,7 +316,11 @@
 //!   thread of its own, waited for at most half a second: beside unrelated work the drop
 //!   returns then, and the memory is freed when that work ends (before, a drop beside 3 s of
 //!   unrelated work took 3.0 s on one H100: `results/h100x1-shared/gpu-279e76f.md` in the
-//!   repository).
+//!   repository). Until then other CUDA calls of the process that wait for the device (a
+//!   `cuMemFree`, creating a clique) may wait for it too, and a process that exits meanwhile
+//!   ends it mid-way (the operating system takes the memory back). Its driver calls go through
+//!   cudarc, which, like any thread using a context, takes an error it stored on the context
+//!   and puts it back: a call on another thread in that instant misses it.
 //! - A graph captured before its P2P path closed (or before the copy-engine flags had to be
 //!   replaced, or before its NCCL communicators were aborted) is refused at launch
 //!   (`Error::P2pUnavailable` / `Error::CopyEngineUnavailable` / `Error::CommunicatorsAborted`):

@@ -52,7 +52,7 @@ pub(crate) fn until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 }
 
 /// Runs `work` on a thread of its own named `name` and waits for it at most `limit`; whether it
-/// finished within it. Past the limit it goes on in the background (its results are dropped
+/// ended (finished or panicked) within it. Past the limit it goes on in the background (its results are dropped
 /// with it). Where no thread can be started, `work` runs on the calling thread.
 ///
 /// For releases that can wait on work that is not ours: freeing device memory (`cuMemFree`)
@@ -76,7 +76,11 @@ pub(crate) fn detached_within(
         }
     };
     match std::thread::Builder::new().name(name.into()).spawn(run) {
-        Ok(_) => finished.recv_timeout(limit).is_ok(),
+        // A panic of `work` ends its thread without a word: over too, not in the background.
+        Ok(_) => !matches!(
+            finished.recv_timeout(limit),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        ),
         Err(_) => {
             // No thread: the work, still here, runs now.
             let job = work.lock().unwrap_or_else(|e| e.into_inner()).take();

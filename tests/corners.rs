@@ -270,7 +270,8 @@ fn unrelated_work(clique: &Clique, ms: u64) -> Arc<gpucast::cudarc::driver::Cuda
 }
 
 /// Freeing device memory waits for every stream of the device: the drop hands that to a
-/// thread of its own, so the caller's unrelated work holds neither the drop nor a new clique.
+/// thread of its own, so the caller's unrelated work does not hold the drop (and the memory
+/// is freed once that work ends: a clique built afterwards runs as before).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn dropping_a_clique_does_not_wait_for_the_callers_unrelated_work() {

@@ -563,7 +563,8 @@ impl Conn {
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
-    /// within the handshake timeout from accept. Some once this connection is a rank's.
+    /// within the handshake timeout from accept (a proven claim of a registered rank may wait
+    /// [`REGISTERED_GONE_WAIT`] more). Some once this connection is a rank's.
     fn handshake(&mut self) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;

@@ -390,8 +390,13 @@ impl P2p {
     /// that did not finish: a memset may still write the areas, so they are never freed or
     /// reused. The launch threads end (within the launcher's park interval, 50 ms): no launch
     /// is in flight, since every launch borrows this state.
-    pub(crate) fn abandon(mut self) {
+    pub(crate) fn abandon(self) {
         tracing::warn!("a reset of the P2P signal areas did not finish: they are leaked");
+        self.leak();
+    }
+
+    /// Leaks the memory (a kernel may still use it), not the launch threads: they end.
+    pub(crate) fn leak(mut self) {
         drop(self.launcher.take());
         std::mem::forget(self);
     }
@@ -816,6 +821,10 @@ impl Drop for P2p {
                     tracing::warn!(error = %e, "could not free a signal area");
                 }
             }
+        }
+        // `cuMemFreeHost` needs a current context: the thread that drops this may have none.
+        if let Some(r) = self.ranks.first() {
+            let _ = crate::driver::make_current(&r.ctx);
         }
         // SAFETY: allocated by `malloc_host`; no kernel uses it any more.
         if let Err(e) = unsafe { result::free_host(self.errors.0.cast::<c_void>()) } {

@@ -133,7 +133,9 @@ impl State {
     pub(crate) fn take_path(&mut self, idle: bool) -> Option<P2p> {
         let old = std::mem::replace(&mut self.path, Err(Error::P2pUnavailable("dropped".into())));
         if !idle {
-            std::mem::forget(old);
+            if let Ok(p2p) = old {
+                p2p.leak();
+            }
             return None;
         }
         old.ok()
