@@ -286,9 +286,7 @@ impl JobEnv {
         } else if let Some(t) = get("TORCHELASTIC_RUN_ID") {
             ("TORCHELASTIC_RUN_ID", t, TokenSource::TorchRunId)
         } else if let Some(job) = get("SLURM_JOB_ID") {
-            let step = get("SLURM_STEP_ID")
-                .map(|s| format!(".{s}"))
-                .unwrap_or_default();
+            let step = get("SLURM_STEP_ID").map_or(String::new(), |s| format!(".{s}"));
             ("SLURM_JOB_ID", job + &step, TokenSource::SlurmJobId)
         } else {
             (JOB_TOKEN_ENV, String::new(), TokenSource::Unset)

@@ -140,8 +140,8 @@ where
 pub struct Rendezvous {
     env: JobEnv,
     timeout: Duration,
-    /// The connection to the store (`None` for a job of one process), and the next round.
-    state: Mutex<(Option<Box<Session>>, u64)>,
+    /// The connection to the store (`None` for a job of one process).
+    session: Mutex<Option<Session>>,
     /// Declared last: dropped after rank 0's own connection.
     server: Option<StoreServer>,
 }
@@ -173,11 +173,8 @@ fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
     if one_node && !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
         return vec![resolved[0]];
     }
-    let mut addrs: Vec<SocketAddr> = resolved
-        .iter()
-        .copied()
-        .filter(|a| !a.ip().is_loopback() && !a.ip().is_unspecified())
-        .collect();
+    let mut addrs = resolved.clone();
+    addrs.retain(|a| !a.ip().is_loopback() && !a.ip().is_unspecified());
     let ip = match resolved.first() {
         Some(a) if a.is_ipv6() => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
@@ -194,14 +191,12 @@ fn host_store(env: &JobEnv) -> Result<StoreServer> {
         match &bound {
             Err(RendezvousError::Bind { source, .. })
                 if source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
+            Ok(s) if s.local_addr().ip().is_unspecified() => {
+                debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
+                break;
+            }
             _ => break,
         }
-    }
-    if bound
-        .as_ref()
-        .is_ok_and(|s| s.local_addr().ip().is_unspecified())
-    {
-        debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
     }
     bound
 }
@@ -251,7 +246,7 @@ impl Rendezvous {
         let rendezvous = |session, server| Self {
             env: env.clone(),
             timeout,
-            state: Mutex::new((session, 0)),
+            session: Mutex::new(session),
             server,
         };
         if env.world_size == 1 {
@@ -271,7 +266,7 @@ impl Rendezvous {
             server.fail_with(&reason, e.missing_ranks());
             server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
         }
-        let session = Box::new(joined?);
+        let session = joined?;
         info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
         Ok(rendezvous(Some(session), server))
     }
@@ -340,8 +335,8 @@ impl Rendezvous {
         self.server.as_ref().map(StoreServer::local_addr)
     }
 
-    fn state(&self) -> MutexGuard<'_, (Option<Box<Session>>, u64)> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn session(&self) -> MutexGuard<'_, Option<Session>> {
+        self.session.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
@@ -349,13 +344,10 @@ impl Rendezvous {
     /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`]. When this
     /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
     pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let mut state = self.state();
-        let round = state.1;
-        state.1 += 1;
-        let Some(session) = &mut state.0 else {
+        let Some(session) = &mut *self.session() else {
             return Ok(vec![mine.to_vec()]);
         };
-        let result = session.all_gather(round, mine, self.timeout);
+        let result = session.all_gather(mine, self.timeout);
         if let Err(e) = &result {
             session.abort_after(e);
         }
@@ -375,7 +367,7 @@ impl Rendezvous {
     /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
-        match &mut self.state().0 {
+        match &mut *self.session() {
             None => Ok(()),
             Some(session) => session.abort(reason, &[], self.timeout),
         }

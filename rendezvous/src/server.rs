@@ -165,10 +165,8 @@ impl Shared {
     }
 
     fn wait_on<'a>(&self, g: MutexGuard<'a, State>, limit: Duration) -> MutexGuard<'a, State> {
-        match self.cond.wait_timeout(g, limit) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        }
+        let waited = self.cond.wait_timeout(g, limit);
+        waited.unwrap_or_else(PoisonError::into_inner).0
     }
 
     fn shutting_down(&self) -> bool {
@@ -545,13 +543,9 @@ impl Conn {
         }
     }
 
-    fn send(&self, bytes: &[u8]) -> Result<(), String> {
-        (&self.stream).write_all(bytes).map_err(|e| e.to_string())
-    }
-
     /// Sends the admission message of kind `k` with `body`.
     fn tell(&self, k: u8, body: &[u8]) -> Option<()> {
-        self.send(&message(k, body)).ok()
+        (&self.stream).write_all(&message(k, body)).ok()
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
@@ -761,7 +755,7 @@ impl Conn {
                 ))
             }
         };
-        self.send(&reply)
+        (&self.stream).write_all(&reply).map_err(|e| e.to_string())
     }
 
     /// Records that this rank has learned of the job's failure.
@@ -869,7 +863,7 @@ mod tests {
             (0..5u8)
                 .map(|round| {
                     session
-                        .all_gather(u64::from(round), &[u8::try_from(rank).unwrap(), round], T)
+                        .all_gather(&[u8::try_from(rank).unwrap(), round], T)
                         .unwrap()
                 })
                 .collect::<Vec<_>>()
@@ -892,7 +886,7 @@ mod tests {
             }
             thread::sleep(Duration::from_millis(100));
             let started = Instant::now();
-            let e = session.all_gather(0, b"x", T).unwrap_err();
+            let e = session.all_gather(b"x", T).unwrap_err();
             Some((e, started.elapsed(), port))
         });
         for (e, took, _) in results.into_iter().flatten() {
@@ -1000,7 +994,7 @@ mod tests {
             drop(member(&s, 1, 2));
             let got = ranks(&s, 2, |rank, mut session| {
                 session
-                    .all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                    .all_gather(&[u8::try_from(rank).unwrap()], T)
                     .unwrap()
             });
             assert_eq!(got[0], [vec![0], vec![1]]);
@@ -1209,7 +1203,7 @@ mod tests {
                 })
             };
             let got = ranks(&s, 2, |rank, mut session| {
-                session.all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                session.all_gather(&[u8::try_from(rank).unwrap()], T)
             });
             stop.store(true, Ordering::Relaxed);
             flood.join().unwrap();
@@ -1300,8 +1294,8 @@ mod tests {
         let s = server(1);
         let got = ranks(&s, 1, |_, mut session| {
             let big = vec![0u8; crate::MAX_VALUE_LEN + 1];
-            let e = session.all_gather(0, &big, T).unwrap_err();
-            (e, session.all_gather(0, b"v", T))
+            let e = session.all_gather(&big, T).unwrap_err();
+            (e, session.all_gather(b"v", T))
         });
         let (e, after) = &got[0];
         assert!(matches!(e, RendezvousError::TooLarge { .. }), "{e:?}");
@@ -1319,7 +1313,7 @@ mod tests {
         let mut rank0 =
             Session::join(&e0, "127.0.0.1", e0.master_port, Instant::now() + T).unwrap();
         let _rank1 = joining.join().unwrap();
-        let waiter = thread::spawn(move || rank0.all_gather(0, b"x", Duration::from_secs(30)));
+        let waiter = thread::spawn(move || rank0.all_gather(b"x", Duration::from_secs(30)));
         thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         drop(s);

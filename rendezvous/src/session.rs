@@ -56,10 +56,12 @@ pub(crate) struct Session {
     /// Digest of every rank's nonce, once the first round is done: binds later values, and
     /// aborts, to this session.
     session: Option<[u8; 32]>,
-    /// A genuine abort seen during the first round, reported if that round fails.
+    /// A genuine abort seen during the first round, reported if that round times out.
     early_abort: Option<RendezvousError>,
     /// Whether an abort that failed authentication was seen (reported once).
     forged_abort: bool,
+    /// The next all-gather round.
+    next_round: u64,
 }
 
 /// Bytes of a first-round value: the nonce and the world size.
@@ -140,6 +142,7 @@ impl Session {
             session: None,
             early_abort: None,
             forged_abort: false,
+            next_round: 0,
         };
         debug!(rank = env.rank, instance, base = %s.base, "rendezvous through a store");
         // The second round: an empty value sealed under the session id, from every rank. A
@@ -231,11 +234,8 @@ impl Session {
             let previous = round.wrapping_sub(1);
             let mut old = self.keys(previous);
             old.push(self.key(previous, "count"));
-            for k in old {
-                if let Err(e) = self.store.delete(&k, hard) {
-                    debug!(error = %e, "rendezvous: could not delete a finished key");
-                    break;
-                }
+            if let Err(e) = old.iter().try_for_each(|k| self.store.delete(k, hard)) {
+                debug!(error = %e, "rendezvous: could not delete a finished key");
             }
         }
         Ok(out)
@@ -244,13 +244,7 @@ impl Session {
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
         let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
-        // Another rank's abort of this round says more than the timeout it caused.
-        let hellos = self
-            .round(HELLO, &plain, HELLO_PLAIN, deadline)
-            .map_err(|e| match (e, self.early_abort.take()) {
-                (RendezvousError::Timeout { .. }, Some(failure)) => failure,
-                (e, _) => e,
-            })?;
+        let hellos = self.round(HELLO, &plain, HELLO_PLAIN, deadline)?;
         let instance = self.instance.to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![b"gpucast session", &instance];
         for (r, hello) in hellos.iter().enumerate() {
@@ -269,13 +263,10 @@ impl Session {
         Ok(())
     }
 
-    /// Every rank's contribution to round `round`, in rank order.
-    pub(crate) fn all_gather(
-        &mut self,
-        round: u64,
-        mine: &[u8],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>> {
+    /// Every rank's contribution to the next round, in rank order. Each call is a round.
+    pub(crate) fn all_gather(&mut self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let round = self.next_round;
+        self.next_round += 1;
         if mine.len() > MAX_VALUE_LEN {
             let what = "all-gather contribution";
             return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
@@ -294,17 +285,15 @@ impl Session {
         let world = i64::try_from(self.world).unwrap_or(i64::MAX);
         let mut pause = POLL_START;
         loop {
+            // An abort seen before the round is full is this round's; once the round is full,
+            // an abort (of a rank that saw it full, then failed) is the next one's.
+            let aborted = self.store.check(&abort, hard)?;
             // One counter per look; the keys once it says everyone is in (a stranger can
             // raise the counter, never make the keys exist).
             if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
                 return Ok(());
             }
-            if self.store.check(&abort, hard)? {
-                // The round may have filled between the two looks, and a rank that saw it full
-                // have aborted since: then this round is done, and the abort is the next one's.
-                if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
-                    return Ok(());
-                }
+            if aborted {
                 self.read_abort(hard)?;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -313,6 +302,10 @@ impl Session {
                 // a stranger's, or a rank's that died in between): let the values speak.
                 if self.store.check(&keys, hard)? {
                     return Ok(());
+                }
+                // Another rank's abort of the first round says more than the timeout it caused.
+                if let Some(failure) = self.early_abort.take().filter(|_| round == HELLO) {
+                    return Err(failure);
                 }
                 // Name the missing ranks, a key each, as far as the second allows.
                 let mut missing = Vec::new();
@@ -354,8 +347,7 @@ impl Session {
             Some((sender.ok()?, nonce, decode_error(&p[40..])?))
         });
         let Some((sender, nonce, failure)) = parsed else {
-            if !self.forged_abort {
-                self.forged_abort = true;
+            if !std::mem::replace(&mut self.forged_abort, true) {
                 warn!(store = %self.store.peer, "rendezvous: ignoring an abort in the store that is not of this job");
             }
             return Ok(());

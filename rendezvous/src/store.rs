@@ -176,7 +176,8 @@ pub(crate) fn read_full(
 }
 
 /// `bytes` as c10d sends a string: a u64 length, then the bytes.
-fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
+fn push_bytes(buf: &mut Vec<u8>, bytes: impl AsRef<[u8]>) {
+    let bytes = bytes.as_ref();
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
 }
@@ -300,8 +301,7 @@ impl Store {
     }
 
     /// What an unproven answer of kind `k` means: a reason to try again, never a verdict.
-    fn unproven(&mut self, k: u8, body: &[u8]) -> RendezvousError {
-        self.broken = Some("an unproven answer to the admission".into());
+    fn unproven(&self, k: u8, body: &[u8]) -> RendezvousError {
         let store = self.peer.clone();
         match k {
             kind::TOKEN_REFUSED => E::JobTokenMismatch { store },
@@ -377,17 +377,17 @@ impl Store {
     fn call(
         &mut self,
         q: u8,
-        keys: &[&str],
+        keys: &[impl AsRef<str>],
         tail: &[u8],
         reply: usize,
         deadline: Instant,
     ) -> Result<[u8; 8]> {
-        let during = format!("request {q} on {}", keys.first().unwrap_or(&""));
+        let during = format!("request {q} on {}", keys.first().map_or("", AsRef::as_ref));
         let mut req = vec![q];
         if q == query::CHECK {
             req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         }
-        keys.iter().for_each(|k| push_bytes(&mut req, k.as_bytes()));
+        keys.iter().for_each(|k| push_bytes(&mut req, k.as_ref()));
         req.extend_from_slice(tail);
         self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
@@ -410,7 +410,6 @@ impl Store {
     /// any memory is taken.
     pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
         let len = u64::from_le_bytes(self.call(query::GET, &[key], &[], 8, deadline)?);
-        let max = max.min(TORCH_MAX_VALUE);
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
@@ -436,8 +435,7 @@ impl Store {
 
     /// Whether every key of `keys` exists.
     pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        match self.call(query::CHECK, &keys, &[], 1, deadline)?[0] {
+        match self.call(query::CHECK, keys, &[], 1, deadline)?[0] {
             0 => Ok(true),
             1 => Ok(false),
             other => Err(self.fail(format!("CHECK answered {other}, expected 0 or 1"))),
