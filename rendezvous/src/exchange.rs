@@ -263,8 +263,8 @@ impl Rendezvous {
         let joined = Session::join(env, &host, port, deadline);
         if let (Err(e), Some(server)) = (&joined, &server) {
             let reason = format!("rank 0 could not complete the rendezvous: {e}");
-            server.fail_with(&reason, e.missing_ranks());
-            server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
+            let linger = deadline.min(Instant::now() + FAILURE_LINGER);
+            server.fail(&reason, e.missing_ranks(), linger);
         }
         let session = joined?;
         info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
@@ -288,11 +288,9 @@ impl Rendezvous {
             .spawn(move || {
                 let deadline = super::later(within);
                 let told = match env.store {
-                    StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
-                        server.fail_with(&reason, &[]);
-                        server.mark_told(0);
-                        server.linger_until_told(deadline);
-                    }),
+                    StoreKind::Own if env.rank == 0 => {
+                        host_store(&env).map(|server| server.fail(&reason, &[], deadline))
+                    }
                     _ => Session::join(&env, &env.master_addr, env.master_port, deadline)
                         .and_then(|mut s| s.abort(&reason, &[], ABORT_TIMEOUT)),
                 };

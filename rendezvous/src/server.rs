@@ -3,7 +3,7 @@
 //!
 //! Admission is built so that nobody outside the job costs the job anything: a connection that
 //! has not proven the token may send one HELLO (a fixed 82 bytes) within one deadline for the
-//! whole handshake. At most [`ServerOptions::max_pending`] such connections are kept, at most
+//! whole handshake. At most [`MAX_PENDING`] such connections are kept, at most
 //! [`ServerOptions::max_pending_per_addr`] of them from one address, and none is closed to make
 //! room before it is [`ServerOptions::pending_floor`] old: a newcomer finds room by evicting an
 //! older one of its own address, or, when the store is full, of the address that holds the most
@@ -56,6 +56,10 @@ const ACCEPT_POLL_MS: u16 = 20;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Members quiet this long are done with the store.
 const QUIET: Duration = Duration::from_millis(100);
+/// Most connections kept at once that have not proven the token.
+const MAX_PENDING: usize = 1024;
+/// Limit for each read and write of a proven rank's request and reply.
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Settings of a [`StoreServer`].
 #[derive(Clone, Debug)]
@@ -64,17 +68,13 @@ pub(crate) struct ServerOptions {
     pub world_size: usize,
     /// The key of the job token, which every HELLO must prove.
     pub key: auth::Key,
-    /// Most connections kept at once that have not proven the token. Default 1024.
-    pub max_pending: usize,
-    /// Most of them from one address. Default 128.
+    /// Most connections that have not proven the token kept from one address. Default 128.
     pub max_pending_per_addr: usize,
     /// Age below which a connection that has not proven the token yet is never closed to make
     /// room for a newer one (the newcomer is turned away instead). Default 500 ms.
     pub pending_floor: Duration,
     /// How long a new connection has to complete its HELLO, all of it. Default 10 s.
     pub handshake_timeout: Duration,
-    /// Limit for each read and write of a proven rank's request and reply. Default 30 s.
-    pub io_timeout: Duration,
 }
 
 impl ServerOptions {
@@ -83,11 +83,9 @@ impl ServerOptions {
         Self {
             world_size,
             key: auth::Key::of(job_token),
-            max_pending: 1024,
             max_pending_per_addr: 128,
             pending_floor: Duration::from_millis(500),
             handshake_timeout: Duration::from_secs(10),
-            io_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -118,12 +116,11 @@ struct Shared {
     crowded: Throttle,
 }
 
-/// A connection that has not proven the token yet, and a handle to close it by.
+/// A connection that has not proven the token yet.
 struct Pending {
     id: u64,
     ip: IpAddr,
-    since: Instant,
-    stream: TcpStream,
+    accepted: Instant,
 }
 
 struct Member {
@@ -149,8 +146,8 @@ struct State {
     usage: HashMap<u64, (usize, usize)>,
     /// Connections that have not proven the token yet, oldest first.
     pending: VecDeque<Pending>,
-    /// Connections of proven ranks.
-    members: HashMap<u64, TcpStream>,
+    /// Every open connection, pending or proven, by id: a handle to close it by.
+    conns: HashMap<u64, TcpStream>,
     /// Pending connections closed to make room for newer ones, and newcomers turned away.
     evicted: u64,
     turned_away: u64,
@@ -238,7 +235,7 @@ impl State {
         let (from, why) = if mine >= opts.max_pending_per_addr {
             let why = format!("{mine} connections from {ip} have not proven the job token yet");
             (ip, why)
-        } else if held >= opts.max_pending {
+        } else if held >= MAX_PENDING {
             let why =
                 format!("{held} connections that have not proven the job token fill the store");
             let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
@@ -254,13 +251,15 @@ impl State {
         };
         let floor = opts.pending_floor;
         let old_enough =
-            |p: &Pending| p.ip == from && now.saturating_duration_since(p.since) >= floor;
+            |p: &Pending| p.ip == from && now.saturating_duration_since(p.accepted) >= floor;
         let old = self.pending.iter().position(old_enough);
         let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
-        tell_crowded(&old.stream, &format!("{why}; this one was the oldest"));
-        let _ = old.stream.shutdown(Shutdown::Both);
+        if let Some(stream) = self.conns.get(&old.id) {
+            tell_crowded(stream, &format!("{why}; this one was the oldest"));
+            let _ = stream.shutdown(Shutdown::Both);
+        }
         self.evicted += 1;
         Ok(())
     }
@@ -276,7 +275,7 @@ impl StoreServer {
     /// no room for a pending connection.
     pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
         let n = opts.world_size;
-        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
+        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending_per_addr == 0 {
             let reason =
                 format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
             return Err(RendezvousError::invalid(reason));
@@ -324,21 +323,6 @@ impl StoreServer {
         self.local_addr
     }
 
-    /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
-    /// first failure's reason is kept.
-    pub(crate) fn fail_with(&self, reason: &str, missing: &[usize]) {
-        let mut st = self.shared.lock();
-        st.fail(&self.shared.cond, reason, missing, false);
-    }
-
-    /// Records that `rank` knows of the failure already (the rank that caused it, in this
-    /// process), so that lingering waits only for the others.
-    pub(crate) fn mark_told(&self, rank: usize) {
-        if let Some(t) = self.shared.lock().told.get_mut(rank) {
-            *t = true;
-        }
-    }
-
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
@@ -348,12 +332,16 @@ impl StoreServer {
             .map(|e| e.to_string())
     }
 
-    /// After a failure: keeps serving until every rank has been told (or has disconnected) or
-    /// `deadline` passes, so that ranks still connecting learn the reason instead of retrying
-    /// a closed port until their timeout.
-    pub(crate) fn linger_until_told(&self, deadline: Instant) {
+    /// Marks the job failed (the first failure's reason is kept): every rank that looks learns
+    /// [`RendezvousError::JobFailed`]. Then keeps serving until every other rank has been told
+    /// (or has disconnected) or `deadline` passes, so that ranks still connecting learn the
+    /// reason instead of retrying a closed port until their timeout. Rank 0 is this process,
+    /// which knows.
+    pub(crate) fn fail(&self, reason: &str, missing: &[usize], deadline: Instant) {
         let mut st = self.shared.lock();
-        while st.failure.is_some() && st.told.iter().any(|&t| !t) {
+        st.fail(&self.shared.cond, reason, missing, false);
+        st.told[0] = true;
+        while st.told.contains(&false) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 debug!("rendezvous store closing before every rank learned of the failure");
@@ -367,12 +355,8 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
-        let handles = self
-            .accept
-            .take()
-            .and_then(|h| h.join().ok())
-            .unwrap_or_default();
-        let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
+        let accept = self.accept.take().map(JoinHandle::join);
+        let grace_end = super::later(SHUTDOWN_GRACE);
         let mut st = self.shared.lock();
         let missing: Vec<usize> = (0..st.told.len())
             .filter(|&r| st.registered[r].is_none())
@@ -387,12 +371,11 @@ impl Drop for StoreServer {
             }
             st = self.shared.wait_on(st, left.min(QUIET));
         }
-        let pending = st.pending.iter().map(|p| &p.stream);
-        for stream in pending.chain(st.members.values()) {
+        for stream in st.conns.values() {
             let _ = stream.shutdown(Shutdown::Both);
         }
         drop(st);
-        for h in handles {
+        for h in accept.into_iter().flatten().flatten() {
             let _ = h.join();
         }
         debug!(addr = %self.local_addr, "rendezvous store stopped");
@@ -413,13 +396,11 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
     while !shared.shutting_down() {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
-            Err(e) if e.kind() == WouldBlock => {
-                let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-                let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
-                continue;
-            }
+            Err(e) if e.kind() == WouldBlock => continue,
             Err(e) => {
                 // Out of file descriptors and the like: wait, do not spin.
                 warn!(error = %e, "rendezvous store: accept failed");
@@ -445,12 +426,8 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             tell_crowded(&stream, &reason);
             continue;
         }
-        st.pending.push_back(Pending {
-            id,
-            ip,
-            since: accepted,
-            stream: clone,
-        });
+        st.pending.push_back(Pending { id, ip, accepted });
+        st.conns.insert(id, clone);
         drop(st);
         let mut conn = Conn {
             shared: Arc::clone(shared),
@@ -496,7 +473,7 @@ impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
         st.pending.retain(|p| p.id != self.id);
-        st.members.remove(&self.id);
+        st.conns.remove(&self.id);
         st.usage.remove(&self.id);
         let Some(r) = self.rank else { return };
         let wrote = match &st.registered[r] {
@@ -517,9 +494,8 @@ impl Conn {
     fn serve(&mut self) -> Option<()> {
         let _ = self.stream.set_nodelay(true);
         self.handshake()?;
-        let io_timeout = Some(self.shared.opts.io_timeout);
-        let _ = self.stream.set_write_timeout(io_timeout);
-        let _ = self.stream.set_read_timeout(io_timeout);
+        let _ = self.stream.set_write_timeout(Some(IO_TIMEOUT));
+        let _ = self.stream.set_read_timeout(Some(IO_TIMEOUT));
         loop {
             let mut q = [0u8; 1];
             match (&self.stream).read(&mut q) {
@@ -589,7 +565,7 @@ impl Conn {
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
                 self.tell(kind::REFUSED, &refusal).and(None)
             }
-            // Evicted, or no handle to keep: closed without an answer.
+            // Evicted: closed without an answer.
             Err(None) => None,
         }
     }
@@ -601,16 +577,14 @@ impl Conn {
         let n = self.shared.opts.world_size;
         let mut st = self.shared.lock();
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
-        // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
-        // member be kept that the store cannot close at shutdown.
-        let at = st.pending.iter().position(|p| p.id == self.id);
-        let Some((at, handle)) = at.zip(self.stream.try_clone().ok()) else {
+        // take a rank (its welcome could not be delivered). The client reconnects.
+        let Some(at) = st.pending.iter().position(|p| p.id == self.id) else {
             return Err(None);
         };
         // A rank whose earlier connection is gone, before it wrote anything, may come again:
         // its welcome may never have reached it.
         if let Some(Some(old)) = st.registered.get(rank) {
-            if !old.wrote && st.members.get(&old.conn).is_none_or(closed) {
+            if !old.wrote && st.conns.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
             }
@@ -636,7 +610,6 @@ impl Conn {
             let (conn, peer, wrote) = (self.id, self.peer, false);
             st.registered[rank] = Some(Member { conn, peer, wrote });
             st.pending.remove(at);
-            st.members.insert(self.id, handle);
             self.rank = Some(rank);
             self.shared.cond.notify_all();
             return Ok(());
