@@ -25,7 +25,6 @@ use std::io::ErrorKind::{TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -110,7 +109,6 @@ struct Shared {
     opts: ServerOptions,
     state: Mutex<State>,
     cond: Condvar,
-    shutdown: AtomicBool,
     /// Logging of strangers' failed proofs and late claims, and of connections turned away.
     refused: Throttle,
     crowded: Throttle,
@@ -154,6 +152,8 @@ struct State {
     /// Connections in the middle of a request, and when the last one started.
     busy: usize,
     last_request: Option<Instant>,
+    /// Set when the server is dropped.
+    shutdown: bool,
 }
 
 impl Shared {
@@ -164,10 +164,6 @@ impl Shared {
     fn wait_on<'a>(&self, g: MutexGuard<'a, State>, limit: Duration) -> MutexGuard<'a, State> {
         let waited = self.cond.wait_timeout(g, limit);
         waited.unwrap_or_else(PoisonError::into_inner).0
-    }
-
-    fn shutting_down(&self) -> bool {
-        self.shutdown.load(Ordering::Acquire)
     }
 }
 
@@ -301,7 +297,6 @@ impl StoreServer {
             opts,
             state: Mutex::new(state),
             cond: Condvar::new(),
-            shutdown: AtomicBool::new(false),
             refused: Throttle::default(),
             crowded: Throttle::default(),
         });
@@ -354,7 +349,7 @@ impl StoreServer {
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.lock().shutdown = true;
         let accept = self.accept.take().map(JoinHandle::join);
         let grace_end = super::later(SHUTDOWN_GRACE);
         let mut st = self.shared.lock();
@@ -395,7 +390,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
-    while !shared.shutting_down() {
+    while !shared.lock().shutdown {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
         let (stream, peer) = match listener.accept() {
@@ -500,7 +495,7 @@ impl Conn {
             let mut q = [0u8; 1];
             match (&self.stream).read(&mut q) {
                 Ok(1) => {}
-                Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
+                Err(e) if is_timeout(&e) && !self.shared.lock().shutdown => continue,
                 _ => return None,
             }
             let mut st = self.shared.lock();
@@ -511,7 +506,7 @@ impl Conn {
             self.shared.lock().busy -= 1;
             self.shared.cond.notify_all();
             if let Err(reason) = served {
-                if !self.shared.shutting_down() {
+                if !self.shared.lock().shutdown {
                     warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
                 }
                 return None;
@@ -757,6 +752,7 @@ mod tests {
     use crate::env::JobEnv;
     use crate::session::Session;
     use crate::store::Store;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     const T: Duration = Duration::from_secs(3);
     const TOKEN: &str = "a token for the unit tests of the store";
