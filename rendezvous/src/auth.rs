@@ -238,10 +238,7 @@ fn looks_random(t: &[u8]) -> bool {
             (any(u8::is_ascii_punctuation), 32),
             (any(other), 128),
         ];
-        classes
-            .iter()
-            .filter_map(|&(present, n)| present.then_some(n))
-            .sum()
+        classes.iter().map(|&(p, n)| u32::from(p) * n).sum()
     };
     let a = f64::from(alphabet);
     #[allow(clippy::cast_precision_loss)]

@@ -119,11 +119,8 @@ impl fmt::Debug for JobEnv {
 }
 
 fn invalid(var: &str, value: &str, reason: impl Into<String>) -> RendezvousError {
-    RendezvousError::InvalidEnv {
-        var: var.to_owned(),
-        value: value.to_owned(),
-        reason: reason.into(),
-    }
+    let (var, value, reason) = (var.to_owned(), value.to_owned(), reason.into());
+    RendezvousError::InvalidEnv { var, value, reason }
 }
 
 fn parse_count(var: &str, value: &str) -> Result<usize> {

@@ -49,12 +49,11 @@ pub trait Exchange {
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
-        let got = all.len();
-        all.get_mut(root)
-            .map(std::mem::take)
-            .ok_or_else(|| RendezvousError::BadGather {
-                reason: format!("{got} entries, none for root {root}"),
-            })
+        if all.len() <= root {
+            let reason = format!("{} entries, none for root {root}", all.len());
+            return Err(RendezvousError::BadGather { reason });
+        }
+        Ok(all.swap_remove(root))
     }
 }
 

@@ -193,10 +193,12 @@ impl Session {
         }
     }
 
-    /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
-    /// then reads each (at most `max` bytes, opened at once: a process that overwrites keys
-    /// with junk costs no more memory than a real round) and returns them in rank order. Rank
-    /// 0 then deletes the round before, which every rank is past.
+    /// One round: writes this rank's sealed `plain` and counts it in; waits until every rank has
+    /// counted itself in and its keys exist, an abort of this session appears, or `deadline`
+    /// passes (requests may take a second longer, to name the missing ranks); then reads each
+    /// value (at most `max` bytes, opened at once: a process that overwrites keys with junk
+    /// costs no more memory than a real round) and returns them in rank order. Rank 0 then
+    /// deletes the round before, which every rank is past.
     fn round(
         &mut self,
         round: u64,
@@ -206,13 +208,59 @@ impl Session {
     ) -> Result<Vec<Vec<u8>>> {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let timeout = deadline.saturating_duration_since(Instant::now());
+        let (counter, keys) = (self.key(round, "count"), self.keys(round));
         let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
-        self.store.set(&self.key(round, self.rank), &sealed, hard)?;
-        self.store.add(&self.key(round, "count"), 1, hard)?;
-        self.wait_round(round, deadline, timeout)?;
+        self.store.set(&keys[self.rank], &sealed, hard)?;
+        self.store.add(&counter, 1, hard)?;
+        let abort = vec![self.abort_key()];
+        let world = i64::try_from(self.world).unwrap_or(i64::MAX);
+        let mut pause = POLL_START;
+        loop {
+            // An abort seen before the round is full is this round's; once the round is full,
+            // an abort (of a rank that saw it full, then failed) is the next one's.
+            let aborted = self.store.check(&abort, hard)?;
+            // One counter per look; the keys once it says everyone is in (a stranger can
+            // raise the counter, never make the keys exist).
+            if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
+                break;
+            }
+            if aborted {
+                self.read_abort(hard)?;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                // Every key there though the counter is short (written without being counted:
+                // a stranger's, or a rank's that died in between): let the values speak.
+                if self.store.check(&keys, hard)? {
+                    break;
+                }
+                // Another rank's abort of the first round says more than the timeout it caused.
+                if let Some(failure) = self.early_abort.take().filter(|_| round == HELLO) {
+                    return Err(failure);
+                }
+                // Name the missing ranks, a key each, as far as the second allows.
+                let mut missing = Vec::new();
+                for (r, k) in keys.iter().enumerate() {
+                    if Instant::now() >= hard {
+                        break;
+                    }
+                    if !self.store.check(std::slice::from_ref(k), hard)? {
+                        missing.push(r);
+                    }
+                }
+                let what = format!("every rank's {}", round_name(round).1);
+                return Err(RendezvousError::Timeout {
+                    what,
+                    timeout,
+                    missing,
+                });
+            }
+            thread::sleep(pause.min(left));
+            pause = (pause * 2).min(POLL_MAX);
+        }
         let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
         let what = round_name(round).1;
-        for (r, k) in self.keys(round).iter().enumerate() {
+        for (r, k) in keys.iter().enumerate() {
             let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
             let Some(value) = self.sealer.open(&self.aad(round, r), &sealed) else {
                 let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
@@ -272,61 +320,6 @@ impl Session {
             return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
         }
         self.round(round, mine, MAX_VALUE_LEN, later(timeout))
-    }
-
-    /// Waits until every rank has counted itself into `round` and its keys exist, an abort of
-    /// this session appears, or `deadline` passes (requests may take a second longer, to name
-    /// the missing ranks).
-    fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
-        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let counter = self.key(round, "count");
-        let keys = self.keys(round);
-        let abort = vec![self.abort_key()];
-        let world = i64::try_from(self.world).unwrap_or(i64::MAX);
-        let mut pause = POLL_START;
-        loop {
-            // An abort seen before the round is full is this round's; once the round is full,
-            // an abort (of a rank that saw it full, then failed) is the next one's.
-            let aborted = self.store.check(&abort, hard)?;
-            // One counter per look; the keys once it says everyone is in (a stranger can
-            // raise the counter, never make the keys exist).
-            if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
-                return Ok(());
-            }
-            if aborted {
-                self.read_abort(hard)?;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                // Every key there though the counter is short (written without being counted:
-                // a stranger's, or a rank's that died in between): let the values speak.
-                if self.store.check(&keys, hard)? {
-                    return Ok(());
-                }
-                // Another rank's abort of the first round says more than the timeout it caused.
-                if let Some(failure) = self.early_abort.take().filter(|_| round == HELLO) {
-                    return Err(failure);
-                }
-                // Name the missing ranks, a key each, as far as the second allows.
-                let mut missing = Vec::new();
-                for (r, k) in keys.iter().enumerate() {
-                    if Instant::now() >= hard {
-                        break;
-                    }
-                    if !self.store.check(std::slice::from_ref(k), hard)? {
-                        missing.push(r);
-                    }
-                }
-                let what = format!("every rank's {}", round_name(round).1);
-                return Err(RendezvousError::Timeout {
-                    what,
-                    timeout,
-                    missing,
-                });
-            }
-            thread::sleep(pause.min(left));
-            pause = (pause * 2).min(POLL_MAX);
-        }
     }
 
     /// Reads the abort another rank left. In a session, one that opens under the session's

@@ -287,13 +287,10 @@ impl Store {
         let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
         self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
         let (k, body) = self.admission_message(deadline)?;
+        let (refusal, tag) = body.split_at(body.len().saturating_sub(auth::PROOF_LEN));
         match k {
             kind::WELCOME if auth::same_secret(&proof(Purpose::Welcome, b""), &body) => Ok(()),
-            kind::REFUSED if body.len() >= auth::PROOF_LEN => {
-                let (refusal, claimed_proof) = body.split_at(body.len() - auth::PROOF_LEN);
-                if !auth::same_secret(&proof(Purpose::Refusal, refusal), claimed_proof) {
-                    return Err(self.unproven(0, &[]));
-                }
+            kind::REFUSED if auth::same_secret(&proof(Purpose::Refusal, refusal), tag) => {
                 Err(decode_error(refusal).unwrap_or_else(|| self.fail("a malformed refusal")))
             }
             k => Err(self.unproven(k, &body)),
