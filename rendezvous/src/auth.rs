@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::PoisonError;
 
 use hmac::{Hmac, Mac};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use super::env::TokenSource;
 use super::error::{RendezvousError, Result};
@@ -61,8 +61,8 @@ pub fn random_token() -> Result<String> {
 }
 
 /// The MAC of `label` and `parts` (each length-prefixed, so no two inputs share an encoding)
-/// under `key`.
-fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+/// under `key` (with an empty key, a digest).
+pub(crate) fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length: `new_from_slice` cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
@@ -104,7 +104,7 @@ impl std::fmt::Debug for Key {
     }
 }
 
-/// Keys derived in this process, by a digest of their token: the derivation is made costly
+/// Keys derived in this process, by a MAC of their token: the derivation is made costly
 /// on purpose, and a process needs it once.
 static KEYS: std::sync::Mutex<Vec<([u8; 32], Key)>> = std::sync::Mutex::new(Vec::new());
 
@@ -125,7 +125,7 @@ impl Key {
     /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
     /// process and token.
     pub(crate) fn of(token: &str) -> Key {
-        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
+        let id = mac(token.as_bytes(), b"gpucast rendezvous v3: key cache", &[]);
         let mut keys = KEYS.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, key)) = keys.iter().find(|(k, _)| same_secret(k, &id)) {
             return key.clone();
@@ -154,16 +154,6 @@ impl Key {
 pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     use subtle::ConstantTimeEq;
     a.ct_eq(b).into()
-}
-
-/// SHA-256 of the length-prefixed `parts`.
-pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
-    let mut h = Sha256::new();
-    for p in parts {
-        h.update((p.len() as u64).to_le_bytes());
-        h.update(p);
-    }
-    h.finalize().into()
 }
 
 /// Seals values to where they belong: each carries HMAC-SHA256, under a key derived from the

@@ -294,7 +294,7 @@ impl Session {
         let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
         let hellos = self.round(HELLO, &plain, HELLO_PLAIN, deadline)?;
         let instance = self.instance.to_le_bytes();
-        let mut parts: Vec<&[u8]> = vec![b"gpucast session", &instance];
+        let mut parts: Vec<&[u8]> = vec![&instance];
         for (r, hello) in hellos.iter().enumerate() {
             let world = hello.get(32..).and_then(|w| w.try_into().ok());
             let world = world.map_or(u64::MAX, u64::from_le_bytes);
@@ -307,7 +307,7 @@ impl Session {
             }
             parts.push(&hello[..32]);
         }
-        self.session = Some(auth::digest(&parts));
+        self.session = Some(auth::mac(&[], b"gpucast session", &parts));
         Ok(())
     }
 
