@@ -332,13 +332,11 @@ impl StoreServer {
         let mut st = self.shared.lock();
         st.fail(&self.shared.cond, reason, missing, false);
         st.told[0] = true;
-        while st.told.contains(&false) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                debug!("rendezvous store closing before every rank learned of the failure");
-                return;
-            }
-            st = self.shared.wait_on(st, left);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let untold = |st: &mut State| st.told.contains(&false);
+        let waited = self.shared.cond.wait_timeout_while(st, left, untold);
+        if waited.map_or(true, |(_, w)| w.timed_out()) {
+            debug!("rendezvous store closing before every rank learned of the failure");
         }
     }
 }
