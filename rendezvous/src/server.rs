@@ -284,11 +284,9 @@ impl StoreServer {
         }
         let local_addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
-        let state = State {
-            registered: (0..n).map(|_| None).collect(),
-            told: vec![false; n],
-            ..State::default()
-        };
+        let mut state = State::default();
+        state.registered.resize_with(n, || None);
+        state.told.resize(n, false);
         let shared = Arc::new(Shared {
             opts,
             state: Mutex::new(state),
@@ -517,8 +515,7 @@ impl Conn {
     fn handshake(&mut self) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self.accepted.checked_add(opts.handshake_timeout);
-        let hello_by = hello_by.unwrap_or(self.accepted);
+        let hello_by = self.accepted + opts.handshake_timeout;
         let left = hello_by.saturating_duration_since(Instant::now());
         let left = Some(left.max(Duration::from_millis(1)));
         let _ = self.stream.set_write_timeout(left);
@@ -672,10 +669,11 @@ impl Conn {
                 if key == FAILED_KEY.as_bytes() {
                     self.told(&mut st);
                 }
-                let value = st.keys.get(&key).map(|(v, _)| v.clone());
-                drop(st);
-                let value = value.ok_or("a GET of a key that does not exist")?;
-                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
+                let (value, _) = st
+                    .keys
+                    .get(&key)
+                    .ok_or("a GET of a key that does not exist")?;
+                [&(value.len() as u64).to_le_bytes()[..], value].concat()
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
@@ -710,11 +708,7 @@ impl Conn {
                 let gone = key != FAILED_KEY.as_bytes() && self.shared.lock().remove(&key);
                 i64::from(gone).to_le_bytes().to_vec()
             }
-            other => {
-                return Err(format!(
-                    "query type {other}, which this store does not serve"
-                ))
-            }
+            _ => return Err(format!("query type {q}, which this store does not serve")),
         };
         (&self.stream).write_all(&reply).map_err(|e| e.to_string())
     }
