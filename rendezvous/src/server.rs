@@ -420,13 +420,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             stream,
             peer,
             id,
-            accepted,
             rank: None,
         };
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
             .stack_size(256 * 1024)
-            .spawn(move || conn.serve().unwrap_or_default());
+            .spawn(move || conn.serve(accepted).unwrap_or_default());
         if let Err(e) = spawned.map(|h| handles.push(h)) {
             warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
         }
@@ -451,7 +450,6 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     id: u64,
-    accepted: Instant,
     rank: Option<usize>,
 }
 
@@ -477,9 +475,9 @@ impl Drop for Conn {
 
 impl Conn {
     /// Serves the connection until it closes or breaks the rules.
-    fn serve(&mut self) -> Option<()> {
+    fn serve(&mut self, accepted: Instant) -> Option<()> {
         let _ = self.stream.set_nodelay(true);
-        self.handshake()?;
+        self.handshake(accepted)?;
         let _ = self.stream.set_write_timeout(Some(IO_TIMEOUT));
         let _ = self.stream.set_read_timeout(Some(IO_TIMEOUT));
         loop {
@@ -512,10 +510,10 @@ impl Conn {
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
     /// within the handshake timeout from accept. Some once this connection is a rank's.
-    fn handshake(&mut self) -> Option<()> {
+    fn handshake(&mut self, accepted: Instant) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self.accepted + opts.handshake_timeout;
+        let hello_by = accepted + opts.handshake_timeout;
         let left = hello_by.saturating_duration_since(Instant::now());
         let left = Some(left.max(Duration::from_millis(1)));
         let _ = self.stream.set_write_timeout(left);
