@@ -148,12 +148,8 @@ fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream
     Err(last)
 }
 
-/// Fills `buf` from `stream` by `deadline`, however slowly the bytes come.
-pub(crate) fn read_full(
-    mut stream: &TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-) -> io::Result<()> {
+/// Fills `buf` from `from` by `deadline`, however slowly the bytes come.
+pub(crate) fn read_full(mut from: &TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -161,8 +157,8 @@ pub(crate) fn read_full(
             let late = "the peer did not answer in time";
             return Err(io::Error::new(io::ErrorKind::TimedOut, late));
         }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf[got..]) {
+        from.set_read_timeout(Some(left))?;
+        match from.read(&mut buf[got..]) {
             Ok(0) => {
                 let closed = "the peer closed the connection (rank 0 may have exited)";
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, closed));
@@ -176,8 +172,7 @@ pub(crate) fn read_full(
 }
 
 /// `bytes` as c10d sends a string: a u64 length, then the bytes.
-fn push_bytes(buf: &mut Vec<u8>, bytes: impl AsRef<[u8]>) {
-    let bytes = bytes.as_ref();
+fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
     buf.extend_from_slice(bytes);
 }
@@ -369,22 +364,23 @@ impl Store {
         read_full(&self.stream, buf, deadline).map_err(|e| self.io_error(during, e))
     }
 
-    /// Sends request `q` with `keys` (a count first when `q` is CHECK) and `tail`, and reads a
-    /// reply of `reply` bytes.
+    /// Sends request `q` with `args` (keys, or a key and a value; a count first when `q` is
+    /// CHECK) and `tail`, and reads a reply of `reply` bytes.
     fn call(
         &mut self,
         q: u8,
-        keys: &[impl AsRef<str>],
+        args: &[impl AsRef<[u8]>],
         tail: &[u8],
         reply: usize,
         deadline: Instant,
     ) -> Result<[u8; 8]> {
-        let during = format!("request {q} on {}", keys.first().map_or("", AsRef::as_ref));
+        let key = String::from_utf8_lossy(args.first().map_or(&[], AsRef::as_ref));
+        let during = format!("request {q} on {key}");
         let mut req = vec![q];
         if q == query::CHECK {
-            req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+            req.extend_from_slice(&(args.len() as u64).to_le_bytes());
         }
-        keys.iter().for_each(|k| push_bytes(&mut req, k.as_ref()));
+        args.iter().for_each(|a| push_bytes(&mut req, a.as_ref()));
         req.extend_from_slice(tail);
         self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
@@ -394,13 +390,8 @@ impl Store {
 
     /// Stores `value` under `key`.
     pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
-        if value.len() > TORCH_MAX_VALUE {
-            let what = format!("the value of {key}");
-            return Err(E::too_large(what, value.len(), TORCH_MAX_VALUE));
-        }
-        let mut tail = Vec::with_capacity(value.len() + 8);
-        push_bytes(&mut tail, value);
-        self.call(query::SET, &[key], &tail, 0, deadline).map(drop)
+        let args = [key.as_bytes(), value];
+        self.call(query::SET, &args, &[], 0, deadline).map(drop)
     }
 
     /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
