@@ -164,10 +164,8 @@ impl fmt::Debug for Rendezvous {
 /// for the common setup where the name resolves to 127.0.1.1 on its own node but to a
 /// routable address elsewhere.
 fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
-    let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
-        .to_socket_addrs()
-        .map(Iterator::collect)
-        .unwrap_or_default();
+    let resolved = (env.master_addr.as_str(), env.master_port).to_socket_addrs();
+    let resolved: Vec<SocketAddr> = resolved.map(Iterator::collect).unwrap_or_default();
     let one_node = env.local_world_size == env.world_size;
     if one_node && !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
         return vec![resolved[0]];
