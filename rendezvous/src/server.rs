@@ -157,11 +157,6 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
-
-    fn wait_on<'a>(&self, g: MutexGuard<'a, State>, limit: Duration) -> MutexGuard<'a, State> {
-        let waited = self.cond.wait_timeout(g, limit);
-        waited.unwrap_or_else(PoisonError::into_inner).0
-    }
 }
 
 fn entry_bytes(key: &[u8], value: &[u8]) -> usize {
@@ -356,7 +351,8 @@ impl Drop for StoreServer {
             if left.is_zero() {
                 break;
             }
-            st = self.shared.wait_on(st, left.min(QUIET));
+            let waited = self.shared.cond.wait_timeout(st, left.min(QUIET));
+            st = waited.unwrap_or_else(PoisonError::into_inner).0;
         }
         for stream in st.conns.values() {
             let _ = stream.shutdown(Shutdown::Both);
