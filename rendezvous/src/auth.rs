@@ -38,8 +38,6 @@ pub(crate) const KDF_ROUNDS: u32 = 1 << 17;
 /// Bits of randomness below which a token is called guessable.
 const MIN_SECRET_BITS: f64 = 128.0;
 
-/// A nonce.
-pub(crate) type Nonce = [u8; NONCE_LEN];
 /// A proof.
 pub(crate) type Proof = [u8; PROOF_LEN];
 
@@ -210,7 +208,8 @@ pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str>
 
 /// Whether `t` could hold 128 random bits: long enough for its alphabet, not a repetition,
 /// and with as many distinct characters as a random string of its length and alphabet would
-/// almost surely have.
+/// almost surely have. (Lengths and counts become floats for the estimate.)
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
 fn looks_random(t: &[u8]) -> bool {
     let any = |f: fn(&u8) -> bool| t.iter().any(f);
     let hex = t.iter().all(u8::is_ascii_hexdigit)
@@ -231,15 +230,12 @@ fn looks_random(t: &[u8]) -> bool {
         classes.iter().map(|&(p, n)| u32::from(p) * n).sum()
     };
     let a = f64::from(alphabet);
-    #[allow(clippy::cast_precision_loss)]
     let bits = t.len() as f64 * a.log2();
     let repeated = (1..=t.len() / 2).any(|p| t[p..] == t[..t.len() - p]);
     let distinct = (0..=u8::MAX).filter(|c| t.contains(c)).count();
     // A random string of n characters from an alphabet of a has about a(1 - (1 - 1/a)^n)
     // distinct ones; half of that is far below what chance gives.
-    #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
     let expected = a * (1.0 - (1.0 - 1.0 / a).powi(t.len().min(1 << 20) as i32));
-    #[allow(clippy::cast_precision_loss)]
     let varied = distinct as f64 >= expected / 2.0;
     bits >= MIN_SECRET_BITS && !repeated && varied
 }

@@ -253,9 +253,7 @@ impl RendezvousError {
 
 /// At most `max` bytes of `s`, cut at a character boundary.
 pub(crate) fn clip(s: &str, max: usize) -> &str {
-    let end = (0..=s.len().min(max))
-        .rev()
-        .find(|&i| s.is_char_boundary(i));
+    let end = (0..=s.len().min(max)).rfind(|&i| s.is_char_boundary(i));
     &s[..end.unwrap_or(0)]
 }
 

@@ -269,7 +269,7 @@ impl Store {
     /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
     fn admit(&mut self, (key, rank, world): Admission<'_>, deadline: Instant) -> Result<()> {
         let (k, body) = self.admission_message(deadline)?;
-        let server_nonce: auth::Nonce = match body.as_slice().try_into() {
+        let server_nonce: [u8; auth::NONCE_LEN] = match body.as_slice().try_into() {
             Ok(n) if k == kind::CHALLENGE => n,
             _ => return Err(self.unproven(k, &body)),
         };
