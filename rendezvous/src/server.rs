@@ -483,10 +483,8 @@ impl Conn {
                 Err(e) if is_timeout(&e) && !self.shared.lock().shutdown => continue,
                 _ => return None,
             }
-            let mut st = self.shared.lock();
-            st.busy += 1;
-            st.last_request = Some(Instant::now());
-            drop(st);
+            self.shared.lock().busy += 1;
+            self.shared.lock().last_request = Some(Instant::now());
             let served = self.request(q[0]);
             self.shared.lock().busy -= 1;
             self.shared.cond.notify_all();
