@@ -182,19 +182,23 @@ impl State {
         cond.notify_all();
     }
 
-    /// Stores `value` under `key` for connection `conn`, within its share and the store's.
-    fn put(&mut self, conn: u64, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
+    /// Stores `value` under `key` for connection `by`, within its share and the store's; its
+    /// rank has then written to the store, and may not come again.
+    fn put(&mut self, by: &Conn, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
+        if let Some(Some(m)) = by.rank.map(|r| &mut self.registered[r]) {
+            m.wrote |= m.conn == by.id;
+        }
         self.remove(&key);
         let bytes = entry_bytes(&key, &value);
-        let (keys, held) = self.usage.get(&conn).copied().unwrap_or_default();
+        let (keys, held) = self.usage.get(&by.id).copied().unwrap_or_default();
         if keys >= CONN_KEYS || held + bytes > CONN_BYTES || self.stored + bytes > MAX_STORE_BYTES {
             return Err(format!(
                 "over its share ({CONN_KEYS} keys, {CONN_BYTES} bytes) or the store's"
             ));
         }
-        self.usage.insert(conn, (keys + 1, held + bytes));
+        self.usage.insert(by.id, (keys + 1, held + bytes));
         self.stored += bytes;
-        self.keys.insert(key, (value, conn));
+        self.keys.insert(key, (value, by.id));
         Ok(())
     }
 
@@ -650,8 +654,7 @@ impl Conn {
                     self.told(&mut st);
                     st.fail(&self.shared.cond, &reason, &missing, false);
                 } else if st.failure.is_none() {
-                    self.wrote(&mut st);
-                    st.put(self.id, key, value)?;
+                    st.put(self, key, value)?;
                 }
                 return Ok(());
             }
@@ -678,8 +681,7 @@ impl Conn {
                 let sum = now.and_then(|n: i64| n.checked_add(delta));
                 let sum = sum.ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
-                    self.wrote(&mut st);
-                    st.put(self.id, key, sum.to_string().into_bytes())?;
+                    st.put(self, key, sum.to_string().into_bytes())?;
                 }
                 sum.to_le_bytes().to_vec()
             }
@@ -711,13 +713,6 @@ impl Conn {
             *t = true;
         }
         self.shared.cond.notify_all();
-    }
-
-    /// Records that this rank has written to the store: it may not come again.
-    fn wrote(&self, st: &mut State) {
-        if let Some(Some(m)) = self.rank.map(|r| &mut st.registered[r]) {
-            m.wrote |= m.conn == self.id;
-        }
     }
 }
 
