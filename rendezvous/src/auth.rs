@@ -23,7 +23,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::env::TokenSource;
-use super::error::{RendezvousError, Result};
+use super::error::{RendezvousError as E, Result};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -44,16 +44,16 @@ pub(crate) type Proof = [u8; PROOF_LEN];
 /// `N` bytes from the operating system's random source.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     let mut bytes = [0u8; N];
-    getrandom::fill(&mut bytes).map_err(|e| RendezvousError::NoRandomness {
-        reason: e.to_string(),
-    })?;
+    let filled = getrandom::fill(&mut bytes).map_err(|e| e.to_string());
+    filled.map_err(|reason| E::NoRandomness { reason })?;
     Ok(bytes)
 }
 
 /// A fresh job token: 32 random bytes in hex (64 characters). Launchers that start the ranks of
 /// a job themselves give every rank the same one in `GPUCAST_JOB_TOKEN`.
 ///
-/// Errors: [`RendezvousError::NoRandomness`] if the operating system has no random source.
+/// Errors: [`RendezvousError::NoRandomness`](crate::RendezvousError::NoRandomness) if the
+/// operating system has no random source.
 pub fn random_token() -> Result<String> {
     Ok(random::<32>()?.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -107,9 +107,8 @@ where
     }
 
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let all = (self.gather)(mine).map_err(|e| RendezvousError::External {
-            message: e.to_string(),
-        })?;
+        let all = (self.gather)(mine).map_err(|e| e.to_string());
+        let all = all.map_err(|message| RendezvousError::External { message })?;
         let (n, r, len) = (self.world_size, self.rank, mine.len());
         let reason = if all.len() != n {
             format!("{} entries for a world of {n} ranks", all.len())
