@@ -31,6 +31,9 @@ pub const SLURM_PORT_BASE: u16 = 15000;
 /// default ephemeral range.
 pub const SLURM_PORT_SPAN: u16 = 15000;
 
+/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
+/// this many keys in one CHECK.
+const TORCH_MAX_WORLD: usize = 128 * 1024;
 /// Most hosts a Slurm host list may expand to.
 const MAX_HOSTS: usize = 1 << 16;
 
@@ -333,13 +336,19 @@ impl JobEnv {
     }
 
     /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=
-    /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
-    /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
+    /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`] (128 Ki through
+    /// torchrun's store, whose CHECKs take no more keys), a non-empty master address, a port
+    /// other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
         let (rank, world) = (self.rank, self.world_size);
         let (local, local_rank) = (self.local_world_size, self.local_rank);
         let reason = if world == 0 || world > MAX_WORLD_SIZE {
             format!("world size {world} is not in 1..={MAX_WORLD_SIZE}")
+        } else if world > TORCH_MAX_WORLD && matches!(self.store, StoreKind::Torch { .. }) {
+            format!(
+                "{world} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
+                 (set GPUCAST_MASTER_PORT to host gpucast's own store)"
+            )
         } else if rank >= world {
             format!("rank {rank} is not below the world size {world}")
         } else if local == 0 || local > world {

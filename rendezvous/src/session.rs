@@ -72,9 +72,6 @@ pub(crate) const ABORT_RANKS: usize = 1 << 12;
 pub(crate) const ABORT_REASON: usize = 4096;
 /// Longest abort (sealed, or the failure gpucast's own store keeps).
 const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
-/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
-/// this many keys in one CHECK.
-const TORCH_MAX_WORLD: usize = 128 * 1024;
 
 /// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
 /// of the session id; the all-gather rounds are 0, 1, ..., each round numbered one past the
@@ -101,14 +98,6 @@ impl Session {
             StoreKind::Torch { prefix } => (prefix.as_str(), false),
             StoreKind::Own => ("gpucast-own", true),
         };
-        let n = env.world_size;
-        if !own && n > TORCH_MAX_WORLD {
-            let reason = format!(
-                "{n} ranks: a job through torchrun's store has at most \
-                {TORCH_MAX_WORLD} (set GPUCAST_MASTER_PORT to host gpucast's own store)"
-            );
-            return Err(RendezvousError::invalid(reason));
-        }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
         if let Some(reason) = weak {
