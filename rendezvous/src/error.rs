@@ -238,6 +238,15 @@ impl RendezvousError {
         Self::Protocol { peer, reason }
     }
 
+    /// [`RendezvousError::WorldSizeMismatch`]: `rank` gave `client`, rank 0 has `server`.
+    pub(crate) fn world_size_mismatch(rank: usize, client: usize, server: usize) -> Self {
+        Self::WorldSizeMismatch {
+            rank,
+            client,
+            server,
+        }
+    }
+
     /// [`RendezvousError::InvalidArgument`].
     pub(crate) fn invalid(reason: impl Into<String>) -> Self {
         let reason = reason.into();

@@ -576,11 +576,7 @@ impl Conn {
         let refusal = if let Some(failed) = st.failure.as_deref().and_then(decode_error) {
             failed
         } else if world_size != n {
-            RendezvousError::WorldSizeMismatch {
-                rank,
-                client: world_size,
-                server: n,
-            }
+            RendezvousError::world_size_mismatch(rank, world_size, n)
         } else if rank >= n {
             RendezvousError::RankOutOfRange { rank, world_size }
         } else if let Some(first) = &st.registered[rank] {

@@ -288,11 +288,8 @@ impl Session {
             let world = hello.get(32..).and_then(|w| w.try_into().ok());
             let world = world.map_or(u64::MAX, u64::from_le_bytes);
             if world != self.world as u64 {
-                return Err(RendezvousError::WorldSizeMismatch {
-                    rank: r,
-                    client: usize::try_from(world).unwrap_or(usize::MAX),
-                    server: self.world,
-                });
+                let client = usize::try_from(world).unwrap_or(usize::MAX);
+                return Err(E::world_size_mismatch(r, client, self.world));
             }
             parts.push(&hello[..32]);
         }

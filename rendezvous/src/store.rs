@@ -110,11 +110,7 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
         .collect();
     let text = String::from_utf8_lossy(&rest[end..]).into_owned();
     Some(match (code, nums.as_slice()) {
-        (1, &[rank, client, server, ..]) => E::WorldSizeMismatch {
-            rank,
-            client,
-            server,
-        },
+        (1, &[rank, client, server, ..]) => E::world_size_mismatch(rank, client, server),
         (2, &[rank, world_size, ..]) => E::RankOutOfRange { rank, world_size },
         (3, &[rank, ..]) => E::DuplicateRank { rank, detail: text },
         (4, missing) => E::JobFailed {
