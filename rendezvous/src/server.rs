@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose, SEAL_OVERHEAD};
-use super::error::{RendezvousError, Result};
+use super::error::{RendezvousError, RendezvousError as E, Result};
 use super::store::{decode_error, encode_error, encode_failure, kind, message, query};
 use super::store::{read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
@@ -643,8 +643,7 @@ impl Conn {
                 let value = self.read_bytes(MAX_SET_VALUE)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
-                    let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
-                    else {
+                    let Some(E::JobFailed { reason, missing }) = decode_error(&value) else {
                         return Err("a malformed abort".into());
                     };
                     self.told(&mut st);

@@ -116,9 +116,8 @@ impl Session {
         let mut store = Store::connect(host, port, admission, deadline)?;
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
-        let instance = u64::try_from(instance).map_err(|_| {
-            RendezvousError::protocol(&store.peer, format!("the instance counter is {instance}"))
-        })?;
+        let bad = format!("the instance counter is {instance}");
+        let instance = u64::try_from(instance).map_err(|_| E::protocol(&store.peer, bad))?;
         let mut s = Session {
             store,
             own,
