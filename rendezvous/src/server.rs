@@ -659,20 +659,16 @@ impl Conn {
                 if key == FAILED_KEY.as_bytes() {
                     self.told(&mut st);
                 }
-                let (value, _) = st
-                    .keys
-                    .get(&key)
-                    .ok_or("a GET of a key that does not exist")?;
+                let value = st.keys.get(&key).map(|(v, _)| v);
+                let value = value.ok_or("a GET of a key that does not exist")?;
                 [&(value.len() as u64).to_le_bytes()[..], value].concat()
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
                 let delta = i64::from_le_bytes(self.read()?);
                 let mut st = self.shared.lock();
-                let now = match st.keys.get(&key) {
-                    Some((v, _)) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
-                    None => Some(0),
-                };
+                let parse = |(v, _): &(Vec<u8>, u64)| std::str::from_utf8(v).ok()?.parse().ok();
+                let now = st.keys.get(&key).map_or(Some(0), parse);
                 let sum = now.and_then(|n: i64| n.checked_add(delta));
                 let sum = sum.ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
