@@ -103,6 +103,7 @@ pub struct JobEnv {
 
 impl fmt::Debug for JobEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let token = format!("<{} bytes, not shown>", self.job_token.len());
         f.debug_struct("JobEnv")
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
@@ -111,10 +112,7 @@ impl fmt::Debug for JobEnv {
             .field("node", &self.node)
             .field("master_addr", &self.master_addr)
             .field("master_port", &self.master_port)
-            .field(
-                "job_token",
-                &format_args!("<{} bytes, not shown>", self.job_token.len()),
-            )
+            .field("job_token", &format_args!("{token}"))
             .field("token_source", &self.token_source)
             .field("store", &self.store)
             .finish()
@@ -127,9 +125,8 @@ fn invalid(var: &str, value: &str, reason: impl Into<String>) -> RendezvousError
 }
 
 fn parse_count(var: &str, value: &str) -> Result<usize> {
-    value
-        .parse::<usize>()
-        .map_err(|e| invalid(var, value, format!("not a non-negative integer ({e})")))
+    let bad = |e| invalid(var, value, format!("not a non-negative integer ({e})"));
+    value.parse::<usize>().map_err(bad)
 }
 
 fn parse_port(var: &str, value: &str) -> Result<u16> {
@@ -382,10 +379,8 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
         let bad = |what: &str| format!("malformed {what} in {entry:?} (expected like 4(x2),3)");
         let (count, reps) = entry.split_once('(').unwrap_or((entry, "x1)"));
         let reps = reps.strip_prefix('x').and_then(|r| r.strip_suffix(')'));
-        let reps: usize = reps
-            .ok_or_else(|| bad("entry"))?
-            .parse()
-            .map_err(|_| bad("repeat"))?;
+        let reps = reps.ok_or_else(|| bad("entry"))?;
+        let reps: usize = reps.parse().map_err(|_| bad("repeat"))?;
         let count: usize = count.parse().map_err(|_| bad("task count"))?;
         if first < reps {
             return Ok(count);

@@ -344,9 +344,8 @@ impl Drop for StoreServer {
         let accept = self.accept.take().map(JoinHandle::join);
         let grace_end = super::later(SHUTDOWN_GRACE);
         let mut st = self.shared.lock();
-        let missing: Vec<usize> = (0..st.told.len())
-            .filter(|&r| st.registered[r].is_none())
-            .collect();
+        let missing = (0..st.told.len()).filter(|&r| st.registered[r].is_none());
+        let missing: Vec<usize> = missing.collect();
         let reason = "the store on rank 0 shut down";
         st.fail(&self.shared.cond, reason, &missing, true);
         // Members that still read (the last round's values) finish first.

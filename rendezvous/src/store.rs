@@ -344,9 +344,8 @@ impl Store {
     /// Writes all of `bytes` by `deadline`.
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut sent = self
-            .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        let left = Some(left.max(Duration::from_millis(1)));
+        let mut sent = self.stream.set_write_timeout(left);
         if let Some(why) = &self.broken {
             let why = format!("the connection is unusable after an earlier error: {why}");
             sent = Err(io::Error::new(io::ErrorKind::NotConnected, why));
