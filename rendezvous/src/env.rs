@@ -416,7 +416,7 @@ fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
                 if item.is_empty() {
                     return Err("empty host name".into());
                 }
-                expand_item(String::new(), item, first_only, &mut out)?;
+                expand(String::new(), item, first_only, &mut out)?;
                 if first_only {
                     return Ok(out);
                 }
@@ -425,19 +425,11 @@ fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
             _ => {}
         }
     }
-    match depth {
-        0 => Ok(out),
-        _ => Err("unbalanced '['".into()),
-    }
+    (depth == 0).then_some(out).ok_or("unbalanced '['".into())
 }
 
 /// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
-fn expand_item(
-    prefix: String,
-    rest: &str,
-    first: bool,
-    out: &mut Vec<String>,
-) -> Result<(), String> {
+fn expand(prefix: String, rest: &str, first: bool, out: &mut Vec<String>) -> Result<(), String> {
     let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
         if out.len() >= MAX_HOSTS {
             return Err(format!("expands to more than {MAX_HOSTS} hosts"));
@@ -458,7 +450,7 @@ fn expand_item(
         }
         for n in l..=h {
             let host = format!("{prefix}{}{n:0w$}", &rest[..open], w = lo.len());
-            expand_item(host, &rest[close + 1..], first, out)?;
+            expand(host, &rest[close + 1..], first, out)?;
             if first {
                 return Ok(());
             }
