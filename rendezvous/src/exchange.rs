@@ -93,11 +93,7 @@ impl<F> FnExchange<F> {
     }
 }
 
-impl<F, E> Exchange for FnExchange<F>
-where
-    F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>,
-    E: fmt::Display,
-{
+impl<F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>, E: fmt::Display> Exchange for FnExchange<F> {
     fn rank(&self) -> usize {
         self.rank
     }

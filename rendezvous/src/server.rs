@@ -520,10 +520,8 @@ impl Conn {
         // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
         let expected = &message(kind::HELLO, &body)[..HEADER_LEN];
-        if read_full(&self.stream, &mut header, hello_by).is_err()
-            || header != expected
-            || read_full(&self.stream, &mut body, hello_by).is_err()
-        {
+        let read = |buf: &mut [u8]| read_full(&self.stream, buf, hello_by).is_ok();
+        if !(read(&mut header) && header == expected && read(&mut body)) {
             debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
             return None;
         }
