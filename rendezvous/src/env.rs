@@ -486,10 +486,8 @@ pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
         read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
     let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
     let machine = read_trimmed("/etc/machine-id");
-    match machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id")) {
-        Some(machine) => format!("{hostname}/{machine}"),
-        None => hostname,
-    }
+    let machine = machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"));
+    machine.map_or(hostname.clone(), |machine| format!("{hostname}/{machine}"))
 }
 
 #[cfg(test)]

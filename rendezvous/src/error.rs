@@ -267,10 +267,8 @@ pub(crate) fn clip(s: &str, max: usize) -> &str {
 }
 
 fn last_error_text(e: &Option<io::Error>) -> String {
-    match e {
-        Some(e) => format!("last error: {e}"),
-        None => "no attempt could be made".to_owned(),
-    }
+    let text = e.as_ref().map(|e| format!("last error: {e}"));
+    text.unwrap_or_else(|| "no attempt could be made".to_owned())
 }
 
 /// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or
