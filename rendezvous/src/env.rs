@@ -268,9 +268,8 @@ impl JobEnv {
                 port
             }
             Some((var, value)) => {
-                let job: u64 = value.parse().map_err(|_| {
-                    invalid(var, &value, "not a numeric job id to derive a port from")
-                })?;
+                let bad = invalid(var, &value, "not a numeric job id to derive a port from");
+                let job: u64 = value.parse().map_err(|_| bad)?;
                 // The offset is below SLURM_PORT_SPAN, a u16.
                 SLURM_PORT_BASE + u16::try_from(job % u64::from(SLURM_PORT_SPAN)).unwrap_or(0)
             }
