@@ -102,12 +102,9 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
     let (&code, rest) = bytes.split_first()?;
     let count = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
     let end = count.checked_mul(8)?.checked_add(4)?;
-    let nums: Vec<usize> = rest
-        .get(4..end)?
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
-        .collect();
+    let word = |c: &[u8]| usize::try_from(u64::from_le_bytes(c.try_into().unwrap_or_default()));
+    let nums = rest.get(4..end)?.chunks_exact(8);
+    let nums: Vec<usize> = nums.map(|c| word(c).unwrap_or(usize::MAX)).collect();
     let text = String::from_utf8_lossy(&rest[end..]).into_owned();
     Some(match (code, nums.as_slice()) {
         (1, &[rank, client, server, ..]) => E::world_size_mismatch(rank, client, server),
