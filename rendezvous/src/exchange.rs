@@ -401,7 +401,8 @@ mod tests {
         let deadline = Instant::now() + Duration::from_millis(700);
         let key = crate::auth::Key::of(&env.job_token);
         let admission = (&key, 1, 2);
-        let e = crate::store::Store::connect("127.0.0.1", port, Some(admission), deadline)
+        let addr = format!("127.0.0.1:{port}");
+        let e = crate::store::Store::connect(&addr, Some(admission), deadline)
             .err()
             .unwrap();
         assert!(

@@ -737,12 +737,8 @@ mod tests {
     ) -> Result<Store> {
         let key = auth::Key::of(token);
         let admission = (&key, rank, world);
-        Store::connect(
-            "127.0.0.1",
-            s.local_addr().port(),
-            Some(admission),
-            Instant::now() + t,
-        )
+        let addr = s.local_addr().to_string();
+        Store::connect(&addr, Some(admission), Instant::now() + t)
     }
 
     fn member(s: &StoreServer, rank: usize, world: usize) -> Store {
@@ -867,7 +863,11 @@ mod tests {
     fn client_of(port: u16, t: Duration) -> Result<Store> {
         let key = auth::Key::of(TOKEN);
         let admission = (&key, 0, 2);
-        Store::connect("127.0.0.1", port, Some(admission), Instant::now() + t)
+        Store::connect(
+            &format!("127.0.0.1:{port}"),
+            Some(admission),
+            Instant::now() + t,
+        )
     }
 
     /// A store that answers a HELLO without knowing the token is found out by the client, and

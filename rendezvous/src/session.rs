@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
 use super::error::{clip, RendezvousError, RendezvousError as E, Result};
-use super::store::{decode_error, encode_failure, Store, FAILED_KEY, TORCH_MAX_VALUE};
+use super::store::{decode_error, encode_failure, host_port, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
@@ -113,7 +113,7 @@ impl Session {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let key = auth::Key::of(&env.job_token);
         let admission = own.then_some((&key, env.rank, env.world_size));
-        let mut store = Store::connect(host, port, admission, deadline)?;
+        let mut store = Store::connect(&host_port(host, port), admission, deadline)?;
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
         let bad = format!("the instance counter is {instance}");

@@ -128,9 +128,9 @@ pub(crate) fn host_port(host: &str, port: u16) -> String {
 }
 
 /// A TCP connection to `host:port`: one try of each address the name resolves to.
-fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
+fn connect_tcp(host_port: &str, deadline: Instant) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
-    for addr in (host, port).to_socket_addrs()? {
+    for addr in host_port.to_socket_addrs()? {
         let left = deadline.saturating_duration_since(Instant::now());
         let limit = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
         match TcpStream::connect_timeout(&addr, limit) {
@@ -170,9 +170,9 @@ fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(bytes);
 }
 
-/// What a rank proves to gpucast's own store before it speaks c10d there: the key of the job
-/// token, and the rank and world size it claims.
-pub(crate) type Admission<'a> = (&'a auth::Key, usize, usize);
+/// What a rank proves to gpucast's own store before it speaks c10d there (nothing to
+/// torchrun's): the key of the job token, and the rank and world size it claims.
+pub(crate) type Admission<'a> = Option<(&'a auth::Key, usize, usize)>;
 
 /// A c10d connection to a store (torchrun's, or gpucast's own once admitted). Every call
 /// returns by its deadline; after an I/O or protocol error the connection is unusable.
@@ -183,23 +183,47 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    /// Connects to `host:port` and, with `admission`, proves the token and checks the store's
-    /// proof; then validates the c10d connection. Retries until `deadline` while the failure is
-    /// on the connection or on what answered without proof (garbage, "token refused", "turned
-    /// away", a welcome it could not prove): then the last such failure is the error.
-    pub(crate) fn connect(
-        host: &str,
-        port: u16,
-        admission: Option<Admission<'_>>,
-        deadline: Instant,
-    ) -> Result<Store> {
+    /// Connects to `addr` (`host:port`) and, with `admission`, proves the token and checks the
+    /// store's proof; then validates the c10d connection. Retries until `deadline` while the
+    /// failure is on the connection or on what answered without proof (garbage, "token
+    /// refused", "turned away", a welcome it could not prove): then the last such failure is
+    /// the error.
+    pub(crate) fn connect(addr: &str, admission: Admission<'_>, deadline: Instant) -> Result<Self> {
+        // What answers may take a second longer, so that a failure says what it was.
+        let slack = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let attempt = |stream: TcpStream| -> Result<Store> {
+            let _ = stream.set_nodelay(true);
+            let (peer, broken) = (addr.to_owned(), None);
+            let mut store = Store {
+                stream,
+                peer,
+                broken,
+            };
+            if let Some(claim) = admission {
+                store.admit(claim, slack)?;
+            }
+            let validate = [&[query::VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat();
+            store.send(&validate, slack, "validating the connection")?;
+            // A CHECK of a key nobody sets: any c10d store answers it, anything else does not
+            // (gpucast's own store has proven itself already).
+            if admission.is_some() {
+                return Ok(store);
+            }
+            match store.check(&["/gpucast/validate".to_owned()], slack) {
+                Err(e @ (E::Io { .. } | E::Protocol { .. })) => Err(E::protocol(
+                    &store.peer,
+                    format!("no c10d store answers there: {e}"),
+                )),
+                probe => probe.map(|_| store),
+            }
+        };
         let (start, mut backoff) = (Instant::now(), Duration::from_millis(5));
         let (mut last, mut last_error) = (None, None);
         loop {
             // Refused, unreachable, unknown host: rank 0 may not listen yet.
-            match connect_tcp(host, port, deadline) {
+            match connect_tcp(addr, deadline) {
                 Err(e) => last_error = Some(e),
-                Ok(stream) => match Self::attempt(stream, host, port, admission, deadline) {
+                Ok(stream) => match attempt(stream) {
                     Ok(store) => return Ok(store),
                     // A closed connection says less than a reason given before it.
                     Err(E::Io { .. })
@@ -211,7 +235,7 @@ impl Store {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let (addr, waited) = (host_port(host, port), start.elapsed());
+                let (addr, waited) = (addr.to_owned(), start.elapsed());
                 return Err(last.unwrap_or(E::ConnectTimeout {
                     addr,
                     waited,
@@ -223,44 +247,10 @@ impl Store {
         }
     }
 
-    fn attempt(
-        stream: TcpStream,
-        host: &str,
-        port: u16,
-        admission: Option<Admission<'_>>,
-        deadline: Instant,
-    ) -> Result<Store> {
-        let _ = stream.set_nodelay(true);
-        // What answers may take a second longer, so that a failure says what it was.
-        let deadline = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let (peer, broken) = (host_port(host, port), None);
-        let mut store = Store {
-            stream,
-            peer,
-            broken,
-        };
-        if let Some(a) = admission {
-            store.admit(a, deadline)?;
-        }
-        let validate = [&[query::VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat();
-        store.send(&validate, deadline, "validating the connection")?;
-        // A CHECK of a key nobody sets: any c10d store answers it, anything else does not
-        // (gpucast's own store has proven itself already).
-        if admission.is_some() {
-            return Ok(store);
-        }
-        match store.check(&["/gpucast/validate".to_owned()], deadline) {
-            Err(e @ (E::Io { .. } | E::Protocol { .. })) => Err(E::protocol(
-                &store.peer,
-                format!("no c10d store answers there: {e}"),
-            )),
-            probe => probe.map(|_| store),
-        }
-    }
-
     /// The admission handshake: the store's challenge, this rank's HELLO, the store's proven
     /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
-    fn admit(&mut self, (key, rank, world): Admission<'_>, deadline: Instant) -> Result<()> {
+    fn admit(&mut self, claim: (&auth::Key, usize, usize), deadline: Instant) -> Result<()> {
+        let (key, rank, world) = claim;
         let (k, body) = self.admission_message(deadline)?;
         let server_nonce: [u8; auth::NONCE_LEN] = match body.as_slice().try_into() {
             Ok(n) if k == kind::CHALLENGE => n,
