@@ -346,15 +346,10 @@ impl Session {
         Ok(())
     }
 
-    /// Fails the job for every rank with `reason`: in torchrun's store, a sealed value of this
-    /// rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
-    pub(crate) fn abort(
-        &mut self,
-        reason: &str,
-        missing: &[usize],
-        timeout: Duration,
-    ) -> Result<()> {
-        let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
+    /// Fails the job for every rank with reason `why`: in torchrun's store, a sealed value of
+    /// this rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
+    pub(crate) fn abort(&mut self, why: &str, missing: &[usize], timeout: Duration) -> Result<()> {
+        let reason = format!("rank {} aborted: {}", self.rank, clip(why, ABORT_REASON));
         let mut value = encode_failure(&reason, missing);
         if !self.own {
             let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &value].concat();
