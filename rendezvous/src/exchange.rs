@@ -12,10 +12,8 @@ use tracing::{debug, info};
 use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
 use super::server::{ServerOptions, StoreServer};
-use super::session::Session;
+use super::session::{Session, ABORT_TIMEOUT};
 
-/// How long a rank waits for the store to accept its abort after a local failure.
-const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Longest time rank 0 keeps the store up after a failed rendezvous, for ranks still coming.
 const FAILURE_LINGER: Duration = Duration::from_secs(30);
 

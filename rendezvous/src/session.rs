@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
-use super::error::{clip, RendezvousError, RendezvousError as E, Result};
+use super::error::{RendezvousError, RendezvousError as E, Result};
 use super::store::{decode_error, encode_failure, host_port, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
@@ -68,6 +68,8 @@ pub(crate) struct Session {
 const HELLO_PLAIN: usize = 32 + 8;
 /// Ranks an abort lists at most.
 pub(crate) const ABORT_RANKS: usize = 1 << 12;
+/// How long a rank waits for the store to accept its abort after a local failure.
+pub(crate) const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Longest reason an abort carries.
 pub(crate) const ABORT_REASON: usize = 4096;
 /// Longest abort (sealed, or the failure gpucast's own store keeps).
@@ -334,7 +336,7 @@ impl Session {
             return Err(failure);
         }
         // First round: the sender's hello must be there and carry the same nonce.
-        let key = vec![self.key(HELLO, sender.min(self.world))];
+        let key = vec![self.key(HELLO, sender)];
         if sender < self.world && self.store.check(&key, hard)? {
             let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
             let hello = self.sealer.open(&self.aad(HELLO, sender), &hello);
@@ -349,7 +351,7 @@ impl Session {
     /// Fails the job for every rank with reason `why`: in torchrun's store, a sealed value of
     /// this rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
     pub(crate) fn abort(&mut self, why: &str, missing: &[usize], timeout: Duration) -> Result<()> {
-        let reason = format!("rank {} aborted: {}", self.rank, clip(why, ABORT_REASON));
+        let reason = format!("rank {} aborted: {why}", self.rank);
         let mut value = encode_failure(&reason, missing);
         if !self.own {
             let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &value].concat();
@@ -365,7 +367,7 @@ impl Session {
             return;
         }
         let reason = e.to_string();
-        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), Duration::from_millis(500)) {
+        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
             debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
         }
     }
