@@ -1067,7 +1067,7 @@ mod tests {
         // The six oldest are closed to make room, the four newest kept.
         let closed: Vec<bool> = idle
             .iter()
-            .map(|c| reads_eof(c, Duration::from_millis(500)))
+            .map(|c| reads_eof(c, Duration::from_millis(300)))
             .collect();
         let oldest_six: Vec<bool> = (0..10).map(|i| i < 6).collect();
         assert_eq!(closed, oldest_six);
