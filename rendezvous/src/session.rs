@@ -139,7 +139,7 @@ impl Session {
         // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
         // that never came) has another session id, and its confirmation does not open here.
         let first = s.hello(deadline);
-        let first = first.and_then(|()| s.round(CONFIRM, &[], 0, deadline));
+        let first = first.and_then(|()| s.round(CONFIRM, &[], deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
@@ -186,16 +186,14 @@ impl Session {
     /// One round: writes this rank's sealed `plain` and counts it in; waits until every rank has
     /// counted itself in and its keys exist, an abort of this session appears, or `deadline`
     /// passes (requests may take a second longer, to name the missing ranks); then reads each
-    /// value (at most `max` bytes, opened at once: a process that overwrites keys with junk
-    /// costs no more memory than a real round) and returns them in rank order. Rank 0 then
-    /// deletes the round before, which every rank is past.
-    fn round(
-        &mut self,
-        round: u64,
-        plain: &[u8],
-        max: usize,
-        deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>> {
+    /// value (at most a contribution's bytes, or, in the first two rounds, whose values are
+    /// alike in length on every rank, as many as this rank's; opened at once: a process that
+    /// overwrites keys with junk costs no more memory than a real round) and returns them in
+    /// rank order. Rank 0 then deletes the round before, which every rank is past.
+    fn round(&mut self, round: u64, plain: &[u8], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        // The first two rounds' values have one length on every rank.
+        let fixed = round >= HELLO;
+        let max = if fixed { plain.len() } else { MAX_VALUE_LEN };
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let timeout = deadline.saturating_duration_since(Instant::now());
         let (counter, keys) = (self.key(round, "count"), self.keys(round));
@@ -282,7 +280,7 @@ impl Session {
     /// The first round: every rank's fresh nonce (the session id) and world size.
     fn hello(&mut self, deadline: Instant) -> Result<()> {
         let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
-        let hellos = self.round(HELLO, &plain, HELLO_PLAIN, deadline)?;
+        let hellos = self.round(HELLO, &plain, deadline)?;
         let instance = self.instance.to_le_bytes();
         let mut parts: Vec<&[u8]> = vec![&instance];
         for (r, hello) in hellos.iter().enumerate() {
@@ -306,7 +304,7 @@ impl Session {
             let what = "all-gather contribution";
             return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
         }
-        self.round(round, mine, MAX_VALUE_LEN, later(timeout))
+        self.round(round, mine, later(timeout))
     }
 
     /// Reads the abort another rank left. In a session, one that opens under the session's
