@@ -20,10 +20,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::PoisonError;
 
 use hmac::{Hmac, Mac};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use super::env::TokenSource;
-use super::error::{RendezvousError, Result};
+use super::error::{RendezvousError as E, Result};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -38,31 +38,29 @@ pub(crate) const KDF_ROUNDS: u32 = 1 << 17;
 /// Bits of randomness below which a token is called guessable.
 const MIN_SECRET_BITS: f64 = 128.0;
 
-/// A nonce.
-pub(crate) type Nonce = [u8; NONCE_LEN];
 /// A proof.
 pub(crate) type Proof = [u8; PROOF_LEN];
 
 /// `N` bytes from the operating system's random source.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     let mut bytes = [0u8; N];
-    getrandom::fill(&mut bytes).map_err(|e| RendezvousError::NoRandomness {
-        reason: e.to_string(),
-    })?;
+    let filled = getrandom::fill(&mut bytes).map_err(|e| e.to_string());
+    filled.map_err(|reason| E::NoRandomness { reason })?;
     Ok(bytes)
 }
 
 /// A fresh job token: 32 random bytes in hex (64 characters). Launchers that start the ranks of
 /// a job themselves give every rank the same one in `GPUCAST_JOB_TOKEN`.
 ///
-/// Errors: [`RendezvousError::NoRandomness`] if the operating system has no random source.
+/// Errors: [`RendezvousError::NoRandomness`](crate::RendezvousError::NoRandomness) if the
+/// operating system has no random source.
 pub fn random_token() -> Result<String> {
     Ok(random::<32>()?.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// The MAC of `label` and `parts` (each length-prefixed, so no two inputs share an encoding)
-/// under `key`.
-fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+/// under `key` (with an empty key, a digest).
+pub(crate) fn mac(key: &[u8], label: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     // HMAC takes keys of any length: `new_from_slice` cannot fail for it.
     let mut m = <HmacSha256 as Mac>::new_from_slice(key)
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
@@ -104,7 +102,7 @@ impl std::fmt::Debug for Key {
     }
 }
 
-/// Keys derived in this process, by a digest of their token: the derivation is made costly
+/// Keys derived in this process, by a MAC of their token: the derivation is made costly
 /// on purpose, and a process needs it once.
 static KEYS: std::sync::Mutex<Vec<([u8; 32], Key)>> = std::sync::Mutex::new(Vec::new());
 
@@ -125,7 +123,7 @@ impl Key {
     /// The key of `token`: PBKDF2-HMAC-SHA256 with [`KDF_ROUNDS`] rounds, computed once per
     /// process and token.
     pub(crate) fn of(token: &str) -> Key {
-        let id = digest(&[b"gpucast rendezvous v3: key cache", token.as_bytes()]);
+        let id = mac(token.as_bytes(), b"gpucast rendezvous v3: key cache", &[]);
         let mut keys = KEYS.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, key)) = keys.iter().find(|(k, _)| same_secret(k, &id)) {
             return key.clone();
@@ -154,16 +152,6 @@ impl Key {
 pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     use subtle::ConstantTimeEq;
     a.ct_eq(b).into()
-}
-
-/// SHA-256 of the length-prefixed `parts`.
-pub(crate) fn digest(parts: &[&[u8]]) -> [u8; 32] {
-    let mut h = Sha256::new();
-    for p in parts {
-        h.update((p.len() as u64).to_le_bytes());
-        h.update(p);
-    }
-    h.finalize().into()
 }
 
 /// Seals values to where they belong: each carries HMAC-SHA256, under a key derived from the
@@ -220,7 +208,8 @@ pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str>
 
 /// Whether `t` could hold 128 random bits: long enough for its alphabet, not a repetition,
 /// and with as many distinct characters as a random string of its length and alphabet would
-/// almost surely have.
+/// almost surely have. (Lengths and counts become floats for the estimate.)
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
 fn looks_random(t: &[u8]) -> bool {
     let any = |f: fn(&u8) -> bool| t.iter().any(f);
     let hex = t.iter().all(u8::is_ascii_hexdigit)
@@ -238,21 +227,15 @@ fn looks_random(t: &[u8]) -> bool {
             (any(u8::is_ascii_punctuation), 32),
             (any(other), 128),
         ];
-        classes
-            .iter()
-            .filter_map(|&(present, n)| present.then_some(n))
-            .sum()
+        classes.iter().map(|&(p, n)| u32::from(p) * n).sum()
     };
     let a = f64::from(alphabet);
-    #[allow(clippy::cast_precision_loss)]
     let bits = t.len() as f64 * a.log2();
     let repeated = (1..=t.len() / 2).any(|p| t[p..] == t[..t.len() - p]);
     let distinct = (0..=u8::MAX).filter(|c| t.contains(c)).count();
     // A random string of n characters from an alphabet of a has about a(1 - (1 - 1/a)^n)
     // distinct ones; half of that is far below what chance gives.
-    #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
     let expected = a * (1.0 - (1.0 - 1.0 / a).powi(t.len().min(1 << 20) as i32));
-    #[allow(clippy::cast_precision_loss)]
     let varied = distinct as f64 >= expected / 2.0;
     bits >= MIN_SECRET_BITS && !repeated && varied
 }

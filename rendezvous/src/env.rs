@@ -31,6 +31,9 @@ pub const SLURM_PORT_BASE: u16 = 15000;
 /// default ephemeral range.
 pub const SLURM_PORT_SPAN: u16 = 15000;
 
+/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
+/// this many keys in one CHECK.
+const TORCH_MAX_WORLD: usize = 128 * 1024;
 /// Most hosts a Slurm host list may expand to.
 const MAX_HOSTS: usize = 1 << 16;
 
@@ -100,6 +103,7 @@ pub struct JobEnv {
 
 impl fmt::Debug for JobEnv {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let token = format!("<{} bytes, not shown>", self.job_token.len());
         f.debug_struct("JobEnv")
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
@@ -108,10 +112,7 @@ impl fmt::Debug for JobEnv {
             .field("node", &self.node)
             .field("master_addr", &self.master_addr)
             .field("master_port", &self.master_port)
-            .field(
-                "job_token",
-                &format_args!("<{} bytes, not shown>", self.job_token.len()),
-            )
+            .field("job_token", &format_args!("{token}"))
             .field("token_source", &self.token_source)
             .field("store", &self.store)
             .finish()
@@ -119,17 +120,13 @@ impl fmt::Debug for JobEnv {
 }
 
 fn invalid(var: &str, value: &str, reason: impl Into<String>) -> RendezvousError {
-    RendezvousError::InvalidEnv {
-        var: var.to_owned(),
-        value: value.to_owned(),
-        reason: reason.into(),
-    }
+    let (var, value, reason) = (var.to_owned(), value.to_owned(), reason.into());
+    RendezvousError::InvalidEnv { var, value, reason }
 }
 
 fn parse_count(var: &str, value: &str) -> Result<usize> {
-    value
-        .parse::<usize>()
-        .map_err(|e| invalid(var, value, format!("not a non-negative integer ({e})")))
+    let bad = |e| invalid(var, value, format!("not a non-negative integer ({e})"));
+    value.parse::<usize>().map_err(bad)
 }
 
 fn parse_port(var: &str, value: &str) -> Result<u16> {
@@ -271,9 +268,8 @@ impl JobEnv {
                 port
             }
             Some((var, value)) => {
-                let job: u64 = value.parse().map_err(|_| {
-                    invalid(var, &value, "not a numeric job id to derive a port from")
-                })?;
+                let bad = invalid(var, &value, "not a numeric job id to derive a port from");
+                let job: u64 = value.parse().map_err(|_| bad)?;
                 // The offset is below SLURM_PORT_SPAN, a u16.
                 SLURM_PORT_BASE + u16::try_from(job % u64::from(SLURM_PORT_SPAN)).unwrap_or(0)
             }
@@ -286,9 +282,7 @@ impl JobEnv {
         } else if let Some(t) = get("TORCHELASTIC_RUN_ID") {
             ("TORCHELASTIC_RUN_ID", t, TokenSource::TorchRunId)
         } else if let Some(job) = get("SLURM_JOB_ID") {
-            let step = get("SLURM_STEP_ID")
-                .map(|s| format!(".{s}"))
-                .unwrap_or_default();
+            let step = get("SLURM_STEP_ID").map_or(String::new(), |s| format!(".{s}"));
             ("SLURM_JOB_ID", job + &step, TokenSource::SlurmJobId)
         } else {
             (JOB_TOKEN_ENV, String::new(), TokenSource::Unset)
@@ -338,13 +332,19 @@ impl JobEnv {
     }
 
     /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=
-    /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`], a non-empty master
-    /// address, a port other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
+    /// world_size`, a world size of at most [`super::MAX_WORLD_SIZE`] (128 Ki through
+    /// torchrun's store, whose CHECKs take no more keys), a non-empty master address, a port
+    /// other than 0 and a token of at most [`MAX_TOKEN_LEN`] bytes.
     pub fn validate(&self) -> Result<()> {
         let (rank, world) = (self.rank, self.world_size);
         let (local, local_rank) = (self.local_world_size, self.local_rank);
         let reason = if world == 0 || world > MAX_WORLD_SIZE {
             format!("world size {world} is not in 1..={MAX_WORLD_SIZE}")
+        } else if world > TORCH_MAX_WORLD && matches!(self.store, StoreKind::Torch { .. }) {
+            format!(
+                "{world} ranks: a job through torchrun's store has at most {TORCH_MAX_WORLD} \
+                 (set GPUCAST_MASTER_PORT to host gpucast's own store)"
+            )
         } else if rank >= world {
             format!("rank {rank} is not below the world size {world}")
         } else if local == 0 || local > world {
@@ -378,10 +378,8 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
         let bad = |what: &str| format!("malformed {what} in {entry:?} (expected like 4(x2),3)");
         let (count, reps) = entry.split_once('(').unwrap_or((entry, "x1)"));
         let reps = reps.strip_prefix('x').and_then(|r| r.strip_suffix(')'));
-        let reps: usize = reps
-            .ok_or_else(|| bad("entry"))?
-            .parse()
-            .map_err(|_| bad("repeat"))?;
+        let reps = reps.ok_or_else(|| bad("entry"))?;
+        let reps: usize = reps.parse().map_err(|_| bad("repeat"))?;
         let count: usize = count.parse().map_err(|_| bad("task count"))?;
         if first < reps {
             return Ok(count);
@@ -417,7 +415,7 @@ fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
                 if item.is_empty() {
                     return Err("empty host name".into());
                 }
-                expand_item(String::new(), item, first_only, &mut out)?;
+                expand(String::new(), item, first_only, &mut out)?;
                 if first_only {
                     return Ok(out);
                 }
@@ -426,19 +424,11 @@ fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
             _ => {}
         }
     }
-    match depth {
-        0 => Ok(out),
-        _ => Err("unbalanced '['".into()),
-    }
+    (depth == 0).then_some(out).ok_or("unbalanced '['".into())
 }
 
 /// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
-fn expand_item(
-    prefix: String,
-    rest: &str,
-    first: bool,
-    out: &mut Vec<String>,
-) -> Result<(), String> {
+fn expand(prefix: String, rest: &str, first: bool, out: &mut Vec<String>) -> Result<(), String> {
     let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
         if out.len() >= MAX_HOSTS {
             return Err(format!("expands to more than {MAX_HOSTS} hosts"));
@@ -459,7 +449,7 @@ fn expand_item(
         }
         for n in l..=h {
             let host = format!("{prefix}{}{n:0w$}", &rest[..open], w = lo.len());
-            expand_item(host, &rest[close + 1..], first, out)?;
+            expand(host, &rest[close + 1..], first, out)?;
             if first {
                 return Ok(());
             }
@@ -495,10 +485,8 @@ pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
         read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
     let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
     let machine = read_trimmed("/etc/machine-id");
-    match machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id")) {
-        Some(machine) => format!("{hostname}/{machine}"),
-        None => hostname,
-    }
+    let machine = machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"));
+    machine.map_or(hostname.clone(), |machine| format!("{hostname}/{machine}"))
 }
 
 #[cfg(test)]

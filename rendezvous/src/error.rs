@@ -238,6 +238,15 @@ impl RendezvousError {
         Self::Protocol { peer, reason }
     }
 
+    /// [`RendezvousError::WorldSizeMismatch`]: `rank` gave `client`, rank 0 has `server`.
+    pub(crate) fn world_size_mismatch(rank: usize, client: usize, server: usize) -> Self {
+        Self::WorldSizeMismatch {
+            rank,
+            client,
+            server,
+        }
+    }
+
     /// [`RendezvousError::InvalidArgument`].
     pub(crate) fn invalid(reason: impl Into<String>) -> Self {
         let reason = reason.into();
@@ -253,17 +262,13 @@ impl RendezvousError {
 
 /// At most `max` bytes of `s`, cut at a character boundary.
 pub(crate) fn clip(s: &str, max: usize) -> &str {
-    let end = (0..=s.len().min(max))
-        .rev()
-        .find(|&i| s.is_char_boundary(i));
+    let end = (0..=s.len().min(max)).rfind(|&i| s.is_char_boundary(i));
     &s[..end.unwrap_or(0)]
 }
 
 fn last_error_text(e: &Option<io::Error>) -> String {
-    match e {
-        Some(e) => format!("last error: {e}"),
-        None => "no attempt could be made".to_owned(),
-    }
+    let text = e.as_ref().map(|e| format!("last error: {e}"));
+    text.unwrap_or_else(|| "no attempt could be made".to_owned())
 }
 
 /// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or

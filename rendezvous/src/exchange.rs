@@ -12,10 +12,8 @@ use tracing::{debug, info};
 use super::env::{JobEnv, StoreKind};
 use super::error::{RendezvousError, Result};
 use super::server::{ServerOptions, StoreServer};
-use super::session::Session;
+use super::session::{Session, ABORT_TIMEOUT};
 
-/// How long a rank waits for the store to accept its abort after a local failure.
-const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Longest time rank 0 keeps the store up after a failed rendezvous, for ranks still coming.
 const FAILURE_LINGER: Duration = Duration::from_secs(30);
 
@@ -49,12 +47,11 @@ pub trait Exchange {
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
-        let got = all.len();
-        all.get_mut(root)
-            .map(std::mem::take)
-            .ok_or_else(|| RendezvousError::BadGather {
-                reason: format!("{got} entries, none for root {root}"),
-            })
+        if all.len() <= root {
+            let reason = format!("{} entries, none for root {root}", all.len());
+            return Err(RendezvousError::BadGather { reason });
+        }
+        Ok(all.swap_remove(root))
     }
 }
 
@@ -94,11 +91,7 @@ impl<F> FnExchange<F> {
     }
 }
 
-impl<F, E> Exchange for FnExchange<F>
-where
-    F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>,
-    E: fmt::Display,
-{
+impl<F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>, E: fmt::Display> Exchange for FnExchange<F> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -108,9 +101,8 @@ where
     }
 
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let all = (self.gather)(mine).map_err(|e| RendezvousError::External {
-            message: e.to_string(),
-        })?;
+        let all = (self.gather)(mine).map_err(|e| e.to_string());
+        let all = all.map_err(|message| RendezvousError::External { message })?;
         let (n, r, len) = (self.world_size, self.rank, mine.len());
         let reason = if all.len() != n {
             format!("{} entries for a world of {n} ranks", all.len())
@@ -140,8 +132,8 @@ where
 pub struct Rendezvous {
     env: JobEnv,
     timeout: Duration,
-    /// The connection to the store (`None` for a job of one process), and the next round.
-    state: Mutex<(Option<Box<Session>>, u64)>,
+    /// The connection to the store (`None` for a job of one process).
+    session: Mutex<Option<Session>>,
     /// Declared last: dropped after rank 0's own connection.
     server: Option<StoreServer>,
 }
@@ -165,19 +157,14 @@ impl fmt::Debug for Rendezvous {
 /// for the common setup where the name resolves to 127.0.1.1 on its own node but to a
 /// routable address elsewhere.
 fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
-    let resolved: Vec<SocketAddr> = (env.master_addr.as_str(), env.master_port)
-        .to_socket_addrs()
-        .map(Iterator::collect)
-        .unwrap_or_default();
+    let resolved = (env.master_addr.as_str(), env.master_port).to_socket_addrs();
+    let resolved: Vec<SocketAddr> = resolved.map(Iterator::collect).unwrap_or_default();
     let one_node = env.local_world_size == env.world_size;
     if one_node && !resolved.is_empty() && resolved.iter().all(|a| a.ip().is_loopback()) {
         return vec![resolved[0]];
     }
-    let mut addrs: Vec<SocketAddr> = resolved
-        .iter()
-        .copied()
-        .filter(|a| !a.ip().is_loopback() && !a.ip().is_unspecified())
-        .collect();
+    let mut addrs = resolved.clone();
+    addrs.retain(|a| !a.ip().is_loopback() && !a.ip().is_unspecified());
     let ip = match resolved.first() {
         Some(a) if a.is_ipv6() => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         _ => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
@@ -194,14 +181,12 @@ fn host_store(env: &JobEnv) -> Result<StoreServer> {
         match &bound {
             Err(RendezvousError::Bind { source, .. })
                 if source.kind() == std::io::ErrorKind::AddrNotAvailable => {}
+            Ok(s) if s.local_addr().ip().is_unspecified() => {
+                debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
+                break;
+            }
             _ => break,
         }
-    }
-    if bound
-        .as_ref()
-        .is_ok_and(|s| s.local_addr().ip().is_unspecified())
-    {
-        debug!(master = %env.master(), "rendezvous: MASTER_ADDR is no address of this host; listening on every interface");
     }
     bound
 }
@@ -251,7 +236,7 @@ impl Rendezvous {
         let rendezvous = |session, server| Self {
             env: env.clone(),
             timeout,
-            state: Mutex::new((session, 0)),
+            session: Mutex::new(session),
             server,
         };
         if env.world_size == 1 {
@@ -268,10 +253,10 @@ impl Rendezvous {
         let joined = Session::join(env, &host, port, deadline);
         if let (Err(e), Some(server)) = (&joined, &server) {
             let reason = format!("rank 0 could not complete the rendezvous: {e}");
-            server.fail_with(&reason, e.missing_ranks());
-            server.linger_until_told(deadline.min(Instant::now() + FAILURE_LINGER));
+            let linger = deadline.min(Instant::now() + FAILURE_LINGER);
+            server.fail(&reason, e.missing_ranks(), linger);
         }
-        let session = Box::new(joined?);
+        let session = joined?;
         info!(rank = env.rank, world_size = env.world_size, master = %env.master(), elapsed = ?start.elapsed(), "rendezvous complete");
         Ok(rendezvous(Some(session), server))
     }
@@ -293,11 +278,9 @@ impl Rendezvous {
             .spawn(move || {
                 let deadline = super::later(within);
                 let told = match env.store {
-                    StoreKind::Own if env.rank == 0 => host_store(&env).map(|server| {
-                        server.fail_with(&reason, &[]);
-                        server.mark_told(0);
-                        server.linger_until_told(deadline);
-                    }),
+                    StoreKind::Own if env.rank == 0 => {
+                        host_store(&env).map(|server| server.fail(&reason, &[], deadline))
+                    }
                     _ => Session::join(&env, &env.master_addr, env.master_port, deadline)
                         .and_then(|mut s| s.abort(&reason, &[], ABORT_TIMEOUT)),
                 };
@@ -340,8 +323,8 @@ impl Rendezvous {
         self.server.as_ref().map(StoreServer::local_addr)
     }
 
-    fn state(&self) -> MutexGuard<'_, (Option<Box<Session>>, u64)> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn session(&self) -> MutexGuard<'_, Option<Session>> {
+        self.session.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
@@ -349,13 +332,10 @@ impl Rendezvous {
     /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`]. When this
     /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
     pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let mut state = self.state();
-        let round = state.1;
-        state.1 += 1;
-        let Some(session) = &mut state.0 else {
+        let Some(session) = &mut *self.session() else {
             return Ok(vec![mine.to_vec()]);
         };
-        let result = session.all_gather(round, mine, self.timeout);
+        let result = session.all_gather(mine, self.timeout);
         if let Err(e) = &result {
             session.abort_after(e);
         }
@@ -375,7 +355,7 @@ impl Rendezvous {
     /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
-        match &mut self.state().0 {
+        match &mut *self.session() {
             None => Ok(()),
             Some(session) => session.abort(reason, &[], self.timeout),
         }
@@ -419,7 +399,8 @@ mod tests {
         let deadline = Instant::now() + Duration::from_millis(700);
         let key = crate::auth::Key::of(&env.job_token);
         let admission = (&key, 1, 2);
-        let e = crate::store::Store::connect("127.0.0.1", port, Some(admission), deadline)
+        let addr = format!("127.0.0.1:{port}");
+        let e = crate::store::Store::connect(&addr, Some(admission), deadline)
             .err()
             .unwrap();
         assert!(

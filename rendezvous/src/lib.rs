@@ -179,9 +179,8 @@ pub const MAX_WORLD_SIZE: usize = 1 << 20;
 /// caller may pass `Duration::MAX` for "no limit").
 pub(crate) fn later(timeout: Duration) -> std::time::Instant {
     let now = std::time::Instant::now();
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
-        .unwrap_or(now)
+    let far = now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600));
+    now.checked_add(timeout).or(far).unwrap_or(now)
 }
 
 /// Lets the first few of a kind of event be logged, then one in 1024, so that strangers who

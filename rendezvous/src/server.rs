@@ -3,7 +3,7 @@
 //!
 //! Admission is built so that nobody outside the job costs the job anything: a connection that
 //! has not proven the token may send one HELLO (a fixed 82 bytes) within one deadline for the
-//! whole handshake. At most [`ServerOptions::max_pending`] such connections are kept, at most
+//! whole handshake. At most [`MAX_PENDING`] such connections are kept, at most
 //! [`ServerOptions::max_pending_per_addr`] of them from one address, and none is closed to make
 //! room before it is [`ServerOptions::pending_floor`] old: a newcomer finds room by evicting an
 //! older one of its own address, or, when the store is full, of the address that holds the most
@@ -25,7 +25,6 @@ use std::io::ErrorKind::{TimedOut, WouldBlock};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -33,7 +32,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::auth::{self, Purpose, SEAL_OVERHEAD};
-use super::error::{RendezvousError, Result};
+use super::error::{RendezvousError, RendezvousError as E, Result};
 use super::store::{decode_error, encode_error, encode_failure, kind, message, query};
 use super::store::{read_full, FAILED_KEY};
 use super::store::{HEADER_LEN, HELLO_LEN, VALIDATION_MAGIC};
@@ -60,6 +59,10 @@ const REGISTERED_GONE_WAIT: Duration = Duration::from_secs(1);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Members quiet this long are done with the store.
 const QUIET: Duration = Duration::from_millis(100);
+/// Most connections kept at once that have not proven the token.
+const MAX_PENDING: usize = 1024;
+/// Limit for each read and write of a proven rank's request and reply.
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Settings of a [`StoreServer`].
 #[derive(Clone, Debug)]
@@ -68,17 +71,13 @@ pub(crate) struct ServerOptions {
     pub world_size: usize,
     /// The key of the job token, which every HELLO must prove.
     pub key: auth::Key,
-    /// Most connections kept at once that have not proven the token. Default 1024.
-    pub max_pending: usize,
-    /// Most of them from one address. Default 128.
+    /// Most connections that have not proven the token kept from one address. Default 128.
     pub max_pending_per_addr: usize,
     /// Age below which a connection that has not proven the token yet is never closed to make
     /// room for a newer one (the newcomer is turned away instead). Default 500 ms.
     pub pending_floor: Duration,
     /// How long a new connection has to complete its HELLO, all of it. Default 10 s.
     pub handshake_timeout: Duration,
-    /// Limit for each read and write of a proven rank's request and reply. Default 30 s.
-    pub io_timeout: Duration,
 }
 
 impl ServerOptions {
@@ -87,11 +86,9 @@ impl ServerOptions {
         Self {
             world_size,
             key: auth::Key::of(job_token),
-            max_pending: 1024,
             max_pending_per_addr: 128,
             pending_floor: Duration::from_millis(500),
             handshake_timeout: Duration::from_secs(10),
-            io_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -116,18 +113,16 @@ struct Shared {
     opts: ServerOptions,
     state: Mutex<State>,
     cond: Condvar,
-    shutdown: AtomicBool,
     /// Logging of strangers' failed proofs and late claims, and of connections turned away.
     refused: Throttle,
     crowded: Throttle,
 }
 
-/// A connection that has not proven the token yet, and a handle to close it by.
+/// A connection that has not proven the token yet.
 struct Pending {
     id: u64,
     ip: IpAddr,
-    since: Instant,
-    stream: TcpStream,
+    accepted: Instant,
 }
 
 struct Member {
@@ -153,30 +148,18 @@ struct State {
     usage: HashMap<u64, (usize, usize)>,
     /// Connections that have not proven the token yet, oldest first.
     pending: VecDeque<Pending>,
-    /// Connections of proven ranks.
-    members: HashMap<u64, TcpStream>,
-    /// Pending connections closed to make room for newer ones, and newcomers turned away.
-    evicted: u64,
-    turned_away: u64,
+    /// Every open connection, pending or proven, by id: a handle to close it by.
+    conns: HashMap<u64, TcpStream>,
     /// Connections in the middle of a request, and when the last one started.
     busy: usize,
     last_request: Option<Instant>,
+    /// Set when the server is dropped.
+    shutdown: bool,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn wait_on<'a>(&self, g: MutexGuard<'a, State>, limit: Duration) -> MutexGuard<'a, State> {
-        match self.cond.wait_timeout(g, limit) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        }
-    }
-
-    fn shutting_down(&self) -> bool {
-        self.shutdown.load(Ordering::Acquire)
     }
 }
 
@@ -203,19 +186,23 @@ impl State {
         cond.notify_all();
     }
 
-    /// Stores `value` under `key` for connection `conn`, within its share and the store's.
-    fn put(&mut self, conn: u64, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
+    /// Stores `value` under `key` for connection `by`, within its share and the store's; its
+    /// rank has then written to the store, and may not come again.
+    fn put(&mut self, by: &Conn, key: Vec<u8>, value: Vec<u8>) -> Result<(), String> {
+        if let Some(Some(m)) = by.rank.map(|r| &mut self.registered[r]) {
+            m.wrote |= m.conn == by.id;
+        }
         self.remove(&key);
         let bytes = entry_bytes(&key, &value);
-        let (keys, held) = self.usage.get(&conn).copied().unwrap_or_default();
+        let (keys, held) = self.usage.get(&by.id).copied().unwrap_or_default();
         if keys >= CONN_KEYS || held + bytes > CONN_BYTES || self.stored + bytes > MAX_STORE_BYTES {
             return Err(format!(
                 "over its share ({CONN_KEYS} keys, {CONN_BYTES} bytes) or the store's"
             ));
         }
-        self.usage.insert(conn, (keys + 1, held + bytes));
+        self.usage.insert(by.id, (keys + 1, held + bytes));
         self.stored += bytes;
-        self.keys.insert(key, (value, conn));
+        self.keys.insert(key, (value, by.id));
         Ok(())
     }
 
@@ -244,7 +231,7 @@ impl State {
         let (from, why) = if mine >= opts.max_pending_per_addr {
             let why = format!("{mine} connections from {ip} have not proven the job token yet");
             (ip, why)
-        } else if held >= opts.max_pending {
+        } else if held >= MAX_PENDING {
             let why =
                 format!("{held} connections that have not proven the job token fill the store");
             let mut per_addr: HashMap<IpAddr, usize> = HashMap::new();
@@ -260,14 +247,15 @@ impl State {
         };
         let floor = opts.pending_floor;
         let old_enough =
-            |p: &Pending| p.ip == from && now.saturating_duration_since(p.since) >= floor;
+            |p: &Pending| p.ip == from && now.saturating_duration_since(p.accepted) >= floor;
         let old = self.pending.iter().position(old_enough);
         let Some(old) = old.and_then(|at| self.pending.remove(at)) else {
             return Err(format!("{why}, none of them {floor:?} old"));
         };
-        tell_crowded(&old.stream, &format!("{why}; this one was the oldest"));
-        let _ = old.stream.shutdown(Shutdown::Both);
-        self.evicted += 1;
+        if let Some(stream) = self.conns.get(&old.id) {
+            tell_crowded(stream, &format!("{why}; this one was the oldest"));
+            let _ = stream.shutdown(Shutdown::Both);
+        }
         Ok(())
     }
 }
@@ -282,7 +270,7 @@ impl StoreServer {
     /// no room for a pending connection.
     pub(crate) fn bind(addr: SocketAddr, opts: ServerOptions) -> Result<Self> {
         let n = opts.world_size;
-        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending == 0 || opts.max_pending_per_addr == 0 {
+        if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending_per_addr == 0 {
             let reason =
                 format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
             return Err(RendezvousError::invalid(reason));
@@ -299,16 +287,13 @@ impl StoreServer {
         }
         let local_addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
-        let state = State {
-            registered: (0..n).map(|_| None).collect(),
-            told: vec![false; n],
-            ..State::default()
-        };
+        let mut state = State::default();
+        state.registered.resize_with(n, || None);
+        state.told.resize(n, false);
         let shared = Arc::new(Shared {
             opts,
             state: Mutex::new(state),
             cond: Condvar::new(),
-            shutdown: AtomicBool::new(false),
             refused: Throttle::default(),
             crowded: Throttle::default(),
         });
@@ -330,21 +315,6 @@ impl StoreServer {
         self.local_addr
     }
 
-    /// Marks the job failed: every rank that looks learns [`RendezvousError::JobFailed`]. The
-    /// first failure's reason is kept.
-    pub(crate) fn fail_with(&self, reason: &str, missing: &[usize]) {
-        let mut st = self.shared.lock();
-        st.fail(&self.shared.cond, reason, missing, false);
-    }
-
-    /// Records that `rank` knows of the failure already (the rank that caused it, in this
-    /// process), so that lingering waits only for the others.
-    pub(crate) fn mark_told(&self, rank: usize) {
-        if let Some(t) = self.shared.lock().told.get_mut(rank) {
-            *t = true;
-        }
-    }
-
     /// The reason the job failed, if it has.
     #[cfg(test)]
     pub(crate) fn failure(&self) -> Option<String> {
@@ -354,35 +324,32 @@ impl StoreServer {
             .map(|e| e.to_string())
     }
 
-    /// After a failure: keeps serving until every rank has been told (or has disconnected) or
-    /// `deadline` passes, so that ranks still connecting learn the reason instead of retrying
-    /// a closed port until their timeout.
-    pub(crate) fn linger_until_told(&self, deadline: Instant) {
+    /// Marks the job failed (the first failure's reason is kept): every rank that looks learns
+    /// [`RendezvousError::JobFailed`]. Then keeps serving until every other rank has been told
+    /// (or has disconnected) or `deadline` passes, so that ranks still connecting learn the
+    /// reason instead of retrying a closed port until their timeout. Rank 0 is this process,
+    /// which knows.
+    pub(crate) fn fail(&self, reason: &str, missing: &[usize], deadline: Instant) {
         let mut st = self.shared.lock();
-        while st.failure.is_some() && st.told.iter().any(|&t| !t) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                debug!("rendezvous store closing before every rank learned of the failure");
-                return;
-            }
-            st = self.shared.wait_on(st, left);
+        st.fail(&self.shared.cond, reason, missing, false);
+        st.told[0] = true;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let untold = |st: &mut State| st.told.contains(&false);
+        let waited = self.shared.cond.wait_timeout_while(st, left, untold);
+        if waited.map_or(true, |(_, w)| w.timed_out()) {
+            debug!("rendezvous store closing before every rank learned of the failure");
         }
     }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        let handles = self
-            .accept
-            .take()
-            .and_then(|h| h.join().ok())
-            .unwrap_or_default();
-        let grace_end = super::later(SHUTDOWN_GRACE.min(self.shared.opts.io_timeout));
+        self.shared.lock().shutdown = true;
+        let accept = self.accept.take().map(JoinHandle::join);
+        let grace_end = super::later(SHUTDOWN_GRACE);
         let mut st = self.shared.lock();
-        let missing: Vec<usize> = (0..st.told.len())
-            .filter(|&r| st.registered[r].is_none())
-            .collect();
+        let missing = (0..st.told.len()).filter(|&r| st.registered[r].is_none());
+        let missing: Vec<usize> = missing.collect();
         let reason = "the store on rank 0 shut down";
         st.fail(&self.shared.cond, reason, &missing, true);
         // Members that still read (the last round's values) finish first.
@@ -391,14 +358,14 @@ impl Drop for StoreServer {
             if left.is_zero() {
                 break;
             }
-            st = self.shared.wait_on(st, left.min(QUIET));
+            let waited = self.shared.cond.wait_timeout(st, left.min(QUIET));
+            st = waited.unwrap_or_else(PoisonError::into_inner).0;
         }
-        let pending = st.pending.iter().map(|p| &p.stream);
-        for stream in pending.chain(st.members.values()) {
+        for stream in st.conns.values() {
             let _ = stream.shutdown(Shutdown::Both);
         }
         drop(st);
-        for h in handles {
+        for h in accept.into_iter().flatten().flatten() {
             let _ = h.join();
         }
         debug!(addr = %self.local_addr, "rendezvous store stopped");
@@ -418,14 +385,12 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut handles: Vec<JoinHandle<()>> = Vec::new();
     let mut next_id = 0u64;
-    while !shared.shutting_down() {
+    while !shared.lock().shutdown {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
         let (stream, peer) = match listener.accept() {
             Ok(conn) => conn,
-            Err(e) if e.kind() == WouldBlock => {
-                let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
-                let _ = poll(&mut fds, PollTimeout::from(ACCEPT_POLL_MS));
-                continue;
-            }
+            Err(e) if e.kind() == WouldBlock => continue,
             Err(e) => {
                 // Out of file descriptors and the like: wait, do not spin.
                 warn!(error = %e, "rendezvous store: accept failed");
@@ -443,7 +408,6 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
         next_id += 1;
         let mut st = shared.lock();
         if let Err(reason) = st.make_room(&shared.opts, ip, accepted) {
-            st.turned_away += 1;
             drop(st);
             if let Some(before) = shared.crowded.allow() {
                 warn!(%peer, %reason, before, "rendezvous store: turned a connection away");
@@ -451,25 +415,20 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) -> Vec<JoinHandle<(
             tell_crowded(&stream, &reason);
             continue;
         }
-        st.pending.push_back(Pending {
-            id,
-            ip,
-            since: accepted,
-            stream: clone,
-        });
+        st.pending.push_back(Pending { id, ip, accepted });
+        st.conns.insert(id, clone);
         drop(st);
         let mut conn = Conn {
             shared: Arc::clone(shared),
             stream,
             peer,
             id,
-            accepted,
             rank: None,
         };
         let spawned = thread::Builder::new()
             .name("gpucast-store-conn".into())
             .stack_size(256 * 1024)
-            .spawn(move || conn.serve().unwrap_or_default());
+            .spawn(move || conn.serve(accepted).unwrap_or_default());
         if let Err(e) = spawned.map(|h| handles.push(h)) {
             warn!(%peer, error = %e, "rendezvous store: cannot start a connection thread");
         }
@@ -498,7 +457,6 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     id: u64,
-    accepted: Instant,
     rank: Option<usize>,
 }
 
@@ -506,7 +464,7 @@ impl Drop for Conn {
     fn drop(&mut self) {
         let mut st = self.shared.lock();
         st.pending.retain(|p| p.id != self.id);
-        st.members.remove(&self.id);
+        st.conns.remove(&self.id);
         st.usage.remove(&self.id);
         let Some(r) = self.rank else { return };
         let wrote = match &st.registered[r] {
@@ -524,28 +482,25 @@ impl Drop for Conn {
 
 impl Conn {
     /// Serves the connection until it closes or breaks the rules.
-    fn serve(&mut self) -> Option<()> {
+    fn serve(&mut self, accepted: Instant) -> Option<()> {
         let _ = self.stream.set_nodelay(true);
-        self.handshake()?;
-        let io_timeout = Some(self.shared.opts.io_timeout);
-        let _ = self.stream.set_write_timeout(io_timeout);
-        let _ = self.stream.set_read_timeout(io_timeout);
+        self.handshake(accepted)?;
+        let _ = self.stream.set_write_timeout(Some(IO_TIMEOUT));
+        let _ = self.stream.set_read_timeout(Some(IO_TIMEOUT));
         loop {
             let mut q = [0u8; 1];
             match (&self.stream).read(&mut q) {
                 Ok(1) => {}
-                Err(e) if is_timeout(&e) && !self.shared.shutting_down() => continue,
+                Err(e) if is_timeout(&e) && !self.shared.lock().shutdown => continue,
                 _ => return None,
             }
-            let mut st = self.shared.lock();
-            st.busy += 1;
-            st.last_request = Some(Instant::now());
-            drop(st);
+            self.shared.lock().busy += 1;
+            self.shared.lock().last_request = Some(Instant::now());
             let served = self.request(q[0]);
             self.shared.lock().busy -= 1;
             self.shared.cond.notify_all();
             if let Err(reason) = served {
-                if !self.shared.shutting_down() {
+                if !self.shared.lock().shutdown {
                     warn!(peer = %self.peer, rank = ?self.rank, %reason, "rendezvous store: closing a rank's connection");
                 }
                 return None;
@@ -553,23 +508,18 @@ impl Conn {
         }
     }
 
-    fn send(&self, bytes: &[u8]) -> Result<(), String> {
-        (&self.stream).write_all(bytes).map_err(|e| e.to_string())
-    }
-
     /// Sends the admission message of kind `k` with `body`.
     fn tell(&self, k: u8, body: &[u8]) -> Option<()> {
-        self.send(&message(k, body)).ok()
+        (&self.stream).write_all(&message(k, body)).ok()
     }
 
     /// The challenge, the HELLO and its proof, admission and the store's proof back, all
     /// within the handshake timeout from accept (a proven claim of a registered rank may wait
     /// [`REGISTERED_GONE_WAIT`] more). Some once this connection is a rank's.
-    fn handshake(&mut self) -> Option<()> {
+    fn handshake(&mut self, accepted: Instant) -> Option<()> {
         let shared = Arc::clone(&self.shared);
         let opts = &shared.opts;
-        let hello_by = self.accepted.checked_add(opts.handshake_timeout);
-        let hello_by = hello_by.unwrap_or(self.accepted);
+        let hello_by = accepted + opts.handshake_timeout;
         let left = hello_by.saturating_duration_since(Instant::now());
         let left = Some(left.max(Duration::from_millis(1)));
         let _ = self.stream.set_write_timeout(left);
@@ -579,10 +529,8 @@ impl Conn {
         // of it by one deadline however it dribbles in.
         let (mut header, mut body) = ([0u8; HEADER_LEN], [0u8; HELLO_LEN]);
         let expected = &message(kind::HELLO, &body)[..HEADER_LEN];
-        if read_full(&self.stream, &mut header, hello_by).is_err()
-            || header != expected
-            || read_full(&self.stream, &mut body, hello_by).is_err()
-        {
+        let read = |buf: &mut [u8]| read_full(&self.stream, buf, hello_by).is_ok();
+        if !(read(&mut header) && header == expected && read(&mut body)) {
             debug!(peer = %self.peer, "rendezvous store: no HELLO in time, closing");
             return None;
         }
@@ -604,7 +552,7 @@ impl Conn {
                 refusal.extend_from_slice(&proof(Purpose::Refusal, &refusal));
                 self.tell(kind::REFUSED, &refusal).and(None)
             }
-            // Evicted, or no handle to keep: closed without an answer.
+            // Evicted: closed without an answer.
             Err(None) => None,
         }
     }
@@ -623,22 +571,24 @@ impl Conn {
             if old.wrote {
                 break;
             }
-            if st.members.get(&old.conn).is_none_or(closed) {
+            if st.conns.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
                 break;
             }
             let left = gone_by.saturating_duration_since(Instant::now());
-            if left.is_zero() || self.shared.shutting_down() {
+            if left.is_zero() || st.shutdown {
                 break;
             }
-            st = self.shared.wait_on(st, left.min(Duration::from_millis(10)));
+            let waited = self
+                .shared
+                .cond
+                .wait_timeout(st, left.min(Duration::from_millis(10)));
+            st = waited.unwrap_or_else(PoisonError::into_inner).0;
         }
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
-        // take a rank (its welcome could not be delivered). The client reconnects. Nor can a
-        // member be kept that the store cannot close at shutdown.
-        let at = st.pending.iter().position(|p| p.id == self.id);
-        let Some((at, handle)) = at.zip(self.stream.try_clone().ok()) else {
+        // take a rank (its welcome could not be delivered). The client reconnects.
+        let Some(at) = st.pending.iter().position(|p| p.id == self.id) else {
             return Err(None);
         };
         // The claimed rank learns of a failure through this reply, unless another connection
@@ -647,11 +597,7 @@ impl Conn {
         let refusal = if let Some(failed) = st.failure.as_deref().and_then(decode_error) {
             failed
         } else if world_size != n {
-            RendezvousError::WorldSizeMismatch {
-                rank,
-                client: world_size,
-                server: n,
-            }
+            RendezvousError::world_size_mismatch(rank, world_size, n)
         } else if rank >= n {
             RendezvousError::RankOutOfRange { rank, world_size }
         } else if let Some(first) = &st.registered[rank] {
@@ -662,7 +608,6 @@ impl Conn {
             let (conn, peer, wrote) = (self.id, self.peer, false);
             st.registered[rank] = Some(Member { conn, peer, wrote });
             st.pending.remove(at);
-            st.members.insert(self.id, handle);
             self.rank = Some(rank);
             self.shared.cond.notify_all();
             return Ok(());
@@ -719,15 +664,13 @@ impl Conn {
                 let value = self.read_bytes(MAX_SET_VALUE)?;
                 let mut st = self.shared.lock();
                 if key == FAILED_KEY.as_bytes() {
-                    let Some(RendezvousError::JobFailed { reason, missing }) = decode_error(&value)
-                    else {
+                    let Some(E::JobFailed { reason, missing }) = decode_error(&value) else {
                         return Err("a malformed abort".into());
                     };
                     self.told(&mut st);
                     st.fail(&self.shared.cond, &reason, &missing, false);
                 } else if st.failure.is_none() {
-                    self.wrote(&mut st);
-                    st.put(self.id, key, value)?;
+                    st.put(self, key, value)?;
                 }
                 return Ok(());
             }
@@ -737,24 +680,20 @@ impl Conn {
                 if key == FAILED_KEY.as_bytes() {
                     self.told(&mut st);
                 }
-                let value = st.keys.get(&key).map(|(v, _)| v.clone());
-                drop(st);
+                let value = st.keys.get(&key).map(|(v, _)| v);
                 let value = value.ok_or("a GET of a key that does not exist")?;
-                [&(value.len() as u64).to_le_bytes()[..], &value].concat()
+                [&(value.len() as u64).to_le_bytes()[..], value].concat()
             }
             query::ADD => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;
                 let delta = i64::from_le_bytes(self.read()?);
                 let mut st = self.shared.lock();
-                let now = match st.keys.get(&key) {
-                    Some((v, _)) => std::str::from_utf8(v).ok().and_then(|v| v.parse().ok()),
-                    None => Some(0),
-                };
+                let parse = |(v, _): &(Vec<u8>, u64)| std::str::from_utf8(v).ok()?.parse().ok();
+                let now = st.keys.get(&key).map_or(Some(0), parse);
                 let sum = now.and_then(|n: i64| n.checked_add(delta));
                 let sum = sum.ok_or("a bad ADD")?;
                 if delta != 0 && st.failure.is_none() {
-                    self.wrote(&mut st);
-                    st.put(self.id, key, sum.to_string().into_bytes())?;
+                    st.put(self, key, sum.to_string().into_bytes())?;
                 }
                 sum.to_le_bytes().to_vec()
             }
@@ -775,13 +714,9 @@ impl Conn {
                 let gone = key != FAILED_KEY.as_bytes() && self.shared.lock().remove(&key);
                 i64::from(gone).to_le_bytes().to_vec()
             }
-            other => {
-                return Err(format!(
-                    "query type {other}, which this store does not serve"
-                ))
-            }
+            _ => return Err(format!("query type {q}, which this store does not serve")),
         };
-        self.send(&reply)
+        (&self.stream).write_all(&reply).map_err(|e| e.to_string())
     }
 
     /// Records that this rank has learned of the job's failure.
@@ -790,13 +725,6 @@ impl Conn {
             *t = true;
         }
         self.shared.cond.notify_all();
-    }
-
-    /// Records that this rank has written to the store: it may not come again.
-    fn wrote(&self, st: &mut State) {
-        if let Some(Some(m)) = self.rank.map(|r| &mut st.registered[r]) {
-            m.wrote |= m.conn == self.id;
-        }
     }
 }
 
@@ -810,6 +738,7 @@ mod tests {
     use crate::env::JobEnv;
     use crate::session::Session;
     use crate::store::Store;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     // Generous: a loaded host (CI, a flood test) can take seconds for a join that takes
     // milliseconds alone; tests that expect a failure do not wait for it.
@@ -834,12 +763,8 @@ mod tests {
     ) -> Result<Store> {
         let key = auth::Key::of(token);
         let admission = (&key, rank, world);
-        Store::connect(
-            "127.0.0.1",
-            s.local_addr().port(),
-            Some(admission),
-            Instant::now() + t,
-        )
+        let addr = s.local_addr().to_string();
+        Store::connect(&addr, Some(admission), Instant::now() + t)
     }
 
     fn member(s: &StoreServer, rank: usize, world: usize) -> Store {
@@ -891,7 +816,7 @@ mod tests {
             (0..5u8)
                 .map(|round| {
                     session
-                        .all_gather(u64::from(round), &[u8::try_from(rank).unwrap(), round], T)
+                        .all_gather(&[u8::try_from(rank).unwrap(), round], T)
                         .unwrap()
                 })
                 .collect::<Vec<_>>()
@@ -914,7 +839,7 @@ mod tests {
             }
             thread::sleep(Duration::from_millis(100));
             let started = Instant::now();
-            let e = session.all_gather(0, b"x", T).unwrap_err();
+            let e = session.all_gather(b"x", T).unwrap_err();
             Some((e, started.elapsed(), port))
         });
         for (e, took, _) in results.into_iter().flatten() {
@@ -964,7 +889,11 @@ mod tests {
     fn client_of(port: u16, t: Duration) -> Result<Store> {
         let key = auth::Key::of(TOKEN);
         let admission = (&key, 0, 2);
-        Store::connect("127.0.0.1", port, Some(admission), Instant::now() + t)
+        Store::connect(
+            &format!("127.0.0.1:{port}"),
+            Some(admission),
+            Instant::now() + t,
+        )
     }
 
     /// A store that answers a HELLO without knowing the token is found out by the client, and
@@ -1022,7 +951,7 @@ mod tests {
             drop(member(&s, 1, 2));
             let got = ranks(&s, 2, |rank, mut session| {
                 session
-                    .all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                    .all_gather(&[u8::try_from(rank).unwrap()], T)
                     .unwrap()
             });
             assert_eq!(got[0], [vec![0], vec![1]]);
@@ -1161,11 +1090,13 @@ mod tests {
         let idle: Vec<TcpStream> = (0..10)
             .map(|_| TcpStream::connect(s.local_addr()).unwrap())
             .collect();
-        let deadline = Instant::now() + T;
-        while s.shared.lock().evicted < 6 {
-            assert!(Instant::now() < deadline, "no eviction");
-            thread::sleep(Duration::from_millis(5));
-        }
+        // The six oldest are closed to make room, the four newest kept.
+        let closed: Vec<bool> = idle
+            .iter()
+            .map(|c| reads_eof(c, Duration::from_millis(300)))
+            .collect();
+        let oldest_six: Vec<bool> = (0..10).map(|i| i < 6).collect();
+        assert_eq!(closed, oldest_six);
         assert!(s.shared.lock().pending.len() <= 4);
         // The rank still gets in.
         let _rank0 = member(&s, 0, 1);
@@ -1195,10 +1126,10 @@ mod tests {
             other => panic!("{:?}", other.err()),
         }
         let st = s.shared.lock();
-        assert_eq!((st.evicted, st.pending.len()), (0, 4));
-        assert!(st.turned_away >= 1);
+        assert_eq!(st.pending.len(), 4);
         drop(st);
-        // The first four are still open: each has its challenge and nothing after it.
+        // None was evicted: the first four are still open, each with its challenge and nothing
+        // after it.
         for mut old in first {
             old.set_read_timeout(Some(Duration::from_millis(100)))
                 .unwrap();
@@ -1231,7 +1162,7 @@ mod tests {
                 })
             };
             let got = ranks(&s, 2, |rank, mut session| {
-                session.all_gather(0, &[u8::try_from(rank).unwrap()], T)
+                session.all_gather(&[u8::try_from(rank).unwrap()], T)
             });
             stop.store(true, Ordering::Relaxed);
             flood.join().unwrap();
@@ -1322,8 +1253,8 @@ mod tests {
         let s = server(1);
         let got = ranks(&s, 1, |_, mut session| {
             let big = vec![0u8; crate::MAX_VALUE_LEN + 1];
-            let e = session.all_gather(0, &big, T).unwrap_err();
-            (e, session.all_gather(0, b"v", T))
+            let e = session.all_gather(&big, T).unwrap_err();
+            (e, session.all_gather(b"v", T))
         });
         let (e, after) = &got[0];
         assert!(matches!(e, RendezvousError::TooLarge { .. }), "{e:?}");
@@ -1341,7 +1272,7 @@ mod tests {
         let mut rank0 =
             Session::join(&e0, "127.0.0.1", e0.master_port, Instant::now() + T).unwrap();
         let _rank1 = joining.join().unwrap();
-        let waiter = thread::spawn(move || rank0.all_gather(0, b"x", Duration::from_secs(30)));
+        let waiter = thread::spawn(move || rank0.all_gather(b"x", Duration::from_secs(30)));
         thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         drop(s);

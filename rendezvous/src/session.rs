@@ -18,8 +18,8 @@ use tracing::{debug, warn};
 
 use super::auth::{self, Sealer, SEAL_OVERHEAD};
 use super::env::{JobEnv, StoreKind};
-use super::error::{clip, RendezvousError, RendezvousError as E, Result};
-use super::store::{decode_error, encode_failure, Store, FAILED_KEY, TORCH_MAX_VALUE};
+use super::error::{RendezvousError, RendezvousError as E, Result};
+use super::store::{decode_error, encode_failure, host_port, Store, FAILED_KEY, TORCH_MAX_VALUE};
 use super::{later, MAX_GATHER_BYTES, MAX_VALUE_LEN};
 
 // A sealed contribution always fits in a value of torch's store.
@@ -56,23 +56,24 @@ pub(crate) struct Session {
     /// Digest of every rank's nonce, once the first round is done: binds later values, and
     /// aborts, to this session.
     session: Option<[u8; 32]>,
-    /// A genuine abort seen during the first round, reported if that round fails.
+    /// A genuine abort seen during the first round, reported if that round times out.
     early_abort: Option<RendezvousError>,
     /// Whether an abort that failed authentication was seen (reported once).
     forged_abort: bool,
+    /// The next all-gather round.
+    next_round: u64,
 }
 
 /// Bytes of a first-round value: the nonce and the world size.
 const HELLO_PLAIN: usize = 32 + 8;
 /// Ranks an abort lists at most.
 pub(crate) const ABORT_RANKS: usize = 1 << 12;
+/// How long a rank waits for the store to accept its abort after a local failure.
+pub(crate) const ABORT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Longest reason an abort carries.
 pub(crate) const ABORT_REASON: usize = 4096;
 /// Longest abort (sealed, or the failure gpucast's own store keeps).
 const ABORT_MAX: usize = 4 + 32 + 4 + 8 * ABORT_RANKS + ABORT_REASON + 64 + SEAL_OVERHEAD;
-/// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
-/// this many keys in one CHECK.
-const TORCH_MAX_WORLD: usize = 128 * 1024;
 
 /// The first two rounds' numbers: every rank's nonce and world size, then the confirmation
 /// of the session id; the all-gather rounds are 0, 1, ..., each round numbered one past the
@@ -99,14 +100,6 @@ impl Session {
             StoreKind::Torch { prefix } => (prefix.as_str(), false),
             StoreKind::Own => ("gpucast-own", true),
         };
-        let n = env.world_size;
-        if !own && n > TORCH_MAX_WORLD {
-            let reason = format!(
-                "{n} ranks: a job through torchrun's store has at most \
-                {TORCH_MAX_WORLD} (set GPUCAST_MASTER_PORT to host gpucast's own store)"
-            );
-            return Err(RendezvousError::invalid(reason));
-        }
         // Said by rank 0 only, so once per job.
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
         if let Some(reason) = weak {
@@ -122,12 +115,11 @@ impl Session {
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let key = auth::Key::of(&env.job_token);
         let admission = own.then_some((&key, env.rank, env.world_size));
-        let mut store = Store::connect(host, port, admission, deadline)?;
+        let mut store = Store::connect(&host_port(host, port), admission, deadline)?;
         let k = |k: &str| format!("/{prefix}/gpucast/{k}");
         let instance = store.add(&k(&format!("instance/{}", env.rank)), 1, hard)?;
-        let instance = u64::try_from(instance).map_err(|_| {
-            RendezvousError::protocol(&store.peer, format!("the instance counter is {instance}"))
-        })?;
+        let bad = format!("the instance counter is {instance}");
+        let instance = u64::try_from(instance).map_err(|_| E::protocol(&store.peer, bad))?;
         let mut s = Session {
             store,
             own,
@@ -140,13 +132,14 @@ impl Session {
             session: None,
             early_abort: None,
             forged_abort: false,
+            next_round: 0,
         };
         debug!(rank = env.rank, instance, base = %s.base, "rendezvous through a store");
         // The second round: an empty value sealed under the session id, from every rank. A
         // rank that saw other hellos (one recorded in an earlier launch, planted for a rank
         // that never came) has another session id, and its confirmation does not open here.
         let first = s.hello(deadline);
-        let first = first.and_then(|()| s.round(CONFIRM, &[], 0, deadline));
+        let first = first.and_then(|()| s.round(CONFIRM, &[], deadline));
         if let Err(e) = &first {
             s.abort_after(e);
         }
@@ -190,121 +183,36 @@ impl Session {
         }
     }
 
-    /// One round: writes this rank's sealed `plain` and counts it in, waits for every rank's,
-    /// then reads each (at most `max` bytes, opened at once: a process that overwrites keys
-    /// with junk costs no more memory than a real round) and returns them in rank order. Rank
-    /// 0 then deletes the round before, which every rank is past.
-    fn round(
-        &mut self,
-        round: u64,
-        plain: &[u8],
-        max: usize,
-        deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>> {
+    /// One round: writes this rank's sealed `plain` and counts it in; waits until every rank has
+    /// counted itself in and its keys exist, an abort of this session appears, or `deadline`
+    /// passes (requests may take a second longer, to name the missing ranks); then reads each
+    /// value (at most a contribution's bytes, or, in the first two rounds, whose values are
+    /// alike in length on every rank, as many as this rank's; opened at once: a process that
+    /// overwrites keys with junk costs no more memory than a real round) and returns them in
+    /// rank order. Rank 0 then deletes the round before, which every rank is past.
+    fn round(&mut self, round: u64, plain: &[u8], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        // The first two rounds' values have one length on every rank.
+        let fixed = round >= HELLO;
+        let max = if fixed { plain.len() } else { MAX_VALUE_LEN };
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let timeout = deadline.saturating_duration_since(Instant::now());
+        let (counter, keys) = (self.key(round, "count"), self.keys(round));
         let sealed = self.sealer.seal(&self.aad(round, self.rank), plain);
-        self.store.set(&self.key(round, self.rank), &sealed, hard)?;
-        self.store.add(&self.key(round, "count"), 1, hard)?;
-        self.wait_round(round, deadline, timeout)?;
-        let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
-        let what = round_name(round).1;
-        for (r, k) in self.keys(round).iter().enumerate() {
-            let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
-            let Some(value) = self.sealer.open(&self.aad(round, r), &sealed) else {
-                let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
-                return Err(RendezvousError::Forged { what, store });
-            };
-            total += value.len();
-            if total > MAX_GATHER_BYTES {
-                let what = format!("all-gather round {round}");
-                return Err(RendezvousError::too_large(what, total, MAX_GATHER_BYTES));
-            }
-            out.push(value);
-        }
-        if out[self.rank] != plain {
-            let detail = format!("another process of the job wrote this rank's {what}");
-            let rank = self.rank;
-            return Err(RendezvousError::DuplicateRank { rank, detail });
-        }
-        if self.rank == 0 && round != HELLO {
-            let previous = round.wrapping_sub(1);
-            let mut old = self.keys(previous);
-            old.push(self.key(previous, "count"));
-            for k in old {
-                if let Err(e) = self.store.delete(&k, hard) {
-                    debug!(error = %e, "rendezvous: could not delete a finished key");
-                    break;
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// The first round: every rank's fresh nonce (the session id) and world size.
-    fn hello(&mut self, deadline: Instant) -> Result<()> {
-        let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
-        // Another rank's abort of this round says more than the timeout it caused.
-        let hellos = self
-            .round(HELLO, &plain, HELLO_PLAIN, deadline)
-            .map_err(|e| match (e, self.early_abort.take()) {
-                (RendezvousError::Timeout { .. }, Some(failure)) => failure,
-                (e, _) => e,
-            })?;
-        let instance = self.instance.to_le_bytes();
-        let mut parts: Vec<&[u8]> = vec![b"gpucast session", &instance];
-        for (r, hello) in hellos.iter().enumerate() {
-            let world = hello.get(32..).and_then(|w| w.try_into().ok());
-            let world = world.map_or(u64::MAX, u64::from_le_bytes);
-            if world != self.world as u64 {
-                return Err(RendezvousError::WorldSizeMismatch {
-                    rank: r,
-                    client: usize::try_from(world).unwrap_or(usize::MAX),
-                    server: self.world,
-                });
-            }
-            parts.push(&hello[..32]);
-        }
-        self.session = Some(auth::digest(&parts));
-        Ok(())
-    }
-
-    /// Every rank's contribution to round `round`, in rank order.
-    pub(crate) fn all_gather(
-        &mut self,
-        round: u64,
-        mine: &[u8],
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>> {
-        if mine.len() > MAX_VALUE_LEN {
-            let what = "all-gather contribution";
-            return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
-        }
-        self.round(round, mine, MAX_VALUE_LEN, later(timeout))
-    }
-
-    /// Waits until every rank has counted itself into `round` and its keys exist, an abort of
-    /// this session appears, or `deadline` passes (requests may take a second longer, to name
-    /// the missing ranks).
-    fn wait_round(&mut self, round: u64, deadline: Instant, timeout: Duration) -> Result<()> {
-        let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let counter = self.key(round, "count");
-        let keys = self.keys(round);
+        self.store.set(&keys[self.rank], &sealed, hard)?;
+        self.store.add(&counter, 1, hard)?;
         let abort = vec![self.abort_key()];
         let world = i64::try_from(self.world).unwrap_or(i64::MAX);
         let mut pause = POLL_START;
         loop {
+            // An abort seen before the round is full is this round's; once the round is full,
+            // an abort (of a rank that saw it full, then failed) is the next one's.
+            let aborted = self.store.check(&abort, hard)?;
             // One counter per look; the keys once it says everyone is in (a stranger can
             // raise the counter, never make the keys exist).
             if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
-                return Ok(());
+                break;
             }
-            if self.store.check(&abort, hard)? {
-                // The round may have filled between the two looks, and a rank that saw it full
-                // have aborted since: then this round is done, and the abort is the next one's.
-                if self.store.add(&counter, 0, hard)? >= world && self.store.check(&keys, hard)? {
-                    return Ok(());
-                }
+            if aborted {
                 self.read_abort(hard)?;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -312,7 +220,11 @@ impl Session {
                 // Every key there though the counter is short (written without being counted:
                 // a stranger's, or a rank's that died in between): let the values speak.
                 if self.store.check(&keys, hard)? {
-                    return Ok(());
+                    break;
+                }
+                // Another rank's abort of the first round says more than the timeout it caused.
+                if let Some(failure) = self.early_abort.take().filter(|_| round == HELLO) {
+                    return Err(failure);
                 }
                 // Name the missing ranks, a key each, as far as the second allows.
                 let mut missing = Vec::new();
@@ -334,6 +246,65 @@ impl Session {
             thread::sleep(pause.min(left));
             pause = (pause * 2).min(POLL_MAX);
         }
+        let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
+        let what = round_name(round).1;
+        for (r, k) in keys.iter().enumerate() {
+            let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
+            let Some(value) = self.sealer.open(&self.aad(round, r), &sealed) else {
+                let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
+                return Err(RendezvousError::Forged { what, store });
+            };
+            total += value.len();
+            if total > MAX_GATHER_BYTES {
+                let what = format!("all-gather round {round}");
+                return Err(RendezvousError::too_large(what, total, MAX_GATHER_BYTES));
+            }
+            out.push(value);
+        }
+        if out[self.rank] != plain {
+            let detail = format!("another process of the job wrote this rank's {what}");
+            let rank = self.rank;
+            return Err(RendezvousError::DuplicateRank { rank, detail });
+        }
+        if self.rank == 0 && round != HELLO {
+            let previous = round.wrapping_sub(1);
+            let mut old = self.keys(previous);
+            old.push(self.key(previous, "count"));
+            if let Err(e) = old.iter().try_for_each(|k| self.store.delete(k, hard)) {
+                debug!(error = %e, "rendezvous: could not delete a finished key");
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first round: every rank's fresh nonce (the session id) and world size.
+    fn hello(&mut self, deadline: Instant) -> Result<()> {
+        let plain = [&self.nonce[..], &(self.world as u64).to_le_bytes()].concat();
+        let hellos = self.round(HELLO, &plain, deadline)?;
+        let instance = self.instance.to_le_bytes();
+        let mut parts: Vec<&[u8]> = vec![&instance];
+        for (r, hello) in hellos.iter().enumerate() {
+            let world = hello.get(32..).and_then(|w| w.try_into().ok());
+            let world = world.map_or(u64::MAX, u64::from_le_bytes);
+            if world != self.world as u64 {
+                let client = usize::try_from(world).unwrap_or(usize::MAX);
+                return Err(E::world_size_mismatch(r, client, self.world));
+            }
+            parts.push(&hello[..32]);
+        }
+        self.session = Some(auth::mac(&[], b"gpucast session", &parts));
+        Ok(())
+    }
+
+    /// Every rank's contribution to the next round, in rank order. Each call is a round.
+    pub(crate) fn all_gather(&mut self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let round = self.next_round;
+        self.next_round += 1;
+        if mine.len() > MAX_VALUE_LEN {
+            let what = "all-gather contribution";
+            return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
+        }
+        self.round(round, mine, later(timeout))
     }
 
     /// Reads the abort another rank left. In a session, one that opens under the session's
@@ -354,8 +325,7 @@ impl Session {
             Some((sender.ok()?, nonce, decode_error(&p[40..])?))
         });
         let Some((sender, nonce, failure)) = parsed else {
-            if !self.forged_abort {
-                self.forged_abort = true;
+            if !std::mem::replace(&mut self.forged_abort, true) {
                 warn!(store = %self.store.peer, "rendezvous: ignoring an abort in the store that is not of this job");
             }
             return Ok(());
@@ -364,7 +334,7 @@ impl Session {
             return Err(failure);
         }
         // First round: the sender's hello must be there and carry the same nonce.
-        let key = vec![self.key(HELLO, sender.min(self.world))];
+        let key = vec![self.key(HELLO, sender)];
         if sender < self.world && self.store.check(&key, hard)? {
             let hello = self.store.get(&key[0], HELLO_PLAIN + SEAL_OVERHEAD, hard)?;
             let hello = self.sealer.open(&self.aad(HELLO, sender), &hello);
@@ -376,15 +346,10 @@ impl Session {
         Ok(())
     }
 
-    /// Fails the job for every rank with `reason`: in torchrun's store, a sealed value of this
-    /// rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
-    pub(crate) fn abort(
-        &mut self,
-        reason: &str,
-        missing: &[usize],
-        timeout: Duration,
-    ) -> Result<()> {
-        let reason = format!("rank {} aborted: {}", self.rank, clip(reason, ABORT_REASON));
+    /// Fails the job for every rank with reason `why`: in torchrun's store, a sealed value of
+    /// this rank, its nonce and the failure; in gpucast's own, the failure the store keeps.
+    pub(crate) fn abort(&mut self, why: &str, missing: &[usize], timeout: Duration) -> Result<()> {
+        let reason = format!("rank {} aborted: {why}", self.rank);
         let mut value = encode_failure(&reason, missing);
         if !self.own {
             let plain = [&(self.rank as u64).to_le_bytes()[..], &self.nonce, &value].concat();
@@ -400,7 +365,7 @@ impl Session {
             return;
         }
         let reason = e.to_string();
-        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), Duration::from_millis(500)) {
+        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
             debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
         }
     }

@@ -102,19 +102,12 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
     let (&code, rest) = bytes.split_first()?;
     let count = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
     let end = count.checked_mul(8)?.checked_add(4)?;
-    let nums: Vec<usize> = rest
-        .get(4..end)?
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .map(|v| usize::try_from(v).unwrap_or(usize::MAX))
-        .collect();
+    let word = |c: &[u8]| usize::try_from(u64::from_le_bytes(c.try_into().unwrap_or_default()));
+    let nums = rest.get(4..end)?.chunks_exact(8);
+    let nums: Vec<usize> = nums.map(|c| word(c).unwrap_or(usize::MAX)).collect();
     let text = String::from_utf8_lossy(&rest[end..]).into_owned();
     Some(match (code, nums.as_slice()) {
-        (1, &[rank, client, server, ..]) => E::WorldSizeMismatch {
-            rank,
-            client,
-            server,
-        },
+        (1, &[rank, client, server, ..]) => E::world_size_mismatch(rank, client, server),
         (2, &[rank, world_size, ..]) => E::RankOutOfRange { rank, world_size },
         (3, &[rank, ..]) => E::DuplicateRank { rank, detail: text },
         (4, missing) => E::JobFailed {
@@ -135,9 +128,9 @@ pub(crate) fn host_port(host: &str, port: u16) -> String {
 }
 
 /// A TCP connection to `host:port`: one try of each address the name resolves to.
-fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream> {
+fn connect_tcp(host_port: &str, deadline: Instant) -> io::Result<TcpStream> {
     let mut last = io::Error::new(io::ErrorKind::NotFound, "the name resolves to no address");
-    for addr in (host, port).to_socket_addrs()? {
+    for addr in host_port.to_socket_addrs()? {
         let left = deadline.saturating_duration_since(Instant::now());
         let limit = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
         match TcpStream::connect_timeout(&addr, limit) {
@@ -148,12 +141,8 @@ fn connect_tcp(host: &str, port: u16, deadline: Instant) -> io::Result<TcpStream
     Err(last)
 }
 
-/// Fills `buf` from `stream` by `deadline`, however slowly the bytes come.
-pub(crate) fn read_full(
-    mut stream: &TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-) -> io::Result<()> {
+/// Fills `buf` from `from` by `deadline`, however slowly the bytes come.
+pub(crate) fn read_full(mut from: &TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -161,8 +150,8 @@ pub(crate) fn read_full(
             let late = "the peer did not answer in time";
             return Err(io::Error::new(io::ErrorKind::TimedOut, late));
         }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf[got..]) {
+        from.set_read_timeout(Some(left))?;
+        match from.read(&mut buf[got..]) {
             Ok(0) => {
                 let closed = "the peer closed the connection (rank 0 may have exited)";
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, closed));
@@ -181,9 +170,9 @@ fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
     buf.extend_from_slice(bytes);
 }
 
-/// What a rank proves to gpucast's own store before it speaks c10d there: the key of the job
-/// token, and the rank and world size it claims.
-pub(crate) type Admission<'a> = (&'a auth::Key, usize, usize);
+/// What a rank proves to gpucast's own store before it speaks c10d there (nothing to
+/// torchrun's): the key of the job token, and the rank and world size it claims.
+pub(crate) type Admission<'a> = Option<(&'a auth::Key, usize, usize)>;
 
 /// A c10d connection to a store (torchrun's, or gpucast's own once admitted). Every call
 /// returns by its deadline; after an I/O or protocol error the connection is unusable.
@@ -194,23 +183,47 @@ pub(crate) struct Store {
 }
 
 impl Store {
-    /// Connects to `host:port` and, with `admission`, proves the token and checks the store's
-    /// proof; then validates the c10d connection. Retries until `deadline` while the failure is
-    /// on the connection or on what answered without proof (garbage, "token refused", "turned
-    /// away", a welcome it could not prove): then the last such failure is the error.
-    pub(crate) fn connect(
-        host: &str,
-        port: u16,
-        admission: Option<Admission<'_>>,
-        deadline: Instant,
-    ) -> Result<Store> {
+    /// Connects to `addr` (`host:port`) and, with `admission`, proves the token and checks the
+    /// store's proof; then validates the c10d connection. Retries until `deadline` while the
+    /// failure is on the connection or on what answered without proof (garbage, "token
+    /// refused", "turned away", a welcome it could not prove): then the last such failure is
+    /// the error.
+    pub(crate) fn connect(addr: &str, admission: Admission<'_>, deadline: Instant) -> Result<Self> {
+        // What answers may take a second longer, so that a failure says what it was.
+        let slack = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
+        let attempt = |stream: TcpStream| -> Result<Store> {
+            let _ = stream.set_nodelay(true);
+            let (peer, broken) = (addr.to_owned(), None);
+            let mut store = Store {
+                stream,
+                peer,
+                broken,
+            };
+            if let Some(claim) = admission {
+                store.admit(claim, slack)?;
+            }
+            let validate = [&[query::VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat();
+            store.send(&validate, slack, "validating the connection")?;
+            // A CHECK of a key nobody sets: any c10d store answers it, anything else does not
+            // (gpucast's own store has proven itself already).
+            if admission.is_some() {
+                return Ok(store);
+            }
+            match store.check(&["/gpucast/validate".to_owned()], slack) {
+                Err(e @ (E::Io { .. } | E::Protocol { .. })) => Err(E::protocol(
+                    &store.peer,
+                    format!("no c10d store answers there: {e}"),
+                )),
+                probe => probe.map(|_| store),
+            }
+        };
         let (start, mut backoff) = (Instant::now(), Duration::from_millis(5));
         let (mut last, mut last_error) = (None, None);
         loop {
             // Refused, unreachable, unknown host: rank 0 may not listen yet.
-            match connect_tcp(host, port, deadline) {
+            match connect_tcp(addr, deadline) {
                 Err(e) => last_error = Some(e),
-                Ok(stream) => match Self::attempt(stream, host, port, admission, deadline) {
+                Ok(stream) => match attempt(stream) {
                     Ok(store) => return Ok(store),
                     // A closed connection says less than a reason given before it.
                     Err(E::Io { .. })
@@ -222,7 +235,7 @@ impl Store {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let (addr, waited) = (host_port(host, port), start.elapsed());
+                let (addr, waited) = (addr.to_owned(), start.elapsed());
                 return Err(last.unwrap_or(E::ConnectTimeout {
                     addr,
                     waited,
@@ -234,46 +247,12 @@ impl Store {
         }
     }
 
-    fn attempt(
-        stream: TcpStream,
-        host: &str,
-        port: u16,
-        admission: Option<Admission<'_>>,
-        deadline: Instant,
-    ) -> Result<Store> {
-        let _ = stream.set_nodelay(true);
-        // What answers may take a second longer, so that a failure says what it was.
-        let deadline = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
-        let (peer, broken) = (host_port(host, port), None);
-        let mut store = Store {
-            stream,
-            peer,
-            broken,
-        };
-        if let Some(a) = admission {
-            store.admit(a, deadline)?;
-        }
-        let validate = [&[query::VALIDATE][..], &VALIDATION_MAGIC.to_le_bytes()].concat();
-        store.send(&validate, deadline, "validating the connection")?;
-        // A CHECK of a key nobody sets: any c10d store answers it, anything else does not
-        // (gpucast's own store has proven itself already).
-        if admission.is_some() {
-            return Ok(store);
-        }
-        match store.check(&["/gpucast/validate".to_owned()], deadline) {
-            Err(e @ (E::Io { .. } | E::Protocol { .. })) => Err(E::protocol(
-                &store.peer,
-                format!("no c10d store answers there: {e}"),
-            )),
-            probe => probe.map(|_| store),
-        }
-    }
-
     /// The admission handshake: the store's challenge, this rank's HELLO, the store's proven
     /// welcome or proven refusal. Nothing the store says unproven is taken at its word.
-    fn admit(&mut self, (key, rank, world): Admission<'_>, deadline: Instant) -> Result<()> {
+    fn admit(&mut self, claim: (&auth::Key, usize, usize), deadline: Instant) -> Result<()> {
+        let (key, rank, world) = claim;
         let (k, body) = self.admission_message(deadline)?;
-        let server_nonce: auth::Nonce = match body.as_slice().try_into() {
+        let server_nonce: [u8; auth::NONCE_LEN] = match body.as_slice().try_into() {
             Ok(n) if k == kind::CHALLENGE => n,
             _ => return Err(self.unproven(k, &body)),
         };
@@ -286,13 +265,10 @@ impl Store {
         let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
         self.send(&message(kind::HELLO, &hello), deadline, "saying hello")?;
         let (k, body) = self.admission_message(deadline)?;
+        let (refusal, tag) = body.split_at(body.len().saturating_sub(auth::PROOF_LEN));
         match k {
             kind::WELCOME if auth::same_secret(&proof(Purpose::Welcome, b""), &body) => Ok(()),
-            kind::REFUSED if body.len() >= auth::PROOF_LEN => {
-                let (refusal, claimed_proof) = body.split_at(body.len() - auth::PROOF_LEN);
-                if !auth::same_secret(&proof(Purpose::Refusal, refusal), claimed_proof) {
-                    return Err(self.unproven(0, &[]));
-                }
+            kind::REFUSED if auth::same_secret(&proof(Purpose::Refusal, refusal), tag) => {
                 Err(decode_error(refusal).unwrap_or_else(|| self.fail("a malformed refusal")))
             }
             k => Err(self.unproven(k, &body)),
@@ -300,8 +276,7 @@ impl Store {
     }
 
     /// What an unproven answer of kind `k` means: a reason to try again, never a verdict.
-    fn unproven(&mut self, k: u8, body: &[u8]) -> RendezvousError {
-        self.broken = Some("an unproven answer to the admission".into());
+    fn unproven(&self, k: u8, body: &[u8]) -> RendezvousError {
         let store = self.peer.clone();
         match k {
             kind::TOKEN_REFUSED => E::JobTokenMismatch { store },
@@ -356,9 +331,8 @@ impl Store {
     /// Writes all of `bytes` by `deadline`.
     fn send(&mut self, bytes: &[u8], deadline: Instant, during: &str) -> Result<()> {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut sent = self
-            .stream
-            .set_write_timeout(Some(left.max(Duration::from_millis(1))));
+        let left = Some(left.max(Duration::from_millis(1)));
+        let mut sent = self.stream.set_write_timeout(left);
         if let Some(why) = &self.broken {
             let why = format!("the connection is unusable after an earlier error: {why}");
             sent = Err(io::Error::new(io::ErrorKind::NotConnected, why));
@@ -372,22 +346,23 @@ impl Store {
         read_full(&self.stream, buf, deadline).map_err(|e| self.io_error(during, e))
     }
 
-    /// Sends request `q` with `keys` (a count first when `q` is CHECK) and `tail`, and reads a
-    /// reply of `reply` bytes.
+    /// Sends request `q` with `args` (keys, or a key and a value; a count first when `q` is
+    /// CHECK) and `tail`, and reads a reply of `reply` bytes.
     fn call(
         &mut self,
         q: u8,
-        keys: &[&str],
+        args: &[impl AsRef<[u8]>],
         tail: &[u8],
         reply: usize,
         deadline: Instant,
     ) -> Result<[u8; 8]> {
-        let during = format!("request {q} on {}", keys.first().unwrap_or(&""));
+        let key = String::from_utf8_lossy(args.first().map_or(&[], AsRef::as_ref));
+        let during = format!("request {q} on {key}");
         let mut req = vec![q];
         if q == query::CHECK {
-            req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+            req.extend_from_slice(&(args.len() as u64).to_le_bytes());
         }
-        keys.iter().for_each(|k| push_bytes(&mut req, k.as_bytes()));
+        args.iter().for_each(|a| push_bytes(&mut req, a.as_ref()));
         req.extend_from_slice(tail);
         self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
@@ -397,20 +372,14 @@ impl Store {
 
     /// Stores `value` under `key`.
     pub(crate) fn set(&mut self, key: &str, value: &[u8], deadline: Instant) -> Result<()> {
-        if value.len() > TORCH_MAX_VALUE {
-            let what = format!("the value of {key}");
-            return Err(E::too_large(what, value.len(), TORCH_MAX_VALUE));
-        }
-        let mut tail = Vec::with_capacity(value.len() + 8);
-        push_bytes(&mut tail, value);
-        self.call(query::SET, &[key], &tail, 0, deadline).map(drop)
+        let args = [key.as_bytes(), value];
+        self.call(query::SET, &args, &[], 0, deadline).map(drop)
     }
 
     /// The value of `key` (which must exist: check first), refused beyond `max` bytes before
     /// any memory is taken.
     pub(crate) fn get(&mut self, key: &str, max: usize, deadline: Instant) -> Result<Vec<u8>> {
         let len = u64::from_le_bytes(self.call(query::GET, &[key], &[], 8, deadline)?);
-        let max = max.min(TORCH_MAX_VALUE);
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
@@ -436,8 +405,7 @@ impl Store {
 
     /// Whether every key of `keys` exists.
     pub(crate) fn check(&mut self, keys: &[String], deadline: Instant) -> Result<bool> {
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        match self.call(query::CHECK, &keys, &[], 1, deadline)?[0] {
+        match self.call(query::CHECK, keys, &[], 1, deadline)?[0] {
             0 => Ok(true),
             1 => Ok(false),
             other => Err(self.fail(format!("CHECK answered {other}, expected 0 or 1"))),
