@@ -68,7 +68,7 @@ pub enum StoreKind {
 /// Where this process sits in the job: its rank, the job's size, its node and the store's address.
 ///
 /// Build it with [`JobEnv::from_env`] (what torchrun or Slurm set), or in code with
-/// [`JobEnv::single_node`] / [`JobEnv::single_process`] and then set fields.
+/// [`JobEnv::single_node`] and then set fields.
 /// [`JobEnv::validate`] checks the invariants; [`super::Rendezvous::connect`]
 /// calls it. Its `Debug` form leaves the token out.
 #[derive(Clone, PartialEq, Eq)]
@@ -323,12 +323,6 @@ impl JobEnv {
             store: StoreKind::Own,
         };
         env.validate().map(|()| env)
-    }
-
-    /// A job of one process (no store is ever opened).
-    pub fn single_process() -> Self {
-        let one = Self::single_node(0, 1, DEFAULT_MASTER_PORT);
-        one.unwrap_or_else(|_| unreachable!("rank 0 of 1 on port {DEFAULT_MASTER_PORT} is valid"))
     }
 
     /// Checks the invariants: `rank < world_size`, `local_rank < local_world_size <=
@@ -747,7 +741,7 @@ mod tests {
     #[test]
     fn defaults_for_one_process_and_one_node() {
         let e = env(&[("RANK", "0"), ("WORLD_SIZE", "1")]).unwrap();
-        assert_eq!(e, JobEnv::single_process());
+        assert_eq!(e, JobEnv::single_node(0, 1, DEFAULT_MASTER_PORT).unwrap());
         let e = env(&[
             ("RANK", "1"),
             ("WORLD_SIZE", "2"),

@@ -303,16 +303,6 @@ impl Rendezvous {
         self.env.world_size
     }
 
-    /// The job description this rendezvous was made from.
-    pub fn env(&self) -> &JobEnv {
-        &self.env
-    }
-
-    /// The time limit of each collective call.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
     /// Changes the time limit of each later collective call.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
@@ -487,7 +477,8 @@ mod tests {
 
     #[test]
     fn one_process_needs_no_network() {
-        let rdv = Rendezvous::connect(&JobEnv::single_process(), Duration::from_secs(1)).unwrap();
+        let env = JobEnv::single_node(0, 1, 29500).unwrap();
+        let rdv = Rendezvous::connect(&env, Duration::from_secs(1)).unwrap();
         assert_eq!(rdv.all_gather(b"solo").unwrap(), vec![b"solo".to_vec()]);
         rdv.barrier().unwrap();
         assert_eq!(rdv.broadcast_from(0, b"b").unwrap(), b"b");
