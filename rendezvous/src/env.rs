@@ -383,20 +383,14 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
     Err(format!("lists fewer nodes than node index {node} needs"))
 }
 
-/// Expands a Slurm host list such as `gpu[01-04,07],login1` (into `gpu01`, `gpu02`, `gpu03`,
-/// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
-/// product), keeping zero padding. At most 65536 hosts; a malformed list is
-/// [`RendezvousError::InvalidArgument`].
-pub fn expand_hostlist(list: &str) -> Result<Vec<String>> {
-    hosts(list, false).map_err(|why| RendezvousError::invalid(format!("host list {list:?}: {why}")))
-}
-
 /// The first host of a Slurm host list, without expanding the rest.
 pub(crate) fn first_host(list: &str) -> Result<String, String> {
     Ok(hosts(list, true)?.remove(0))
 }
 
-/// The hosts of `list` (only the first with `first_only`).
+/// The hosts of a Slurm host list such as `gpu[01-04,07],login1` (`gpu01`, `gpu02`, `gpu03`,
+/// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
+/// product), keeping zero padding, at most 65536 (only the first with `first_only`).
 fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
     let (mut out, mut depth, mut start) = (Vec::new(), 0, 0);
     for (i, c) in list.char_indices().chain([(list.len(), ',')]) {
@@ -758,17 +752,17 @@ mod tests {
     #[test]
     fn hostlists() {
         assert_eq!(
-            expand_hostlist("gpu[01-04,07],login1").unwrap(),
+            hosts("gpu[01-04,07],login1", false).unwrap(),
             ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "login1"]
         );
-        assert_eq!(expand_hostlist("a,b").unwrap(), ["a", "b"]);
-        assert_eq!(expand_hostlist("n[8-10]").unwrap(), ["n8", "n9", "n10"]);
+        assert_eq!(hosts("a,b", false).unwrap(), ["a", "b"]);
+        assert_eq!(hosts("n[8-10]", false).unwrap(), ["n8", "n9", "n10"]);
         assert_eq!(
-            expand_hostlist("n[098-100]").unwrap(),
+            hosts("n[098-100]", false).unwrap(),
             ["n098", "n099", "n100"]
         );
         assert_eq!(
-            expand_hostlist("r[1-2]-n[1,3].ib").unwrap(),
+            hosts("r[1-2]-n[1,3].ib", false).unwrap(),
             ["r1-n1.ib", "r1-n3.ib", "r2-n1.ib", "r2-n3.ib"]
         );
         for bad in [
@@ -782,7 +776,7 @@ mod tests {
             "n[]",
             "n[1-99999999]",
         ] {
-            assert!(expand_hostlist(bad).is_err(), "{bad:?} should be rejected");
+            assert!(hosts(bad, false).is_err(), "{bad:?} should be rejected");
         }
         assert_eq!(first_host("gpu[07-09],a").unwrap(), "gpu07");
         assert_eq!(

@@ -158,8 +158,8 @@ use std::time::Duration;
 
 pub use auth::random_token;
 pub use env::{
-    env_var, expand_hostlist, host_id, JobEnv, StoreKind, TokenSource, DEFAULT_MASTER_PORT,
-    HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
+    env_var, host_id, JobEnv, StoreKind, TokenSource, DEFAULT_MASTER_PORT, HOST_ID_ENV,
+    JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
 };
 pub use error::{RendezvousError, Result};
 pub use exchange::{Exchange, FnExchange, Rendezvous};
