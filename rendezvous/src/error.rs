@@ -260,12 +260,6 @@ impl RendezvousError {
     }
 }
 
-/// At most `max` bytes of `s`, cut at a character boundary.
-pub(crate) fn clip(s: &str, max: usize) -> &str {
-    let end = (0..=s.len().min(max)).rfind(|&i| s.is_char_boundary(i));
-    &s[..end.unwrap_or(0)]
-}
-
 fn last_error_text(e: &Option<io::Error>) -> String {
     let text = e.as_ref().map(|e| format!("last error: {e}"));
     text.unwrap_or_else(|| "no attempt could be made".to_owned())

@@ -17,7 +17,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Purpose};
-use super::error::{clip, RendezvousError, RendezvousError as E, Result};
+use super::error::{RendezvousError, RendezvousError as E, Result};
 use super::session::{ABORT_RANKS, ABORT_REASON, REQUEST_SLACK};
 
 /// Query types of the c10d store protocol.
@@ -90,9 +90,10 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
 }
 
 /// The encoding of the job's failure: `reason` and the `missing` ranks, within what an abort
-/// carries.
+/// carries (the reason cut at a character boundary).
 pub(crate) fn encode_failure(reason: &str, missing: &[usize]) -> Vec<u8> {
-    let reason = clip(reason, ABORT_REASON).to_owned();
+    let end = (0..=reason.len().min(ABORT_REASON)).rfind(|&i| reason.is_char_boundary(i));
+    let reason = reason[..end.unwrap_or(0)].to_owned();
     let missing = missing[..missing.len().min(ABORT_RANKS)].to_vec();
     encode_error(&E::JobFailed { reason, missing })
 }
