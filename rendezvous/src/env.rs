@@ -254,12 +254,11 @@ impl JobEnv {
 
         let mut store = StoreKind::Own;
         let master_port = match first(PORT) {
-            Some((var @ MASTER_PORT_ENV, value)) => parse_port(var, &value)?,
-            Some((var @ "MASTER_PORT", value)) => {
+            Some((var @ (MASTER_PORT_ENV | "MASTER_PORT"), value)) => {
                 let port = parse_port(var, &value)?;
                 let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
-                if agent_store {
+                if agent_store && var == "MASTER_PORT" {
                     const RESTART: &str = "TORCHELASTIC_RESTART_COUNT";
                     let attempt = get(RESTART).map(|v| parse_count(RESTART, &v)).transpose()?;
                     let prefix = format!("/worker/attempt_{}", attempt.unwrap_or(0));
