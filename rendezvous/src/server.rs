@@ -489,9 +489,9 @@ impl Conn {
         let _ = self.stream.set_read_timeout(Some(IO_TIMEOUT));
         loop {
             let mut q = [0u8; 1];
-            match (&self.stream).read(&mut q) {
+            match (&self.stream).read(&mut q).map_err(|e| e.kind()) {
                 Ok(1) => {}
-                Err(e) if is_timeout(&e) && !self.shared.lock().shutdown => continue,
+                Err(WouldBlock | TimedOut) if !self.shared.lock().shutdown => continue,
                 _ => return None,
             }
             self.shared.lock().busy += 1;
@@ -726,10 +726,6 @@ impl Conn {
         }
         self.shared.cond.notify_all();
     }
-}
-
-fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), WouldBlock | TimedOut)
 }
 
 #[cfg(test)]
