@@ -364,8 +364,7 @@ impl Session {
         if matches!(e, E::JobFailed { .. } | E::Io { .. } | E::Protocol { .. }) {
             return;
         }
-        let reason = e.to_string();
-        if let Err(abort_err) = self.abort(&reason, e.missing_ranks(), ABORT_TIMEOUT) {
+        if let Err(abort_err) = self.abort(&e.to_string(), e.missing_ranks(), ABORT_TIMEOUT) {
             debug!(rank = self.rank, error = %abort_err, "rendezvous: abort not delivered");
         }
     }
