@@ -293,16 +293,6 @@ impl Rendezvous {
         }
     }
 
-    /// This process's rank.
-    pub fn rank(&self) -> usize {
-        self.env.rank
-    }
-
-    /// Number of processes in the job.
-    pub fn world_size(&self) -> usize {
-        self.env.world_size
-    }
-
     /// Changes the time limit of each later collective call.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;

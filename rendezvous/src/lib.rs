@@ -18,7 +18,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use gpucast_rendezvous::{JobEnv, Rendezvous, host_id};
+//! use gpucast_rendezvous::{Exchange, JobEnv, Rendezvous, host_id};
 //!
 //! let env = JobEnv::from_env()?;
 //! let rdv = Rendezvous::connect(&env, Duration::from_secs(120))?;
