@@ -2,8 +2,12 @@
 # Runs on the GPU machine, from the repository root, what ci/gpu-stage.sh staged in .gpu/:
 #   bash .gpu/gpu-run.sh [tests] [examples] [bench] [bench-quick] [bench-large] [bench-procs]
 #                        [interference] [weights] [weights-procs] [one-gpu] [python]
-#                        [python-bench] [threads-channels] [budget] [abab]
+#                        [python-bench] [threads-channels] [budget] [abab] [sanitizers]
 #                        (default: tests examples)
+# sanitizers: compute-sanitizer memcheck over the GPU test binaries that fit its slowdown
+# (one_queue, owned_graph, corners but its three timing-bound tests), racecheck and synccheck
+# over one_queue; each fails on any error it reports (NCCL's own cudaFuncGetAttributes probes
+# report cudaErrorNoKernelImageForDevice under memcheck: 8 in corners at 279e76f; read the log).
 # one-gpu: what one GPU can measure (results/h200x1, results/h200x1-shared): the NCCL path of a
 # 1-GPU clique against a bare ncclBroadcast and with its watchdog off (eager, graph, idle), the
 # cost of cudarc's per-buffer events on a 2-rank P2P call, and the timer test, also with the
@@ -47,6 +51,16 @@ run() {
   fi
 }
 
+if want sanitizers; then
+  cs=/usr/local/cuda/bin/compute-sanitizer
+  for t in one_queue owned_graph; do
+    LIMIT=300 run "memcheck-$t" $cs --tool memcheck --error-exitcode 9 ".gpu/bin/test-$t-test" --include-ignored --test-threads 1
+  done
+  LIMIT=400 run memcheck-corners $cs --tool memcheck --error-exitcode 9 .gpu/bin/test-corners-test \
+    --include-ignored --test-threads 1 --skip nccl_calls_queued --skip a_captured_call --skip dropping_a_clique
+  LIMIT=300 run racecheck-one_queue $cs --tool racecheck --error-exitcode 9 .gpu/bin/test-one_queue-test --include-ignored --test-threads 1
+  LIMIT=300 run synccheck-one_queue $cs --tool synccheck --error-exitcode 9 .gpu/bin/test-one_queue-test --include-ignored --test-threads 1
+fi
 if want tests; then
   for t in .gpu/bin/test-*; do
     run "$(basename "$t")" "$t" --include-ignored --test-threads 1
