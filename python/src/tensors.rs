@@ -1,5 +1,6 @@
-//! Tensors from Python, without copies: torch tensors (read directly), DLPack producers
-//! (`__dlpack__`, `__dlpack_device__`) and `__cuda_array_interface__` objects.
+//! Tensors from Python, without copies: torch tensors (read through torch's DLPack exchange
+//! API, or their own methods), DLPack producers (`__dlpack__`, `__dlpack_device__`) and
+//! `__cuda_array_interface__` objects.
 //!
 //! Each becomes a [`Desc`]: its device address, its length in one of gpucast's element types,
 //! the stream its library queues work on (torch's or CuPy's current stream, the stream a
@@ -18,6 +19,7 @@ use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
 
 use crate::errors::argument;
+use crate::exchange::Exchange;
 
 /// The legacy default stream, as a driver handle.
 const LEGACY: u64 = 0;
@@ -145,8 +147,8 @@ fn typestr_dtype(typestr: &str) -> Option<(DType, usize)> {
 }
 
 /// Whether `strides` (in elements) describe a C-contiguous tensor of `shape`; dimensions of
-/// size 1 may have any stride, and an empty tensor is contiguous.
-fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
+/// size 1 may have any stride, and an empty tensor is contiguous (torch's `is_contiguous()`).
+pub(crate) fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
     if shape.contains(&0) {
         return true;
     }
@@ -201,6 +203,10 @@ pub(crate) struct Memo {
     torch_type: Option<Py<PyAny>>,
     /// A torch dtype object and its carried type.
     dtype: Option<(Py<PyAny>, DType, usize)>,
+    /// Whether no torch function mode is on, read at the call's first tensor of an exact torch
+    /// type (modes are per thread, and only the call's own reads run Python code in this
+    /// thread until it ends).
+    modes_off: Option<bool>,
 }
 
 impl Memo {
@@ -208,7 +214,10 @@ impl Memo {
         if let Some(&(_, s)) = self.streams.iter().find(|(d, _)| *d == device) {
             return Ok(s);
         }
-        let s = torch_current_stream(py, device)?;
+        let s = match Exchange::get(py).and_then(|x| x.current_stream(py, device)) {
+            Some(s) => s,
+            None => torch_current_stream(py, device)?,
+        };
         self.streams.push((device, s));
         Ok(s)
     }
@@ -280,8 +289,66 @@ fn module_of(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_default()
 }
 
-/// A torch tensor, read through its own methods (no DLPack capsule per call).
+/// A torch tensor of an exact type (`torch.Tensor`, `torch.nn.Parameter`) through torch's
+/// DLPack exchange API: one C call for the device, shape, strides and address, then its dtype,
+/// instead of five method calls. Only a tensor that [`describe_torch_methods`] would accept
+/// with the same description is taken here: on a CUDA device (the expected one), contiguous,
+/// not empty (the address of an empty tensor is left to `data_ptr()`), of a supported dtype,
+/// while no torch function mode is on (a mode sees the method calls, and could answer them).
+/// `None`: anything else, which the methods then read (and refuse with their errors).
+fn describe_torch_fast(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Option<Desc>> {
+    let py = t.py();
+    let Some(x) = Exchange::get(py) else {
+        return Ok(None);
+    };
+    if !x.is_exact(t) || !*memo.modes_off.get_or_insert_with(|| x.modes_off(py)) {
+        return Ok(None);
+    }
+    let Some(v) = x.view(t) else {
+        return Ok(None);
+    };
+    // As `get_device()` and `is_cuda` decide it: DLPack's CUDA device of index `device_id` is
+    // torch's `cuda:<device_id>`.
+    let device = match (v.device_type, usize::try_from(v.device_id), at.device) {
+        (KDL_CUDA, Ok(d), Some(expected)) if d == expected => d,
+        (KDL_CUDA, Ok(d), None) => d,
+        _ => return Ok(None),
+    };
+    let Some(numel) = v.numel.filter(|&n| n > 0 && v.contiguous) else {
+        return Ok(None);
+    };
+    // The dtype through the object, as the methods read it: DLPack's type cannot tell uint8
+    // from torch's uint1 to uint7 (nor int8 from int1 to int7), which torch exports alike.
+    let Ok((dtype, per)) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?, memo) else {
+        return Ok(None);
+    };
+    let Ok((len, dtype)) = carried_len(numel, per, dtype) else {
+        return Ok(None);
+    };
+    let stream = match at.stream {
+        Some(s) => s,
+        None => memo.torch(py, device)?,
+    };
+    Ok(Some(Desc {
+        ptr: v.ptr,
+        len,
+        dtype,
+        stream,
+        keep: t.clone().unbind(),
+    }))
+}
+
+/// A torch tensor: through the exchange API where it decides ([`describe_torch_fast`]), else
+/// through its own methods.
 fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
+    match describe_torch_fast(t, at, memo)? {
+        Some(d) => Ok(d),
+        None => describe_torch_methods(t, at, memo),
+    }
+}
+
+/// A torch tensor, read through its own methods (no DLPack capsule per call).
+fn describe_torch_methods(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = t.py();
     // -1 for a tensor in host memory (or on the meta device), else its device's index, CUDA's
     // or another accelerator's: `is_cuda` is read only where the index alone does not decide.
@@ -324,29 +391,52 @@ fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<
     })
 }
 
-/// DLPack's structs (v0.8, the unversioned capsule every producer hands out by default).
+/// DLPack's structs (v0.8, the unversioned capsule every producer hands out by default; the
+/// `DLTensor` of every version since).
 #[repr(C)]
-struct DLDevice {
-    device_type: i32,
-    device_id: i32,
+pub(crate) struct DLDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
 }
 
 #[repr(C)]
-struct DLDataType {
+pub(crate) struct DLDataType {
     code: u8,
     bits: u8,
     lanes: u16,
 }
 
 #[repr(C)]
-struct DLTensor {
-    data: *mut c_void,
-    device: DLDevice,
-    ndim: i32,
+pub(crate) struct DLTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DLDevice,
+    pub(crate) ndim: i32,
     dtype: DLDataType,
-    shape: *const i64,
-    strides: *const i64,
-    byte_offset: u64,
+    pub(crate) shape: *const i64,
+    pub(crate) strides: *const i64,
+    pub(crate) byte_offset: u64,
+}
+
+impl DLTensor {
+    /// A blank one, for a producer to fill.
+    pub(crate) fn empty() -> DLTensor {
+        DLTensor {
+            data: std::ptr::null_mut(),
+            device: DLDevice {
+                device_type: 0,
+                device_id: 0,
+            },
+            ndim: 0,
+            dtype: DLDataType {
+                code: 0,
+                bits: 0,
+                lanes: 0,
+            },
+            shape: std::ptr::null(),
+            strides: std::ptr::null(),
+            byte_offset: 0,
+        }
+    }
 }
 
 #[repr(C)]
@@ -357,9 +447,9 @@ struct DLManagedTensor {
 }
 
 const KDL_CPU: i32 = 1;
-const KDL_CUDA: i32 = 2;
+pub(crate) const KDL_CUDA: i32 = 2;
 /// The most dimensions a DLPack tensor may claim here (bounds what a hostile producer costs).
-const MAX_DIMS: i32 = 64;
+pub(crate) const MAX_DIMS: i32 = 64;
 
 /// A DLPack producer: `__dlpack_device__` first (so a host array is refused before any
 /// capsule), then `__dlpack__(stream=...)`; the capsule stays unconsumed, so its own
