@@ -90,6 +90,12 @@ impl Exchange {
             .as_ref()
     }
 
+    /// [`Exchange::get`] once it has been looked up, without looking it up (which imports
+    /// torch).
+    pub(crate) fn loaded(py: Python<'_>) -> Option<&Exchange> {
+        EXCHANGE.get(py).and_then(Option::as_ref)
+    }
+
     fn load(py: Python<'_>) -> PyResult<Option<Exchange>> {
         let torch = py.import("torch")?;
         let tensor = torch.getattr("Tensor")?;

@@ -198,6 +198,8 @@ fn wrong_device(found: usize, expected: usize) -> PyErr {
 /// theirs while the memo lives), which spare the process's caches and their locks.
 #[derive(Default)]
 pub(crate) struct Memo {
+    /// The first device's stream, then the others' (most calls see one device: no Vec).
+    stream: Option<(usize, u64)>,
     streams: Vec<(usize, u64)>,
     /// A type read as a torch tensor's.
     torch_type: Option<Py<PyAny>>,
@@ -211,14 +213,18 @@ pub(crate) struct Memo {
 
 impl Memo {
     fn torch(&mut self, py: Python<'_>, device: usize) -> PyResult<u64> {
-        if let Some(&(_, s)) = self.streams.iter().find(|(d, _)| *d == device) {
+        let mut known = self.stream.iter().chain(&self.streams);
+        if let Some(&(_, s)) = known.find(|(d, _)| *d == device) {
             return Ok(s);
         }
         let s = match Exchange::get(py).and_then(|x| x.current_stream(py, device)) {
             Some(s) => s,
             None => torch_current_stream(py, device)?,
         };
-        self.streams.push((device, s));
+        match self.stream {
+            None => self.stream = Some((device, s)),
+            Some(_) => self.streams.push((device, s)),
+        }
         Ok(s)
     }
 }
@@ -666,6 +672,11 @@ pub(crate) fn describe(obj: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
 /// [`describe`] for one of a call's tensors, which share `memo`.
 pub(crate) fn describe_with(obj: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = obj.py();
+    // An exact torch type (once the exchange API was looked up, at the first torch tensor) is
+    // a torch tensor's without the type checks.
+    if Exchange::loaded(py).is_some_and(|x| x.is_exact(obj)) {
+        return describe_torch(obj, at, memo);
+    }
     let mut module = None;
     if is_torch(obj, &mut module, memo)? {
         return describe_torch(obj, at, memo);
