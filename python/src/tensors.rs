@@ -9,7 +9,8 @@
 //! call's work has run.
 
 use std::ffi::c_void;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use gpucast::cudarc::driver::CudaStream;
 use gpucast::half::{bf16, f16};
@@ -229,11 +230,50 @@ impl Memo {
     }
 }
 
-/// torch dtype objects already read (torch's dtypes are singletons that live as long as the
-/// interpreter; the cache holds a reference, so no pointer in it is ever reused): saves
-/// formatting `str(dtype)` on every call.
-static TORCH_DTYPES: std::sync::Mutex<Vec<(Py<PyAny>, DType, usize)>> =
-    std::sync::Mutex::new(Vec::new());
+/// Python objects of the process's life (torch's dtypes and tensor types), each with a value,
+/// read without a lock: the list only grows, up to `N`, and holds a reference to each object,
+/// so that no address in it is ever another object's.
+struct Registry<V: Copy, const N: usize> {
+    slots: [OnceLock<(Py<PyAny>, V)>; N],
+    /// Slots set so far (each is set before this is raised past it).
+    len: AtomicUsize,
+    /// Taken by additions only.
+    add: Mutex<()>,
+}
+
+impl<V: Copy, const N: usize> Registry<V, N> {
+    const fn new() -> Self {
+        Registry {
+            slots: [const { OnceLock::new() }; N],
+            len: AtomicUsize::new(0),
+            add: Mutex::new(()),
+        }
+    }
+
+    /// The value of `obj`, if listed.
+    fn find(&self, obj: &Bound<'_, PyAny>) -> Option<V> {
+        let n = self.len.load(Ordering::Acquire);
+        self.slots[..n]
+            .iter()
+            .filter_map(OnceLock::get)
+            .find(|(o, _)| o.as_ptr() == obj.as_ptr())
+            .map(|&(_, v)| v)
+    }
+
+    /// Lists `obj` with `v`, unless the list is full.
+    fn add(&self, obj: &Bound<'_, PyAny>, v: V) {
+        let _adding = self.add.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.len.load(Ordering::Relaxed);
+        if n < N && self.slots[n].set((obj.clone().unbind(), v)).is_ok() {
+            self.len.store(n + 1, Ordering::Release);
+        }
+    }
+}
+
+/// torch dtype objects already read, with their carried types (torch's dtypes are singletons
+/// that live as long as the interpreter): saves formatting `str(dtype)` on every call. torch
+/// has a few dozen dtypes; the bound only guards against a producer of fresh ones.
+static TORCH_DTYPES: Registry<(DType, usize), 64> = Registry::new();
 
 /// The carried type of torch dtype object `dtype`.
 fn torch_dtype_of(dtype: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<(DType, usize)> {
@@ -249,20 +289,13 @@ fn torch_dtype_of(dtype: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<(DType,
 
 /// [`torch_dtype_of`] through the process's cache.
 fn torch_dtype_cached(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
-    {
-        let cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&(_, d, per)) = cache.iter().find(|(o, _, _)| o.as_ptr() == dtype.as_ptr()) {
-            return Ok((d, per));
-        }
+    if let Some(known) = TORCH_DTYPES.find(dtype) {
+        return Ok(known);
     }
     let name = dtype.str()?.to_string();
     let (d, per) =
         torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
-    let mut cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-    // torch has a few dozen dtypes; the bound only guards against a producer of fresh ones.
-    if cache.len() < 64 {
-        cache.push((dtype.clone().unbind(), d, per));
-    }
+    TORCH_DTYPES.add(dtype, (d, per));
     Ok((d, per))
 }
 
@@ -615,9 +648,9 @@ fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
 }
 
 /// Types whose instances were read as torch tensors (`torch.Tensor`, `nn.Parameter`, ...):
-/// a type seen before skips reading `__module__` (a string) and `hasattr`. Holding a
-/// reference keeps each type, and so its address, alive.
-static TORCH_TYPES: std::sync::Mutex<Vec<Py<PyAny>>> = std::sync::Mutex::new(Vec::new());
+/// a type seen before skips reading `__module__` (a string) and `hasattr`. The bound is for
+/// programs that make tensor subclasses on the fly.
+static TORCH_TYPES: Registry<(), 32> = Registry::new();
 
 /// Whether `obj` is read as a torch tensor.
 fn is_torch(
@@ -646,20 +679,13 @@ fn is_torch_type(
     ty: &Bound<'_, pyo3::types::PyType>,
     module: &mut Option<String>,
 ) -> PyResult<bool> {
-    {
-        let known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
-        if known.iter().any(|t| t.as_ptr() == ty.as_ptr()) {
-            return Ok(true);
-        }
+    if TORCH_TYPES.find(ty.as_any()).is_some() {
+        return Ok(true);
     }
     let m = module.insert(module_of(obj));
     let torch = m.starts_with("torch") && obj.hasattr(intern!(obj.py(), "data_ptr"))?;
     if torch {
-        let mut known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
-        // A bound for programs that make tensor subclasses on the fly.
-        if known.len() < 32 {
-            known.push(ty.clone().into_any().unbind());
-        }
+        TORCH_TYPES.add(ty.as_any(), ());
     }
     Ok(torch)
 }
