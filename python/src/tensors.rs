@@ -759,7 +759,42 @@ pub(crate) fn describe_tensor<'py>(
 /// Live for one call only, while the call holds every described tensor (so every allocation
 /// listed stays allocated).
 #[derive(Default)]
-pub(crate) struct Seen(Vec<CheckedAllocation>);
+pub(crate) struct Seen(Known<CheckedAllocation>);
+
+/// The allocations of a [`Seen`]: a call's tensors often share one (a segment of torch's
+/// caching allocator), which needs no Vec.
+#[derive(Default)]
+enum Known<A> {
+    #[default]
+    None,
+    One([A; 1]),
+    Many(Vec<A>),
+}
+
+impl<A: Copy + PartialEq> Known<A> {
+    fn as_slice(&self) -> &[A] {
+        match self {
+            Known::None => &[],
+            Known::One(a) => a,
+            Known::Many(v) => v,
+        }
+    }
+
+    /// Lists `a` unless it is listed.
+    fn add(&mut self, a: A) {
+        if self.as_slice().contains(&a) {
+            return;
+        }
+        *self = match std::mem::take(self) {
+            Known::None => Known::One([a]),
+            Known::One([b]) => Known::Many(vec![b, a]),
+            Known::Many(mut v) => {
+                v.push(a);
+                Known::Many(v)
+            }
+        };
+    }
+}
 
 impl Seen {
     /// A buffer of `T` of the described memory, ordered with `stream`.
@@ -773,11 +808,9 @@ impl Seen {
         stream: Arc<CudaStream>,
     ) -> gpucast::Result<ExternalSlice<T>> {
         // SAFETY: per this function's contract.
-        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, &self.0) }?;
+        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, self.0.as_slice()) }?;
         if let Some(a) = s.allocation() {
-            if !self.0.contains(&a) {
-                self.0.push(a);
-            }
+            self.0.add(a);
         }
         Ok(s)
     }
@@ -856,5 +889,21 @@ mod tests {
         assert_eq!(dlpack_dtype(2, 32, 4), None);
         assert_eq!(typestr_dtype("<c16"), Some((DType::F64, 2)));
         assert_eq!(typestr_dtype(">f4"), None);
+    }
+
+    #[test]
+    fn the_seen_list_holds_each_allocation_once_in_order() {
+        let mut k = Known::default();
+        assert!(k.as_slice().is_empty());
+        for (a, want) in [
+            (7, &[7][..]),
+            (7, &[7]),
+            (9, &[7, 9]),
+            (7, &[7, 9]),
+            (3, &[7, 9, 3]),
+        ] {
+            k.add(a);
+            assert_eq!(k.as_slice(), want);
+        }
     }
 }
