@@ -175,15 +175,19 @@ impl Exchange {
         )
     }
 
-    /// The view of `tensor`, an instance of an exact type ([`Exchange::is_exact`]); `None` when
+    /// The view of `tensor`; `None` when it is not of an exact type ([`Exchange::is_exact`]),
     /// torch cannot describe it in DLPack (a sparse, nested or quantized tensor, the meta
     /// device, ...: the exception is cleared) or its view is not a plain strided one.
     pub(crate) fn view(&self, tensor: &Bound<'_, PyAny>) -> Option<View> {
+        if !self.is_exact(tensor) {
+            return None;
+        }
         let py = tensor.py();
         let mut t = DLTensor::empty();
         // SAFETY: the GIL is held (`py`); `tensor` is a live object of a type the table was
-        // found on (checked by the caller, and for Parameter at load), as the function
-        // requires; `t` is a writable DLTensor. It returns 0, or -1 with an exception set.
+        // found on (torch.Tensor, or a Parameter whose type names the same table: checked
+        // above and at load), as the function requires; `t` is a writable DLTensor. It returns
+        // 0, or -1 with an exception set.
         if unsafe { (self.view)(tensor.as_ptr().cast(), &mut t) } != 0 {
             drop(PyErr::take(py));
             return None;
