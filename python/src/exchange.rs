@@ -45,6 +45,15 @@ struct Api {
     current_work_stream: Option<StreamFn>,
 }
 
+// The layout of torch's `ATen/dlpack.h` (DLPack 1.3) on a 64-bit target, in bytes.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(offset_of!(Header, prev_api) == 8 && size_of::<Header>() == 16);
+    assert!(offset_of!(Api, dltensor_from_py_object_no_sync) == 40);
+    assert!(offset_of!(Api, current_work_stream) == 48 && size_of::<Api>() == 56);
+};
+
 /// The capsule's name, as DLPack specifies it.
 const CAPSULE: &CStr = c"dlpack_exchange_api";
 

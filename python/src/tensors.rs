@@ -456,6 +456,16 @@ pub(crate) struct DLTensor {
     pub(crate) byte_offset: u64,
 }
 
+// The layout of DLPack's `DLTensor` on a 64-bit target, in bytes.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(offset_of!(DLTensor, device) == 8 && offset_of!(DLTensor, ndim) == 16);
+    assert!(offset_of!(DLTensor, dtype) == 20 && offset_of!(DLTensor, shape) == 24);
+    assert!(offset_of!(DLTensor, strides) == 32 && offset_of!(DLTensor, byte_offset) == 40);
+    assert!(size_of::<DLTensor>() == 48);
+};
+
 impl DLTensor {
     /// A blank one, for a producer to fill.
     pub(crate) fn empty() -> DLTensor {
