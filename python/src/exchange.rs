@@ -29,9 +29,10 @@ struct Header {
 /// `DLPackDLTensorFromPyObjectNoSync`.
 type ViewFn = unsafe extern "C" fn(py_object: *mut c_void, out: *mut DLTensor) -> c_int;
 
-/// `DLPackCurrentWorkStream` (the device type is a C enum, passed as an int).
+/// `DLPackCurrentWorkStream` (the device type is `DLDeviceType`, an enum of underlying type
+/// `int32_t` in the C++ that torch is built as).
 type StreamFn =
-    unsafe extern "C" fn(device_type: c_int, device_id: i32, out: *mut *mut c_void) -> c_int;
+    unsafe extern "C" fn(device_type: i32, device_id: i32, out: *mut *mut c_void) -> c_int;
 
 /// `DLPackExchangeAPI` of DLPack major version 1. The three functions not used here are kept
 /// as untyped pointers: they are never called.
@@ -235,11 +236,13 @@ impl Exchange {
 
     /// torch's current stream of CUDA device `device` (a raw handle), as
     /// `torch._C._cuda_getCurrentRawStream(device)` returns it; `None` where this torch has no
-    /// such function, or it failed (the exception is cleared: the caller asks torch's Python
-    /// function, which raises it again).
+    /// such function, `device` is past torch's device indices, or it failed (the exception is
+    /// cleared: the caller asks torch's Python function, which raises it again).
     pub(crate) fn current_stream(&self, py: Python<'_>, device: usize) -> Option<u64> {
         let f = self.stream?;
-        let id = i32::try_from(device).ok()?;
+        // torch narrows the id to its device index (`int8_t`): a larger one would name another
+        // device.
+        let id = i32::from(i8::try_from(device).ok()?);
         let mut out: *mut c_void = std::ptr::null_mut();
         // SAFETY: the GIL is held (`py`); `out` is a writable pointer; the function returns 0,
         // or -1 with an exception set.
