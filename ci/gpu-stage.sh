@@ -46,7 +46,7 @@ for ex in broadcast broadcast_weights; do
   cp "target/release/examples/$ex" ".gpu/bin/example-$ex"
 done
 # The Python package: the extension module next to its Python files, importable with
-# PYTHONPATH=.gpu/py (abi3, so any CPython >= 3.9 there loads it), with its tests, example
+# PYTHONPATH=.gpu/py (abi3, so any CPython >= 3.10 there loads it), with its tests, example
 # and bench.
 cargo build --release -p gpucast-python --features extension-module
 mkdir -p .gpu/py/gpucast

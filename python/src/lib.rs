@@ -4,6 +4,7 @@
 //! call, as a torch operation on that stream would be. Calls release the GIL.
 
 mod errors;
+mod exchange;
 mod pending;
 mod tensors;
 

@@ -112,7 +112,10 @@ impl<F: Fence, O> Batches<F, O> {
     pub(crate) fn fenced(&mut self, fence: Option<F>) -> Vec<O> {
         self.calls = 0;
         let large = std::mem::take(&mut self.bytes) >= FENCE_BYTES;
-        let owners = std::mem::take(&mut self.unfenced);
+        // The next batch starts with room for as many owners as this one: calls of a steady
+        // shape fill it without growing it.
+        let room = self.unfenced.len().min(FENCE_OWNERS);
+        let owners = std::mem::replace(&mut self.unfenced, Vec::with_capacity(room));
         match fence {
             Some(f) => {
                 if !owners.is_empty() {

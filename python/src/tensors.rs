@@ -1,5 +1,6 @@
-//! Tensors from Python, without copies: torch tensors (read directly), DLPack producers
-//! (`__dlpack__`, `__dlpack_device__`) and `__cuda_array_interface__` objects.
+//! Tensors from Python, without copies: torch tensors (read through torch's DLPack exchange
+//! API, or their own methods), DLPack producers (`__dlpack__`, `__dlpack_device__`) and
+//! `__cuda_array_interface__` objects.
 //!
 //! Each becomes a [`Desc`]: its device address, its length in one of gpucast's element types,
 //! the stream its library queues work on (torch's or CuPy's current stream, the stream a
@@ -8,7 +9,8 @@
 //! call's work has run.
 
 use std::ffi::c_void;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use gpucast::cudarc::driver::CudaStream;
 use gpucast::half::{bf16, f16};
@@ -18,6 +20,7 @@ use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
 
 use crate::errors::argument;
+use crate::exchange::Exchange;
 
 /// The legacy default stream, as a driver handle.
 const LEGACY: u64 = 0;
@@ -145,8 +148,8 @@ fn typestr_dtype(typestr: &str) -> Option<(DType, usize)> {
 }
 
 /// Whether `strides` (in elements) describe a C-contiguous tensor of `shape`; dimensions of
-/// size 1 may have any stride, and an empty tensor is contiguous.
-fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
+/// size 1 may have any stride, and an empty tensor is contiguous (torch's `is_contiguous()`).
+pub(crate) fn contiguous(shape: &[i64], strides: &[i64]) -> bool {
     if shape.contains(&0) {
         return true;
     }
@@ -196,29 +199,81 @@ fn wrong_device(found: usize, expected: usize) -> PyErr {
 /// theirs while the memo lives), which spare the process's caches and their locks.
 #[derive(Default)]
 pub(crate) struct Memo {
+    /// The first device's stream, then the others' (most calls see one device: no Vec).
+    stream: Option<(usize, u64)>,
     streams: Vec<(usize, u64)>,
     /// A type read as a torch tensor's.
     torch_type: Option<Py<PyAny>>,
     /// A torch dtype object and its carried type.
     dtype: Option<(Py<PyAny>, DType, usize)>,
+    /// Whether no torch function mode is on, read at the call's first tensor of an exact torch
+    /// type (modes are per thread, and only the call's own reads run Python code in this
+    /// thread until it ends).
+    modes_off: Option<bool>,
 }
 
 impl Memo {
     fn torch(&mut self, py: Python<'_>, device: usize) -> PyResult<u64> {
-        if let Some(&(_, s)) = self.streams.iter().find(|(d, _)| *d == device) {
+        let mut known = self.stream.iter().chain(&self.streams);
+        if let Some(&(_, s)) = known.find(|(d, _)| *d == device) {
             return Ok(s);
         }
-        let s = torch_current_stream(py, device)?;
-        self.streams.push((device, s));
+        let s = match Exchange::get(py).and_then(|x| x.current_stream(py, device)) {
+            Some(s) => s,
+            None => torch_current_stream(py, device)?,
+        };
+        match self.stream {
+            None => self.stream = Some((device, s)),
+            Some(_) => self.streams.push((device, s)),
+        }
         Ok(s)
     }
 }
 
-/// torch dtype objects already read (torch's dtypes are singletons that live as long as the
-/// interpreter; the cache holds a reference, so no pointer in it is ever reused): saves
-/// formatting `str(dtype)` on every call.
-static TORCH_DTYPES: std::sync::Mutex<Vec<(Py<PyAny>, DType, usize)>> =
-    std::sync::Mutex::new(Vec::new());
+/// Python objects of the process's life (torch's dtypes and tensor types), each with a value,
+/// read without a lock: the list only grows, up to `N`, and holds a reference to each object,
+/// so that no address in it is ever another object's.
+struct Registry<V: Copy, const N: usize> {
+    slots: [OnceLock<(Py<PyAny>, V)>; N],
+    /// Slots set so far (each is set before this is raised past it).
+    len: AtomicUsize,
+    /// Taken by additions only.
+    add: Mutex<()>,
+}
+
+impl<V: Copy, const N: usize> Registry<V, N> {
+    const fn new() -> Self {
+        Registry {
+            slots: [const { OnceLock::new() }; N],
+            len: AtomicUsize::new(0),
+            add: Mutex::new(()),
+        }
+    }
+
+    /// The value of `obj`, if listed.
+    fn find(&self, obj: &Bound<'_, PyAny>) -> Option<V> {
+        let n = self.len.load(Ordering::Acquire);
+        self.slots[..n]
+            .iter()
+            .filter_map(OnceLock::get)
+            .find(|(o, _)| o.as_ptr() == obj.as_ptr())
+            .map(|&(_, v)| v)
+    }
+
+    /// Lists `obj` with `v`, unless the list is full.
+    fn add(&self, obj: &Bound<'_, PyAny>, v: V) {
+        let _adding = self.add.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.len.load(Ordering::Relaxed);
+        if n < N && self.slots[n].set((obj.clone().unbind(), v)).is_ok() {
+            self.len.store(n + 1, Ordering::Release);
+        }
+    }
+}
+
+/// torch dtype objects already read, with their carried types (torch's dtypes are singletons
+/// that live as long as the interpreter): saves formatting `str(dtype)` on every call. torch
+/// has a few dozen dtypes; the bound only guards against a producer of fresh ones.
+static TORCH_DTYPES: Registry<(DType, usize), 64> = Registry::new();
 
 /// The carried type of torch dtype object `dtype`.
 fn torch_dtype_of(dtype: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<(DType, usize)> {
@@ -234,20 +289,13 @@ fn torch_dtype_of(dtype: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<(DType,
 
 /// [`torch_dtype_of`] through the process's cache.
 fn torch_dtype_cached(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
-    {
-        let cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&(_, d, per)) = cache.iter().find(|(o, _, _)| o.as_ptr() == dtype.as_ptr()) {
-            return Ok((d, per));
-        }
+    if let Some(known) = TORCH_DTYPES.find(dtype) {
+        return Ok(known);
     }
     let name = dtype.str()?.to_string();
     let (d, per) =
         torch_dtype(&name).ok_or_else(|| argument(format!("unsupported dtype {name}")))?;
-    let mut cache = TORCH_DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-    // torch has a few dozen dtypes; the bound only guards against a producer of fresh ones.
-    if cache.len() < 64 {
-        cache.push((dtype.clone().unbind(), d, per));
-    }
+    TORCH_DTYPES.add(dtype, (d, per));
     Ok((d, per))
 }
 
@@ -280,8 +328,66 @@ fn module_of(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_default()
 }
 
-/// A torch tensor, read through its own methods (no DLPack capsule per call).
+/// A torch tensor of an exact type (`torch.Tensor`, `torch.nn.Parameter`) through torch's
+/// DLPack exchange API: one C call for the device, shape, strides and address, then its dtype,
+/// instead of five method calls. Only a tensor that [`describe_torch_methods`] would accept
+/// with the same description is taken here: on a CUDA device (the expected one), contiguous,
+/// not empty (the address of an empty tensor is left to `data_ptr()`), of a supported dtype,
+/// while no torch function mode is on (a mode sees the method calls, and could answer them).
+/// `None`: anything else, which the methods then read (and refuse with their errors).
+fn describe_torch_fast(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Option<Desc>> {
+    let py = t.py();
+    let Some(x) = Exchange::get(py) else {
+        return Ok(None);
+    };
+    if !x.is_exact(t) || !*memo.modes_off.get_or_insert_with(|| x.modes_off(py)) {
+        return Ok(None);
+    }
+    let Some(v) = x.view(t) else {
+        return Ok(None);
+    };
+    // As `get_device()` and `is_cuda` decide it: DLPack's CUDA device of index `device_id` is
+    // torch's `cuda:<device_id>`.
+    let device = match (v.device_type, usize::try_from(v.device_id), at.device) {
+        (KDL_CUDA, Ok(d), Some(expected)) if d == expected => d,
+        (KDL_CUDA, Ok(d), None) => d,
+        _ => return Ok(None),
+    };
+    let Some(numel) = v.numel.filter(|&n| n > 0 && v.contiguous) else {
+        return Ok(None);
+    };
+    // The dtype through the object, as the methods read it: DLPack's type cannot tell uint8
+    // from torch's uint1 to uint7 (nor int8 from int1 to int7), which torch exports alike.
+    let Ok((dtype, per)) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?, memo) else {
+        return Ok(None);
+    };
+    let Ok((len, dtype)) = carried_len(numel, per, dtype) else {
+        return Ok(None);
+    };
+    let stream = match at.stream {
+        Some(s) => s,
+        None => memo.torch(py, device)?,
+    };
+    Ok(Some(Desc {
+        ptr: v.ptr,
+        len,
+        dtype,
+        stream,
+        keep: t.clone().unbind(),
+    }))
+}
+
+/// A torch tensor: through the exchange API where it decides ([`describe_torch_fast`]), else
+/// through its own methods.
 fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
+    match describe_torch_fast(t, at, memo)? {
+        Some(d) => Ok(d),
+        None => describe_torch_methods(t, at, memo),
+    }
+}
+
+/// A torch tensor, read through its own methods (no DLPack capsule per call).
+fn describe_torch_methods(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = t.py();
     // -1 for a tensor in host memory (or on the meta device), else its device's index, CUDA's
     // or another accelerator's: `is_cuda` is read only where the index alone does not decide.
@@ -324,29 +430,62 @@ fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<
     })
 }
 
-/// DLPack's structs (v0.8, the unversioned capsule every producer hands out by default).
+/// DLPack's structs (v0.8, the unversioned capsule every producer hands out by default; the
+/// `DLTensor` of every version since).
 #[repr(C)]
-struct DLDevice {
-    device_type: i32,
-    device_id: i32,
+pub(crate) struct DLDevice {
+    pub(crate) device_type: i32,
+    pub(crate) device_id: i32,
 }
 
 #[repr(C)]
-struct DLDataType {
+pub(crate) struct DLDataType {
     code: u8,
     bits: u8,
     lanes: u16,
 }
 
 #[repr(C)]
-struct DLTensor {
-    data: *mut c_void,
-    device: DLDevice,
-    ndim: i32,
+pub(crate) struct DLTensor {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: DLDevice,
+    pub(crate) ndim: i32,
     dtype: DLDataType,
-    shape: *const i64,
-    strides: *const i64,
-    byte_offset: u64,
+    pub(crate) shape: *const i64,
+    pub(crate) strides: *const i64,
+    pub(crate) byte_offset: u64,
+}
+
+// The layout of DLPack's `DLTensor` on a 64-bit target, in bytes.
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(offset_of!(DLTensor, device) == 8 && offset_of!(DLTensor, ndim) == 16);
+    assert!(offset_of!(DLTensor, dtype) == 20 && offset_of!(DLTensor, shape) == 24);
+    assert!(offset_of!(DLTensor, strides) == 32 && offset_of!(DLTensor, byte_offset) == 40);
+    assert!(size_of::<DLTensor>() == 48);
+};
+
+impl DLTensor {
+    /// A blank one, for a producer to fill.
+    pub(crate) fn empty() -> DLTensor {
+        DLTensor {
+            data: std::ptr::null_mut(),
+            device: DLDevice {
+                device_type: 0,
+                device_id: 0,
+            },
+            ndim: 0,
+            dtype: DLDataType {
+                code: 0,
+                bits: 0,
+                lanes: 0,
+            },
+            shape: std::ptr::null(),
+            strides: std::ptr::null(),
+            byte_offset: 0,
+        }
+    }
 }
 
 #[repr(C)]
@@ -357,9 +496,9 @@ struct DLManagedTensor {
 }
 
 const KDL_CPU: i32 = 1;
-const KDL_CUDA: i32 = 2;
+pub(crate) const KDL_CUDA: i32 = 2;
 /// The most dimensions a DLPack tensor may claim here (bounds what a hostile producer costs).
-const MAX_DIMS: i32 = 64;
+pub(crate) const MAX_DIMS: i32 = 64;
 
 /// A DLPack producer: `__dlpack_device__` first (so a host array is refused before any
 /// capsule), then `__dlpack__(stream=...)`; the capsule stays unconsumed, so its own
@@ -519,9 +658,9 @@ fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
 }
 
 /// Types whose instances were read as torch tensors (`torch.Tensor`, `nn.Parameter`, ...):
-/// a type seen before skips reading `__module__` (a string) and `hasattr`. Holding a
-/// reference keeps each type, and so its address, alive.
-static TORCH_TYPES: std::sync::Mutex<Vec<Py<PyAny>>> = std::sync::Mutex::new(Vec::new());
+/// a type seen before skips reading `__module__` (a string) and `hasattr`. The bound is for
+/// programs that make tensor subclasses on the fly.
+static TORCH_TYPES: Registry<(), 32> = Registry::new();
 
 /// Whether `obj` is read as a torch tensor.
 fn is_torch(
@@ -550,20 +689,13 @@ fn is_torch_type(
     ty: &Bound<'_, pyo3::types::PyType>,
     module: &mut Option<String>,
 ) -> PyResult<bool> {
-    {
-        let known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
-        if known.iter().any(|t| t.as_ptr() == ty.as_ptr()) {
-            return Ok(true);
-        }
+    if TORCH_TYPES.find(ty.as_any()).is_some() {
+        return Ok(true);
     }
     let m = module.insert(module_of(obj));
     let torch = m.starts_with("torch") && obj.hasattr(intern!(obj.py(), "data_ptr"))?;
     if torch {
-        let mut known = TORCH_TYPES.lock().unwrap_or_else(|p| p.into_inner());
-        // A bound for programs that make tensor subclasses on the fly.
-        if known.len() < 32 {
-            known.push(ty.clone().into_any().unbind());
-        }
+        TORCH_TYPES.add(ty.as_any(), ());
     }
     Ok(torch)
 }
@@ -576,6 +708,11 @@ pub(crate) fn describe(obj: &Bound<'_, PyAny>, at: Where) -> PyResult<Desc> {
 /// [`describe`] for one of a call's tensors, which share `memo`.
 pub(crate) fn describe_with(obj: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<Desc> {
     let py = obj.py();
+    // An exact torch type (once the exchange API was looked up, at the first torch tensor) is
+    // a torch tensor's without the type checks.
+    if Exchange::loaded(py).is_some_and(|x| x.is_exact(obj)) {
+        return describe_torch(obj, at, memo);
+    }
     let mut module = None;
     if is_torch(obj, &mut module, memo)? {
         return describe_torch(obj, at, memo);
@@ -632,7 +769,42 @@ pub(crate) fn describe_tensor<'py>(
 /// Live for one call only, while the call holds every described tensor (so every allocation
 /// listed stays allocated).
 #[derive(Default)]
-pub(crate) struct Seen(Vec<CheckedAllocation>);
+pub(crate) struct Seen(Known<CheckedAllocation>);
+
+/// The allocations of a [`Seen`]: a call's tensors often share one (a segment of torch's
+/// caching allocator), which needs no Vec.
+#[derive(Default)]
+enum Known<A> {
+    #[default]
+    None,
+    One([A; 1]),
+    Many(Vec<A>),
+}
+
+impl<A: Copy + PartialEq> Known<A> {
+    fn as_slice(&self) -> &[A] {
+        match self {
+            Known::None => &[],
+            Known::One(a) => a,
+            Known::Many(v) => v,
+        }
+    }
+
+    /// Lists `a` unless it is listed.
+    fn add(&mut self, a: A) {
+        if self.as_slice().contains(&a) {
+            return;
+        }
+        *self = match std::mem::take(self) {
+            Known::None => Known::One([a]),
+            Known::One([b]) => Known::Many(vec![b, a]),
+            Known::Many(mut v) => {
+                v.push(a);
+                Known::Many(v)
+            }
+        };
+    }
+}
 
 impl Seen {
     /// A buffer of `T` of the described memory, ordered with `stream`.
@@ -646,11 +818,9 @@ impl Seen {
         stream: Arc<CudaStream>,
     ) -> gpucast::Result<ExternalSlice<T>> {
         // SAFETY: per this function's contract.
-        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, &self.0) }?;
+        let s = unsafe { ExternalSlice::<T>::new_in(d.ptr, d.len, stream, self.0.as_slice()) }?;
         if let Some(a) = s.allocation() {
-            if !self.0.contains(&a) {
-                self.0.push(a);
-            }
+            self.0.add(a);
         }
         Ok(s)
     }
@@ -729,5 +899,21 @@ mod tests {
         assert_eq!(dlpack_dtype(2, 32, 4), None);
         assert_eq!(typestr_dtype("<c16"), Some((DType::F64, 2)));
         assert_eq!(typestr_dtype(">f4"), None);
+    }
+
+    #[test]
+    fn the_seen_list_holds_each_allocation_once_in_order() {
+        let mut k = Known::default();
+        assert!(k.as_slice().is_empty());
+        for (a, want) in [
+            (7, &[7][..]),
+            (7, &[7]),
+            (9, &[7, 9]),
+            (7, &[7, 9]),
+            (3, &[7, 9, 3]),
+        ] {
+            k.add(a);
+            assert_eq!(k.as_slice(), want);
+        }
     }
 }

@@ -6,6 +6,7 @@ distinct GPUs too. The multi-process cases run every process on GPU 0 in the sha
 mode (NCCL needs one GPU per process; with one GPU the NCCL path of a communicator is not
 run here)."""
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -153,6 +154,51 @@ def test_bad_arguments_raise_before_any_work():
     with pytest.raises(gpucast.ArgumentError, match="past the end|not device memory"):
         clique.broadcast(0, Liar(torch.ones(1 << 20, device="cuda:0")),
                          [torch.empty(1 << 20, device="cuda:0")] * 2)
+
+
+def test_torch_tensors_are_described_as_their_methods_read_them():
+    """Tensors of the exact torch types are read through torch's DLPack exchange API (one C
+    call) where it decides, else through their methods (empty tensors; every tensor while a
+    torch function mode is on): each way gives the methods' facts and refusals, with torch's
+    current stream of the device."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    base = torch.arange(64, dtype=torch.float32, device="cuda:0")
+    cases = [base, base[3:20], base.view(8, 8), base.view(64, 1),
+             torch.tensor(3.0, device="cuda:0"),
+             torch.empty(8, 1, device="cuda:0").as_strided((8, 1), (1, 5)),
+             torch.nn.Parameter(base.clone()), base.clone().requires_grad_(),
+             torch.empty(0, device="cuda:0"),
+             torch.empty(0, 3, device="cuda:0")]
+    cases += [torch.empty(6, dtype=d, device="cuda:0")
+              for d in DTYPES + [torch.complex32, torch.complex128, torch.float8_e4m3fn]]
+    try:
+        sub_byte = torch.empty(4, dtype=torch.uint4, device="cuda:0")
+    except (RuntimeError, TypeError):
+        sub_byte = None
+    side = torch.cuda.Stream()
+    for mode in [contextlib.nullcontext, Passing]:
+        for stream in [None, side]:
+            with torch.cuda.stream(stream), mode():
+                want = torch.cuda.current_stream(0).cuda_stream
+                for t in cases:
+                    d = gpucast.describe_tensor(t, device=0)
+                    assert d["ptr"] == t.data_ptr(), (t.shape, t.dtype)
+                    assert d["nbytes"] == t.numel() * t.element_size(), (t.shape, t.dtype)
+                    assert d["stream"] == want, (t.shape, t.dtype)
+                    assert d["owner"] is t
+                with pytest.raises(gpucast.ArgumentError, match="contiguous"):
+                    gpucast.describe_tensor(base.view(8, 8).t(), device=0)
+                if sub_byte is not None:  # DLPack calls it uint8: read as torch.uint4
+                    with pytest.raises(gpucast.ArgumentError, match="unsupported dtype"):
+                        gpucast.describe_tensor(sub_byte, device=0)
+                if GPUS >= 2:
+                    with pytest.raises(gpucast.ArgumentError, match="cuda:1"):
+                        gpucast.describe_tensor(base.to("cuda:1"), device=0)
 
 
 def test_a_side_stream_held_back_is_waited_for_both_ways():

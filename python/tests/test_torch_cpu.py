@@ -190,3 +190,27 @@ def test_torch_s_own_calls_reach_the_backend_s_group_in_separate_processes():
             raise
         assert p.returncode == 0, f"rank {r}:\n{err[-4000:]}"
         assert out.strip().endswith(f"ok rank {r}"), out
+
+
+def test_torch_tensors_off_the_gpu_are_refused_as_their_methods_read_them():
+    """A torch tensor is read through torch's DLPack exchange API where that gives the facts its
+    methods give, else through the methods: on the CPU, both refuse it with the methods'
+    error, with a torch function mode on or not."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    cases = [torch.ones(4), torch.nn.Parameter(torch.ones(4)), torch.ones(4, 4).t(),
+             torch.empty(0), torch.tensor(1.0), torch.empty(4, device="meta"),
+             torch.empty(4, dtype=torch.uint4)]
+    for mode in [None, Passing]:
+        for t in cases:
+            for device in [None, 0]:
+                with pytest.raises(gpucast.ArgumentError, match="not in CUDA device memory"):
+                    if mode is None:
+                        gpucast.describe_tensor(t, device=device)
+                    else:
+                        with mode():
+                            gpucast.describe_tensor(t, device=device)
