@@ -129,13 +129,6 @@ fn parse_count(var: &str, value: &str) -> Result<usize> {
     value.parse::<usize>().map_err(bad)
 }
 
-fn parse_port(var: &str, value: &str) -> Result<u16> {
-    match value.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(p),
-        _ => Err(invalid(var, value, "not a TCP port number in 1..=65535")),
-    }
-}
-
 impl JobEnv {
     /// Reads the job from the process environment; see [`JobEnv::from_lookup`].
     pub fn from_env() -> Result<Self> {
@@ -255,7 +248,9 @@ impl JobEnv {
         let mut store = StoreKind::Own;
         let master_port = match first(PORT) {
             Some((var @ (MASTER_PORT_ENV | "MASTER_PORT"), value)) => {
-                let port = parse_port(var, &value)?;
+                let bad = || invalid(var, &value, "not a TCP port number in 1..=65535");
+                let port = value.parse().ok().filter(|&p: &u16| p > 0);
+                let port = port.ok_or_else(bad)?;
                 let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store && var == "MASTER_PORT" {
