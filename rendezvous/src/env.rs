@@ -193,15 +193,18 @@ impl JobEnv {
             let found = first(vars).map(|(var, v)| parse_count(var, &v).map(|n| (var, n)));
             found.transpose()
         };
+        // `n` of `var`, unless it is not below `limit` of `limit_var`.
+        let below = |what: &str, (var, n): (&str, usize), (limit_var, limit): (&str, usize)| {
+            let why = format!("{what} {n} is not below {limit_var}={limit}");
+            let ok = (n < limit).then_some(n);
+            ok.ok_or_else(|| invalid(var, &n.to_string(), why))
+        };
         let (rank_var, rank) = num(RANK)?.ok_or_else(|| missing("rank", RANK))?;
         let (world_var, world_size) = num(WORLD)?.ok_or_else(|| missing("world size", WORLD))?;
         if world_size == 0 {
             return Err(invalid(world_var, "0", "the world size must be at least 1"));
         }
-        if rank >= world_size {
-            let why = format!("rank {rank} is not below {world_var}={world_size}");
-            return Err(invalid(rank_var, &rank.to_string(), why));
-        }
+        below("rank", (rank_var, rank), (world_var, world_size))?;
         let single = world_size == 1;
         let node = num(NODE)?.map(|(_, n)| n);
         let (local_world_var, local_world_size) = match first(LOCAL_WORLD) {
@@ -221,12 +224,7 @@ impl JobEnv {
         }
         let one_node = local_world_size == world_size;
         let local_rank = match num(LOCAL_RANK)? {
-            Some((var, n)) if n >= local_world_size => {
-                let why =
-                    format!("local rank {n} is not below {local_world_var}={local_world_size}");
-                return Err(invalid(var, &n.to_string(), why));
-            }
-            Some((_, n)) => n,
+            Some(found) => below("local rank", found, (local_world_var, local_world_size))?,
             None if single => 0,
             None => return Err(missing("local rank", LOCAL_RANK)),
         };
