@@ -141,9 +141,7 @@ pub struct Rendezvous {
 impl fmt::Debug for Rendezvous {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Rendezvous")
-            .field("rank", &self.env.rank)
-            .field("world_size", &self.env.world_size)
-            .field("master", &self.env.master())
+            .field("env", &self.env)
             .field("timeout", &self.timeout)
             .field("server", &self.server_addr())
             .finish_non_exhaustive()
@@ -333,10 +331,7 @@ impl Exchange for Rendezvous {
             return Ok(vec![mine.to_vec()]);
         };
         let result = session.all_gather(mine, self.timeout);
-        if let Err(e) = &result {
-            session.abort_after(e);
-        }
-        result
+        result.inspect_err(|e| session.abort_after(e))
     }
 }
 
