@@ -564,10 +564,7 @@ impl Conn {
         // its welcome may never have reached it. Its end can reach the store after the new
         // connection's HELLO (on a loaded host), so it is waited for, briefly.
         let gone_by = Instant::now() + REGISTERED_GONE_WAIT;
-        while let Some(Some(old)) = st.registered.get(rank) {
-            if old.wrote {
-                break;
-            }
+        while let Some(Some(old @ Member { wrote: false, .. })) = st.registered.get(rank) {
             if st.conns.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
