@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use gpucast::rendezvous::{JobEnv, Rendezvous, RendezvousError};
+use gpucast::rendezvous::{Exchange, JobEnv, Rendezvous, RendezvousError};
 
 /// The job's secret: long and random-looking, so that finding it in a reply is no accident.
 const SECRET: &str = "s3cr3t-7f1c9a2e4b8d6053-only-the-job-knows";

@@ -143,7 +143,7 @@ fn a_communicator_checks_its_device_before_waiting_for_peers() {
 /// abort), then rank 0 cannot run while rank 1 waits (rank 0 hosts its store just to say so).
 #[test]
 fn the_other_ranks_hear_at_once_why_a_rank_cannot_run() {
-    use gpucast::rendezvous::{JobEnv, Rendezvous, RendezvousError};
+    use gpucast::rendezvous::{Exchange, JobEnv, Rendezvous, RendezvousError};
     let bad_device = if driver_present() { 4096 } else { 0 };
     for failing in [1usize, 0] {
         let port = std::net::TcpListener::bind("127.0.0.1:0")

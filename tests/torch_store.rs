@@ -9,7 +9,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use gpucast::rendezvous::{random_token, JobEnv, Rendezvous, RendezvousError, StoreKind};
+use gpucast::rendezvous::{random_token, Exchange, JobEnv, Rendezvous, RendezvousError, StoreKind};
 
 const PREFIX: &str = "/worker/attempt_0";
 

@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context, Result};
-use gpucast::rendezvous::{FnExchange, JobEnv, Rendezvous};
+use gpucast::rendezvous::{Exchange, FnExchange, JobEnv, Rendezvous};
 use gpucast::Communicator;
 
 /// Set (to `1`) in the environment of every rank that [`launch`] starts.

@@ -129,13 +129,6 @@ fn parse_count(var: &str, value: &str) -> Result<usize> {
     value.parse::<usize>().map_err(bad)
 }
 
-fn parse_port(var: &str, value: &str) -> Result<u16> {
-    match value.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(p),
-        _ => Err(invalid(var, value, "not a TCP port number in 1..=65535")),
-    }
-}
-
 impl JobEnv {
     /// Reads the job from the process environment; see [`JobEnv::from_lookup`].
     pub fn from_env() -> Result<Self> {
@@ -200,15 +193,18 @@ impl JobEnv {
             let found = first(vars).map(|(var, v)| parse_count(var, &v).map(|n| (var, n)));
             found.transpose()
         };
+        // `n` of `var`, unless it is not below `limit` of `limit_var`.
+        let below = |what: &str, (var, n): (&str, usize), (limit_var, limit): (&str, usize)| {
+            let why = format!("{what} {n} is not below {limit_var}={limit}");
+            let ok = (n < limit).then_some(n);
+            ok.ok_or_else(|| invalid(var, &n.to_string(), why))
+        };
         let (rank_var, rank) = num(RANK)?.ok_or_else(|| missing("rank", RANK))?;
         let (world_var, world_size) = num(WORLD)?.ok_or_else(|| missing("world size", WORLD))?;
         if world_size == 0 {
             return Err(invalid(world_var, "0", "the world size must be at least 1"));
         }
-        if rank >= world_size {
-            let why = format!("rank {rank} is not below {world_var}={world_size}");
-            return Err(invalid(rank_var, &rank.to_string(), why));
-        }
+        below("rank", (rank_var, rank), (world_var, world_size))?;
         let single = world_size == 1;
         let node = num(NODE)?.map(|(_, n)| n);
         let (local_world_var, local_world_size) = match first(LOCAL_WORLD) {
@@ -228,12 +224,7 @@ impl JobEnv {
         }
         let one_node = local_world_size == world_size;
         let local_rank = match num(LOCAL_RANK)? {
-            Some((var, n)) if n >= local_world_size => {
-                let why =
-                    format!("local rank {n} is not below {local_world_var}={local_world_size}");
-                return Err(invalid(var, &n.to_string(), why));
-            }
-            Some((_, n)) => n,
+            Some(found) => below("local rank", found, (local_world_var, local_world_size))?,
             None if single => 0,
             None => return Err(missing("local rank", LOCAL_RANK)),
         };
@@ -255,7 +246,9 @@ impl JobEnv {
         let mut store = StoreKind::Own;
         let master_port = match first(PORT) {
             Some((var @ (MASTER_PORT_ENV | "MASTER_PORT"), value)) => {
-                let port = parse_port(var, &value)?;
+                let bad = || invalid(var, &value, "not a TCP port number in 1..=65535");
+                let port = value.parse().ok().filter(|&p: &u16| p > 0);
+                let port = port.ok_or_else(bad)?;
                 let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
                     .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1");
                 if agent_store && var == "MASTER_PORT" {

@@ -63,7 +63,7 @@ pub enum RendezvousError {
     #[error(
         "could not connect to the rendezvous store at {addr} within {waited:?} ({}); is rank 0 \
          running, and do MASTER_ADDR and MASTER_PORT name its node and a reachable port?",
-        last_error_text(.last_error)
+        .last_error.as_ref().map_or("no attempt could be made".into(), |e| format!("last error: {e}"))
     )]
     ConnectTimeout {
         /// The `host:port` that was tried.
@@ -258,11 +258,6 @@ impl RendezvousError {
         let what = what.into();
         Self::TooLarge { what, len, max }
     }
-}
-
-fn last_error_text(e: &Option<io::Error>) -> String {
-    let text = e.as_ref().map(|e| format!("last error: {e}"));
-    text.unwrap_or_else(|| "no attempt could be made".to_owned())
 }
 
 /// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or

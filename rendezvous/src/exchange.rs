@@ -141,9 +141,7 @@ pub struct Rendezvous {
 impl fmt::Debug for Rendezvous {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Rendezvous")
-            .field("rank", &self.env.rank)
-            .field("world_size", &self.env.world_size)
-            .field("master", &self.env.master())
+            .field("env", &self.env)
             .field("timeout", &self.timeout)
             .field("server", &self.server_addr())
             .finish_non_exhaustive()
@@ -307,38 +305,11 @@ impl Rendezvous {
         self.session.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
-    /// same sequence of collective calls. Contributions are limited to
-    /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`]. When this
-    /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
-    pub fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let Some(session) = &mut *self.session() else {
-            return Ok(vec![mine.to_vec()]);
-        };
-        let result = session.all_gather(mine, self.timeout);
-        if let Err(e) = &result {
-            session.abort_after(e);
-        }
-        result
-    }
-
-    /// Returns once every rank has called it (a round of [`Rendezvous::all_gather`]).
-    pub fn barrier(&self) -> Result<()> {
-        self.all_gather(&[]).map(drop)
-    }
-
-    /// `bytes` of rank `root` on every rank (other ranks' `bytes` are ignored).
-    pub fn broadcast_from(&self, root: usize, bytes: &[u8]) -> Result<Vec<u8>> {
-        Exchange::broadcast_from(self, root, bytes)
-    }
-
     /// Fails the job for every rank with `reason` (e.g. a local error during initialisation),
     /// so that the others stop waiting.
     pub fn abort(&self, reason: &str) -> Result<()> {
-        match &mut *self.session() {
-            None => Ok(()),
-            Some(session) => session.abort(reason, &[], self.timeout),
-        }
+        let abort = |s: &mut Session| s.abort(reason, &[], self.timeout);
+        self.session().as_mut().map_or(Ok(()), abort)
     }
 }
 
@@ -351,8 +322,16 @@ impl Exchange for Rendezvous {
         self.env.world_size
     }
 
+    /// Every rank's `mine`, in rank order. Each call is a new round: every rank must make the
+    /// same sequence of collective calls. Contributions are limited to
+    /// [`super::MAX_VALUE_LEN`] bytes, and a round to [`super::MAX_GATHER_BYTES`]. When this
+    /// rank fails (a timeout, an oversize contribution), it aborts the job for the others.
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        Rendezvous::all_gather(self, mine)
+        let Some(session) = &mut *self.session() else {
+            return Ok(vec![mine.to_vec()]);
+        };
+        let result = session.all_gather(mine, self.timeout);
+        result.inspect_err(|e| session.abort_after(e))
     }
 }
 

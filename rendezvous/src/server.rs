@@ -179,9 +179,8 @@ impl State {
             }
             let value = encode_failure(reason, missing);
             self.stored += entry_bytes(FAILED_KEY.as_bytes(), &value);
-            self.keys
-                .insert(FAILED_KEY.into(), (value.clone(), u64::MAX));
-            self.failure = Some(value);
+            self.failure = Some(value.clone());
+            self.keys.insert(FAILED_KEY.into(), (value, u64::MAX));
         }
         cond.notify_all();
     }
@@ -445,10 +444,8 @@ fn closed(stream: &TcpStream) -> bool {
     let rdhup = PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
     let ended = rdhup | PollFlags::POLLHUP | PollFlags::POLLERR;
     let mut fds = [PollFd::new(stream.as_fd(), ended)];
-    match poll(&mut fds, PollTimeout::ZERO) {
-        Ok(_) => fds[0].revents().is_some_and(|r| r.intersects(ended)),
-        Err(_) => false,
-    }
+    let polled = poll(&mut fds, PollTimeout::ZERO).is_ok();
+    polled && fds[0].revents().is_some_and(|r| r.intersects(ended))
 }
 
 /// One connection, served on its own thread.
@@ -567,10 +564,7 @@ impl Conn {
         // its welcome may never have reached it. Its end can reach the store after the new
         // connection's HELLO (on a loaded host), so it is waited for, briefly.
         let gone_by = Instant::now() + REGISTERED_GONE_WAIT;
-        while let Some(Some(old)) = st.registered.get(rank) {
-            if old.wrote {
-                break;
-            }
+        while let Some(Some(old @ Member { wrote: false, .. })) = st.registered.get(rank) {
             if st.conns.get(&old.conn).is_none_or(closed) {
                 st.registered[rank] = None;
                 st.told[rank] = false;
@@ -580,10 +574,8 @@ impl Conn {
             if left.is_zero() || st.shutdown {
                 break;
             }
-            let waited = self
-                .shared
-                .cond
-                .wait_timeout(st, left.min(Duration::from_millis(10)));
+            let pause = left.min(Duration::from_millis(10));
+            let waited = self.shared.cond.wait_timeout(st, pause);
             st = waited.unwrap_or_else(PoisonError::into_inner).0;
         }
         // Evicted while its HELLO was on the way: the connection is closed, so it must not
@@ -654,10 +646,10 @@ impl Conn {
     fn request(&mut self, q: u8) -> Result<(), String> {
         let reply = match q {
             query::VALIDATE => {
-                return match u32::from_le_bytes(self.read()?) {
-                    VALIDATION_MAGIC => Ok(()),
-                    _ => Err("a VALIDATE with the wrong magic".into()),
-                }
+                let right = u32::from_le_bytes(self.read()?) == VALIDATION_MAGIC;
+                return right
+                    .then_some(())
+                    .ok_or("a VALIDATE with the wrong magic".into());
             }
             query::SET => {
                 let key = self.read_bytes(MAX_KEY_LEN)?;

@@ -104,13 +104,12 @@ impl Session {
         let weak = auth::weakness(&env.job_token, env.token_source).filter(|_| env.rank == 0);
         if let Some(reason) = weak {
             let exposure = if own {
-                format!("gpucast's rendezvous store listens on port {port}, which every user of this host (and beyond it, unless on loopback) can reach")
+                &format!("gpucast's rendezvous store listens on port {port}, which every user of this host (and beyond it, unless on loopback) can reach")
             } else {
                 "gpucast's values in torchrun's store, which any process that reaches \
                  MASTER_PORT can read, carry tags made with a key derived from it"
-                    .to_owned()
             };
-            auth::warn_weak_token(reason, &exposure);
+            auth::warn_weak_token(reason, exposure);
         }
         let hard = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let key = auth::Key::of(&env.job_token);
@@ -140,10 +139,7 @@ impl Session {
         // that never came) has another session id, and its confirmation does not open here.
         let first = s.hello(deadline);
         let first = first.and_then(|()| s.round(CONFIRM, &[], deadline));
-        if let Err(e) = &first {
-            s.abort_after(e);
-        }
-        first.map(|_| s)
+        first.inspect_err(|e| s.abort_after(e)).map(|_| s)
     }
 
     /// What a value of `round` from `rank` is sealed for.
@@ -228,10 +224,8 @@ impl Session {
                 }
                 // Name the missing ranks, a key each, as far as the second allows.
                 let mut missing = Vec::new();
-                for (r, k) in keys.iter().enumerate() {
-                    if Instant::now() >= hard {
-                        break;
-                    }
+                let in_time = |_: &_| Instant::now() < hard;
+                for (r, k) in keys.iter().enumerate().take_while(in_time) {
                     if !self.store.check(std::slice::from_ref(k), hard)? {
                         missing.push(r);
                     }

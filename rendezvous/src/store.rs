@@ -258,9 +258,8 @@ impl Store {
             _ => return Err(self.unproven(k, &body)),
         };
         let client_nonce = auth::random::<{ auth::NONCE_LEN }>()?;
-        let rank = u32::try_from(rank).unwrap_or(u32::MAX);
-        let world = u32::try_from(world).unwrap_or(u32::MAX);
-        let claimed = [rank.to_le_bytes(), world.to_le_bytes()].concat();
+        let word = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+        let claimed = [word(rank), word(world)].concat();
         let claim = [&server_nonce[..], &client_nonce, &claimed];
         let proof = |purpose, extra: &[u8]| key.prove(purpose, &claim, extra);
         let hello = [&claimed[..], &client_nonce, &proof(Purpose::Hello, b"")].concat();
