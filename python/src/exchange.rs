@@ -90,6 +90,20 @@ pub(crate) struct Exchange {
 
 static EXCHANGE: PyOnceLock<Option<Exchange>> = PyOnceLock::new();
 
+/// The table `obj` holds, if it is a capsule named [`CAPSULE`]; null otherwise.
+fn table(obj: &Bound<'_, PyAny>) -> *const Header {
+    let Ok(capsule) = obj.cast::<PyCapsule>() else {
+        return std::ptr::null();
+    };
+    // SAFETY: `capsule` is a live capsule; PyCapsule_GetPointer checks its name (null with an
+    // exception set otherwise) and reads nothing else.
+    let p = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE.as_ptr()) };
+    if p.is_null() {
+        drop(PyErr::take(obj.py()));
+    }
+    p.cast()
+}
+
 impl Exchange {
     /// torch's exchange API, when the torch imported has one of DLPack major version 1 with a
     /// view function (torch 2.11 has one); `None` otherwise (an older torch, or anything
@@ -111,15 +125,13 @@ impl Exchange {
         let tensor = torch.getattr("Tensor")?;
         let parameter = torch.getattr("nn")?.getattr("Parameter")?;
         let capsule = tensor.getattr("__dlpack_c_exchange_api__")?;
-        let Ok(capsule) = capsule.cast_into::<PyCapsule>() else {
-            return Ok(None);
-        };
-        // SAFETY: `capsule` is a live capsule; PyCapsule_GetPointer checks its name (null
-        // with an exception set otherwise) and reads nothing else.
-        let mut header: *const Header =
-            unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), CAPSULE.as_ptr()) }.cast();
-        if header.is_null() {
-            drop(PyErr::take(py));
+        let c = torch.getattr("_C")?;
+        // The class attribute can be replaced (by another library, or the user), and a table
+        // of another producer may answer differently (a null stream, say): only torch's own
+        // table, as torch's C module hands it out, is used.
+        let own = table(&c.call_method0("_dlpack_exchange_api")?);
+        let mut header = table(&capsule);
+        if header.is_null() || header != own {
             return Ok(None);
         }
         // DLPack: a table of a later major version may link to tables of earlier ones.
@@ -145,7 +157,6 @@ impl Exchange {
         let Some(view) = api.dltensor_from_py_object_no_sync else {
             return Ok(None);
         };
-        let c = torch.getattr("_C")?;
         let modes_on = c.getattr("_is_torch_function_mode_enabled")?;
         let cuda_build = !torch.getattr("version")?.getattr("cuda")?.is_none();
         let stream = api
@@ -155,7 +166,7 @@ impl Exchange {
         let mut exact = vec![tensor.clone().unbind()];
         if parameter
             .getattr("__dlpack_c_exchange_api__")
-            .is_ok_and(|p| p.is(&capsule))
+            .is_ok_and(|p| table(&p) == own)
         {
             exact.push(parameter.unbind());
         }

@@ -642,9 +642,9 @@ impl PyCommunicator {
         check_stream(self.inner.context(), stream)?;
         let at = Where::at(self.inner.device(), stream).reading(self.inner.rank() == src);
         let mut memo = Memo::default();
-        let descs = tensors
-            .try_iter()?
-            .map(|t| describe_with(&t?, at, &mut memo))
+        let descs = items(tensors)?
+            .iter()
+            .map(|t| describe_with(t, at, &mut memo))
             .collect::<PyResult<Vec<Desc>>>()?;
         let ctx = self.inner.context().clone();
         let comm = &self.inner;
@@ -1002,11 +1002,18 @@ impl PyClique {
         let _current = KeepCurrent::new();
         self.check_stream(stream)?;
         let mut memo = Memo::default();
-        let ins = inputs
-            .try_iter()?
-            .map(|t| describe_with(&t?, self.at(root, stream).reading(true), &mut memo))
+        // Every iterable is read before any tensor is: no code of the caller's runs between
+        // reading a tensor and queueing the call (see `items`).
+        let inputs = items(inputs)?;
+        let outputs = outputs
+            .iter()
+            .map(|l| items(&l))
             .collect::<PyResult<Vec<_>>>()?;
-        let outs = self.describe_lists(outputs, stream, None, &mut memo)?;
+        let ins = inputs
+            .iter()
+            .map(|t| describe_with(t, self.at(root, stream).reading(true), &mut memo))
+            .collect::<PyResult<Vec<_>>>()?;
+        let outs = self.describe_items(&outputs, stream, None, &mut memo)?;
         kept(py, &self.pending, (ins, outs), |(ins, outs)| {
             let mut seen = Seen::default();
             // SAFETY: as in `broadcast`.
@@ -1209,10 +1216,26 @@ impl PyClique {
             .collect()
     }
 
-    /// Descriptions of `lists[rank][t]`, one list per rank (rank `source`'s only read).
+    /// Descriptions of `lists[rank][t]`, one list per rank (rank `source`'s only read). Every
+    /// list is read before any tensor is (see [`items`]).
     fn describe_lists(
         &self,
         lists: &Bound<'_, PyList>,
+        stream: Option<u64>,
+        source: Option<usize>,
+        memo: &mut Memo,
+    ) -> PyResult<Vec<Vec<Desc>>> {
+        let lists = lists
+            .iter()
+            .map(|l| items(&l))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.describe_items(&lists, stream, source, memo)
+    }
+
+    /// [`PyClique::describe_lists`] of lists already read.
+    fn describe_items(
+        &self,
+        lists: &[Vec<Bound<'_, PyAny>>],
         stream: Option<u64>,
         source: Option<usize>,
         memo: &mut Memo,
@@ -1222,9 +1245,7 @@ impl PyClique {
             .enumerate()
             .map(|(rank, list)| {
                 let at = self.at(rank, stream).reading(source == Some(rank));
-                list.try_iter()?
-                    .map(|t| describe_with(&t?, at, memo))
-                    .collect()
+                list.iter().map(|t| describe_with(t, at, memo)).collect()
             })
             .collect()
     }
@@ -1233,6 +1254,14 @@ impl PyClique {
     fn check_stream(&self, stream: Option<u64>) -> PyResult<()> {
         (0..self.devices.len()).try_for_each(|r| check_stream(self.inner.context(r), stream))
     }
+}
+
+/// The objects `iterable` yields, read at once. A call reads every iterable it is given
+/// before it reads any tensor: a generator's code (which could resize a tensor read before, or
+/// swap its storage) runs before the addresses are taken, never between taking them and
+/// queueing the work.
+fn items<'py>(iterable: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    iterable.try_iter()?.collect()
 }
 
 /// A fresh job token (64 hex characters from the operating system's random source), for a

@@ -16,6 +16,7 @@ use gpucast::cudarc::driver::CudaStream;
 use gpucast::half::{bf16, f16};
 use gpucast::{CheckedAllocation, DType, DeviceTensorMut, ExternalSlice};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
 use pyo3::{intern, IntoPyObjectExt};
 
@@ -301,8 +302,9 @@ fn torch_dtype_cached(dtype: &Bound<'_, PyAny>) -> PyResult<(DType, usize)> {
 
 /// `torch._C._cuda_getCurrentRawStream`, looked up once.
 fn torch_current_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
-    static RAW: OnceLock<Option<Py<PyAny>>> = OnceLock::new();
-    let raw = RAW.get_or_init(|| {
+    // A PyOnceLock: the lookup runs Python (an import), which may let the GIL go.
+    static RAW: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+    let raw = RAW.get_or_init(py, || {
         py.import("torch")
             .and_then(|t| t.getattr("_C"))
             .and_then(|c| c.getattr("_cuda_getCurrentRawStream"))
@@ -364,6 +366,7 @@ fn describe_torch_fast(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyRe
     let Ok((len, dtype)) = carried_len(numel, per, dtype) else {
         return Ok(None);
     };
+    lazy_bits(t, per)?;
     let stream = match at.stream {
         Some(s) => s,
         None => memo.torch(py, device)?,
@@ -384,6 +387,28 @@ fn describe_torch(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> PyResult<
         Some(d) => Ok(d),
         None => describe_torch_methods(t, at, memo),
     }
+}
+
+/// An argument error for a tensor whose values are its memory's negated or conjugated (torch's
+/// lazy negative and conjugate bits, set by views such as `conj()` and the `imag` of one): its
+/// memory holds other values than it reads as, and gpucast would copy the memory. `per` is the
+/// dtype's parts per element (2: complex, the only kind with a conjugate bit).
+fn lazy_bits(t: &Bound<'_, PyAny>, per: usize) -> PyResult<()> {
+    let py = t.py();
+    let refuse = |bit: &Bound<'_, pyo3::types::PyString>, resolve: &str| -> PyResult<()> {
+        if !t.call_method0(bit)?.extract::<bool>()? {
+            return Ok(());
+        }
+        Err(argument(format!(
+            "tensor is a lazy view whose memory holds other values than it reads as \
+             (tensor.{bit}() is True): pass tensor.{resolve}()"
+        )))
+    };
+    refuse(intern!(py, "is_neg"), "resolve_neg")?;
+    if per == 2 {
+        refuse(intern!(py, "is_conj"), "resolve_conj")?;
+    }
+    Ok(())
 }
 
 /// A torch tensor, read through its own methods (no DLPack capsule per call).
@@ -416,6 +441,7 @@ fn describe_torch_methods(t: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) -> P
     let (dtype, per) = torch_dtype_of(&t.getattr(intern!(py, "dtype"))?, memo)?;
     let numel: usize = t.call_method0(intern!(py, "numel"))?.extract()?;
     let (len, dtype) = carried_len(numel, per, dtype)?;
+    lazy_bits(t, per)?;
     let ptr: u64 = t.call_method0(intern!(py, "data_ptr"))?.extract()?;
     let stream = match at.stream {
         Some(s) => s,
@@ -657,17 +683,13 @@ fn cupy_current_stream(py: Python<'_>) -> PyResult<u64> {
         .extract()
 }
 
-/// Types whose instances were read as torch tensors (`torch.Tensor`, `nn.Parameter`, ...):
-/// a type seen before skips reading `__module__` (a string) and `hasattr`. The bound is for
-/// programs that make tensor subclasses on the fly.
+/// Types whose instances were read as torch tensors (`torch.Tensor`, `nn.Parameter`, a
+/// subclass): a type seen before skips the `isinstance` check. The bound is for programs that
+/// make tensor subclasses on the fly.
 static TORCH_TYPES: Registry<(), 32> = Registry::new();
 
 /// Whether `obj` is read as a torch tensor.
-fn is_torch(
-    obj: &Bound<'_, PyAny>,
-    module: &mut Option<String>,
-    memo: &mut Memo,
-) -> PyResult<bool> {
+fn is_torch(obj: &Bound<'_, PyAny>, memo: &mut Memo) -> PyResult<bool> {
     let ty = obj.get_type();
     if memo
         .torch_type
@@ -676,24 +698,28 @@ fn is_torch(
     {
         return Ok(true);
     }
-    let torch = is_torch_type(obj, &ty, module)?;
+    let torch = is_torch_type(obj, &ty)?;
     if torch {
         memo.torch_type = Some(ty.into_any().unbind());
     }
     Ok(torch)
 }
 
-/// [`is_torch`] through the process's list of types.
-fn is_torch_type(
-    obj: &Bound<'_, PyAny>,
-    ty: &Bound<'_, pyo3::types::PyType>,
-    module: &mut Option<String>,
-) -> PyResult<bool> {
+/// [`is_torch`] through the process's list of types: an instance of `torch.Tensor` (a
+/// subclass's too, wherever it is defined, so that it is ordered on torch's current stream),
+/// once torch is imported (an object of another library never imports it).
+fn is_torch_type(obj: &Bound<'_, PyAny>, ty: &Bound<'_, pyo3::types::PyType>) -> PyResult<bool> {
     if TORCH_TYPES.find(ty.as_any()).is_some() {
         return Ok(true);
     }
-    let m = module.insert(module_of(obj));
-    let torch = m.starts_with("torch") && obj.hasattr(intern!(obj.py(), "data_ptr"))?;
+    let py = obj.py();
+    let modules = py
+        .import(intern!(py, "sys"))?
+        .getattr(intern!(py, "modules"))?;
+    let torch = match modules.get_item(intern!(py, "torch")) {
+        Ok(torch) => obj.is_instance(&torch.getattr(intern!(py, "Tensor"))?)?,
+        Err(_) => false,
+    };
     if torch {
         TORCH_TYPES.add(ty.as_any(), ());
     }
@@ -713,11 +739,10 @@ pub(crate) fn describe_with(obj: &Bound<'_, PyAny>, at: Where, memo: &mut Memo) 
     if Exchange::loaded(py).is_some_and(|x| x.is_exact(obj)) {
         return describe_torch(obj, at, memo);
     }
-    let mut module = None;
-    if is_torch(obj, &mut module, memo)? {
+    if is_torch(obj, memo)? {
         return describe_torch(obj, at, memo);
     }
-    let module = module.unwrap_or_else(|| module_of(obj));
+    let module = module_of(obj);
     if obj.hasattr(intern!(py, "__dlpack__"))? {
         let stream = match at.stream {
             Some(s) => s,

@@ -201,6 +201,69 @@ def test_torch_tensors_are_described_as_their_methods_read_them():
                         gpucast.describe_tensor(base.to("cuda:1"), device=0)
 
 
+class Plain(torch.Tensor):
+    """A tensor subclass defined outside torch, read through its methods."""
+
+
+def test_lazy_negated_or_conjugated_views_are_refused_and_subclasses_get_torch_s_stream():
+    """A view whose memory holds other values than it reads as (torch's lazy conjugate and
+    negative bits) is refused on both ways of reading a tensor; a torch.Tensor subclass defined
+    anywhere is ordered on torch's current stream, not the legacy one."""
+    z = torch.randn(8, dtype=torch.complex64, device="cuda:0")
+    x = torch.randn(8, device="cuda:0")
+    side = torch.cuda.Stream()
+    clique = gpucast.Clique([0, 0], shared_devices=True)
+    for t, resolve in [(z.conj(), "resolve_conj"), (z[:1].conj().imag, "resolve_neg"),
+                       (torch._neg_view(x), "resolve_neg"),
+                       (z.as_subclass(Plain).conj(), "resolve_conj"),
+                       (torch._neg_view(x).as_subclass(Plain), "resolve_neg")]:
+        assert t.is_contiguous()
+        with pytest.raises(gpucast.ArgumentError, match=resolve):
+            gpucast.describe_tensor(t, device=0)
+        plain = t.resolve_conj().resolve_neg()
+        with pytest.raises(gpucast.ArgumentError, match=resolve):
+            clique.broadcast(0, t, [torch.empty_like(plain), torch.empty_like(plain)])
+        with pytest.raises(gpucast.ArgumentError, match=resolve):
+            clique.broadcast(0, plain, [torch.empty_like(plain), t])
+    with torch.cuda.stream(side):
+        d = gpucast.describe_tensor(x.as_subclass(Plain), device=0)
+    assert d["stream"] == side.cuda_stream
+
+
+FAKE_TABLE = """
+import ctypes, sys, torch
+import gpucast
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_New.restype = ctypes.py_object
+api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+name = b"dlpack_exchange_api"
+real = api.PyCapsule_GetPointer(torch.Tensor.__dlpack_c_exchange_api__, name)
+table = (ctypes.c_void_p * 7).from_buffer_copy((ctypes.c_void_p * 7).from_address(real))
+# Another producer's table: the same view, but a current stream that is always the null one.
+STREAM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int32, ctypes.c_int32,
+                          ctypes.POINTER(ctypes.c_void_p))
+null_stream = STREAM(lambda kind, dev, out: (out.__setitem__(0, None), 0)[1])
+table[6] = ctypes.cast(null_stream, ctypes.c_void_p)
+torch.Tensor.__dlpack_c_exchange_api__ = api.PyCapsule_New(ctypes.addressof(table), name, None)
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    d = gpucast.describe_tensor(torch.ones(4, device="cuda:0"), device=0)
+print(d["stream"] == side.cuda_stream, d["stream"], side.cuda_stream)
+sys.exit(0 if d["stream"] == side.cuda_stream else 1)
+"""
+
+
+def test_a_replaced_exchange_table_is_not_trusted():
+    """torch.Tensor.__dlpack_c_exchange_api__ replaced by another producer's table (here one
+    whose current stream is always the null stream) is not used: tensors are then read through
+    their methods, on torch's current stream."""
+    r = subprocess.run([sys.executable, "-c", FAKE_TABLE], capture_output=True, text=True,
+                       timeout=120, env=os.environ)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_a_side_stream_held_back_is_waited_for_both_ways():
     clique = gpucast.Clique([0, 0], shared_devices=True)
     n = 1 << 22
