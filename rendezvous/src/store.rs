@@ -384,7 +384,7 @@ impl Store {
         if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
             let what = format!("the store's value of {key}");
-            return Err(E::too_large(what, len, max));
+            return Err(E::TooLarge { what, len, max });
         }
         let mut value = vec![0u8; len];
         self.receive(&mut value, deadline, &format!("getting {key}"))?;
