@@ -191,19 +191,15 @@ impl Sealer {
 /// 128 bits by its length and the kinds of characters in it, a repetition of a shorter string,
 /// or too few distinct characters for its length.
 pub(crate) fn weakness(token: &str, source: TokenSource) -> Option<&'static str> {
-    if token.is_empty() {
-        Some("no job token is set")
-    } else if token.eq_ignore_ascii_case("none") {
-        Some("the job token is \"none\" (torchrun's run id when --rdzv-id is not given)")
-    } else if source == TokenSource::SlurmJobId {
-        Some("the job token is Slurm's job id, which every user of the cluster can list")
-    } else if source == TokenSource::TorchRunId {
-        Some("the job token is torchrun's run id, which every user of the host sees in the process list")
-    } else if !looks_random(token.as_bytes()) {
-        Some("the job token does not look random (it needs at least 128 random bits, e.g. 32 hex digits)")
-    } else {
-        None
-    }
+    let why = match source {
+        _ if token.is_empty() => "no job token is set",
+        _ if token.eq_ignore_ascii_case("none") => "the job token is \"none\" (torchrun's run id when --rdzv-id is not given)",
+        TokenSource::SlurmJobId => "the job token is Slurm's job id, which every user of the cluster can list",
+        TokenSource::TorchRunId => "the job token is torchrun's run id, which every user of the host sees in the process list",
+        _ if !looks_random(token.as_bytes()) => "the job token does not look random (it needs at least 128 random bits, e.g. 32 hex digits)",
+        _ => return None,
+    };
+    Some(why)
 }
 
 /// Whether `t` could hold 128 random bits: long enough for its alphabet, not a repetition,

@@ -34,8 +34,6 @@ pub const SLURM_PORT_SPAN: u16 = 15000;
 /// Most ranks a job through torchrun's store may have: PyTorch's libuv store takes at most
 /// this many keys in one CHECK.
 const TORCH_MAX_WORLD: usize = 128 * 1024;
-/// Most hosts a Slurm host list may expand to.
-const MAX_HOSTS: usize = 1 << 16;
 
 /// Where the job token came from, which tells how secret it can be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +144,7 @@ impl JobEnv {
     /// | `local_rank` | `LOCAL_RANK`, `SLURM_LOCALID` |
     /// | `node` | `GROUP_RANK`, `SLURM_NODEID` |
     /// | `local_world_size` | `LOCAL_WORLD_SIZE`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_TASKS_PER_NODE` (both in Slurm's `4(x2),3` form, entry `node`), `SLURM_NTASKS_PER_NODE` |
-    /// | `master_addr` | `GPUCAST_MASTER_ADDR`, `MASTER_ADDR`, first host of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`, `SLURM_NODELIST` (host lists like `gpu[01-04,07],login1` are expanded) |
+    /// | `master_addr` | `GPUCAST_MASTER_ADDR`, `MASTER_ADDR`, first host of `SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST`, `SLURM_NODELIST` (of a host list like `gpu[01-04,07],login1`: `gpu01`) |
     /// | `master_port` | `GPUCAST_MASTER_PORT`, `MASTER_PORT`, else [`SLURM_PORT_BASE`]` + SLURM_JOB_ID % `[`SLURM_PORT_SPAN`] |
     /// | `job_token` | `GPUCAST_JOB_TOKEN`, `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID` (`.SLURM_STEP_ID`) |
     ///
@@ -347,7 +345,7 @@ impl JobEnv {
         } else {
             return Ok(());
         };
-        Err(RendezvousError::invalid(reason))
+        Err(RendezvousError::InvalidArgument { reason })
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.
@@ -375,67 +373,43 @@ pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Result<usize, String> {
     Err(format!("lists fewer nodes than node index {node} needs"))
 }
 
-/// The first host of a Slurm host list, without expanding the rest.
+/// The first host of a Slurm host list such as `gpu[01-04,07],login1` (`gpu01`) or
+/// `rack[1-2]-n[1-2]` (`rack1-n1`: the first of each bracket group), keeping zero padding.
+/// Its first entry must be well formed (brackets balanced and not nested, each group's first
+/// range of digits not descending); the rest of the list is not read.
 pub(crate) fn first_host(list: &str) -> Result<String, String> {
-    Ok(hosts(list, true)?.remove(0))
-}
-
-/// The hosts of a Slurm host list such as `gpu[01-04,07],login1` (`gpu01`, `gpu02`, `gpu03`,
-/// `gpu04`, `gpu07`, `login1`) or `rack[1-2]-n[1-2]` (several bracket groups expand as a
-/// product), keeping zero padding, at most 65536 (only the first with `first_only`).
-fn hosts(list: &str, first_only: bool) -> Result<Vec<String>, String> {
-    let (mut out, mut depth, mut start) = (Vec::new(), 0, 0);
-    for (i, c) in list.char_indices().chain([(list.len(), ',')]) {
-        match c {
-            '[' if depth == 0 => depth = 1,
-            ']' if depth == 1 => depth = 0,
-            '[' | ']' => return Err("unbalanced or nested brackets".into()),
-            ',' if depth == 0 => {
-                let item = list[start..i].trim();
-                if item.is_empty() {
-                    return Err("empty host name".into());
-                }
-                expand(String::new(), item, first_only, &mut out)?;
-                if first_only {
-                    return Ok(out);
-                }
-                start = i + 1;
-            }
-            _ => {}
+    let (mut host, mut rest) = (String::new(), list);
+    loop {
+        let at = rest.find([',', '[', ']']).unwrap_or(rest.len());
+        host.push_str(&rest[..at]);
+        match rest[at..].chars().next() {
+            Some(']') => return Err("unbalanced or nested brackets".into()),
+            Some('[') => {}
+            // A comma outside brackets ends the first entry.
+            _ => break,
         }
-    }
-    (depth == 0).then_some(out).ok_or("unbalanced '['".into())
-}
-
-/// Appends `prefix` and every expansion of the host pattern `rest` to `out`.
-fn expand(prefix: String, rest: &str, first: bool, out: &mut Vec<String>) -> Result<(), String> {
-    let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
-        if out.len() >= MAX_HOSTS {
-            return Err(format!("expands to more than {MAX_HOSTS} hosts"));
+        let (group, after) = rest[at + 1..].split_once(']').ok_or("unbalanced '['")?;
+        if group.contains('[') {
+            return Err("unbalanced or nested brackets".into());
         }
-        out.push(prefix + rest);
-        return Ok(());
-    };
-    for part in rest[open + 1..close].split(',').map(str::trim) {
+        let part = group.split(',').next().unwrap_or_default().trim();
         let (lo, hi) = part.split_once('-').unwrap_or((part, part));
         let num = |s: &str| {
             let digits = !s.is_empty() && s.len() <= 18 && s.bytes().all(|b| b.is_ascii_digit());
             let n = s.parse::<u64>().ok().filter(|_| digits);
-            n.ok_or_else(|| format!("malformed range {part:?} in {rest:?}"))
+            n.ok_or_else(|| format!("malformed range {part:?} in {list:?}"))
         };
-        let (l, h) = (num(lo)?, num(hi)?);
-        if l > h {
-            return Err(format!("descending range {part:?} in {rest:?}"));
+        if num(lo)? > num(hi)? {
+            return Err(format!("descending range {part:?} in {list:?}"));
         }
-        for n in l..=h {
-            let host = format!("{prefix}{}{n:0w$}", &rest[..open], w = lo.len());
-            expand(host, &rest[close + 1..], first, out)?;
-            if first {
-                return Ok(());
-            }
-        }
+        // The range's first number as written, zero padding and all.
+        host.push_str(lo);
+        rest = after;
     }
-    Ok(())
+    let host = host.trim();
+    (!host.is_empty())
+        .then(|| host.to_owned())
+        .ok_or("empty host name".into())
 }
 
 /// `v` trimmed, unless that leaves nothing.
@@ -743,32 +717,16 @@ mod tests {
 
     #[test]
     fn hostlists() {
-        assert_eq!(
-            hosts("gpu[01-04,07],login1", false).unwrap(),
-            ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "login1"]
-        );
-        assert_eq!(hosts("a,b", false).unwrap(), ["a", "b"]);
-        assert_eq!(hosts("n[8-10]", false).unwrap(), ["n8", "n9", "n10"]);
-        assert_eq!(
-            hosts("n[098-100]", false).unwrap(),
-            ["n098", "n099", "n100"]
-        );
-        assert_eq!(
-            hosts("r[1-2]-n[1,3].ib", false).unwrap(),
-            ["r1-n1.ib", "r1-n3.ib", "r2-n1.ib", "r2-n3.ib"]
-        );
+        assert_eq!(first_host("gpu[01-04,07],login1").unwrap(), "gpu01");
+        assert_eq!(first_host("a,b").unwrap(), "a");
+        assert_eq!(first_host(" n[8-10]").unwrap(), "n8");
+        assert_eq!(first_host("n[098-100]").unwrap(), "n098");
+        assert_eq!(first_host("r[1-2]-n[3,1].ib,x").unwrap(), "r1-n3.ib");
+        assert_eq!(first_host("[7-9]").unwrap(), "7");
         for bad in [
-            "",
-            "a,,b",
-            "n[1-",
-            "n]",
-            "n[[1]]",
-            "n[3-1]",
-            "n[a-b]",
-            "n[]",
-            "n[1-99999999]",
+            "", " ,a", "n[1-", "n]", "n[[1]]", "n[3-1]", "n[a-b]", "n[]", "n[1]x]", "n[1,2",
         ] {
-            assert!(hosts(bad, false).is_err(), "{bad:?} should be rejected");
+            assert!(first_host(bad).is_err(), "{bad:?} should be rejected");
         }
         assert_eq!(first_host("gpu[07-09],a").unwrap(), "gpu07");
         assert_eq!(
@@ -777,7 +735,7 @@ mod tests {
             "no full expansion needed"
         );
         assert_eq!(first_host("head").unwrap(), "head");
-        assert!(first_host("n[1-").is_err());
+        assert_eq!(first_host("a,,b[").unwrap(), "a", "the rest is not read");
     }
 
     #[test]

@@ -246,18 +246,6 @@ impl RendezvousError {
             server,
         }
     }
-
-    /// [`RendezvousError::InvalidArgument`].
-    pub(crate) fn invalid(reason: impl Into<String>) -> Self {
-        let reason = reason.into();
-        Self::InvalidArgument { reason }
-    }
-
-    /// [`RendezvousError::TooLarge`].
-    pub(crate) fn too_large(what: impl Into<String>, len: usize, max: usize) -> Self {
-        let what = what.into();
-        Self::TooLarge { what, len, max }
-    }
 }
 
 /// `; missing ranks: [2, 5]` (the first 32 ranks, and a count when there are more), or

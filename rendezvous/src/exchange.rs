@@ -43,7 +43,7 @@ pub trait Exchange {
         let n = self.world_size();
         if root >= n {
             let reason = format!("broadcast root {root} is out of range for {n} ranks");
-            return Err(RendezvousError::invalid(reason));
+            return Err(RendezvousError::InvalidArgument { reason });
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
@@ -81,7 +81,7 @@ impl<F> FnExchange<F> {
     pub fn new(rank: usize, world_size: usize, gather: F) -> Result<Self> {
         if rank >= world_size {
             let reason = format!("rank {rank} is not below the world size {world_size}");
-            return Err(RendezvousError::invalid(reason));
+            return Err(RendezvousError::InvalidArgument { reason });
         }
         Ok(Self {
             rank,
@@ -173,7 +173,8 @@ fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
 
 /// Starts rank 0's store on the first of `listen_addrs(env)` that this host can bind.
 fn host_store(env: &JobEnv) -> Result<StoreServer> {
-    let mut bound = Err(RendezvousError::invalid("no address to listen on"));
+    let reason = "no address to listen on".into();
+    let mut bound = Err(RendezvousError::InvalidArgument { reason });
     for addr in listen_addrs(env) {
         bound = StoreServer::bind(addr, ServerOptions::new(env.world_size, &env.job_token));
         match &bound {

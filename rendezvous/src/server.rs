@@ -272,7 +272,7 @@ impl StoreServer {
         if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending_per_addr == 0 {
             let reason =
                 format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
-            return Err(RendezvousError::invalid(reason));
+            return Err(RendezvousError::InvalidArgument { reason });
         }
         let bind_err = |source: io::Error| match source.kind() {
             io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },

@@ -240,7 +240,7 @@ impl Session {
             thread::sleep(pause.min(left));
             pause = (pause * 2).min(POLL_MAX);
         }
-        let (mut out, mut total) = (Vec::with_capacity(self.world), 0usize);
+        let (mut out, mut len) = (Vec::with_capacity(self.world), 0usize);
         let what = round_name(round).1;
         for (r, k) in keys.iter().enumerate() {
             let sealed = self.store.get(k, max + SEAL_OVERHEAD, hard)?;
@@ -248,10 +248,10 @@ impl Session {
                 let (what, store) = (format!("rank {r}'s {what}"), self.store.peer.clone());
                 return Err(RendezvousError::Forged { what, store });
             };
-            total += value.len();
-            if total > MAX_GATHER_BYTES {
-                let what = format!("all-gather round {round}");
-                return Err(RendezvousError::too_large(what, total, MAX_GATHER_BYTES));
+            len += value.len();
+            if len > MAX_GATHER_BYTES {
+                let (what, max) = (format!("all-gather round {round}"), MAX_GATHER_BYTES);
+                return Err(RendezvousError::TooLarge { what, len, max });
             }
             out.push(value);
         }
@@ -295,8 +295,8 @@ impl Session {
         let round = self.next_round;
         self.next_round += 1;
         if mine.len() > MAX_VALUE_LEN {
-            let what = "all-gather contribution";
-            return Err(RendezvousError::too_large(what, mine.len(), MAX_VALUE_LEN));
+            let (what, len, max) = ("all-gather contribution".into(), mine.len(), MAX_VALUE_LEN);
+            return Err(RendezvousError::TooLarge { what, len, max });
         }
         self.round(round, mine, later(timeout))
     }

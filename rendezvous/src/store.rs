@@ -165,12 +165,6 @@ pub(crate) fn read_full(mut from: &TcpStream, buf: &mut [u8], deadline: Instant)
     Ok(())
 }
 
-/// `bytes` as c10d sends a string: a u64 length, then the bytes.
-fn push_bytes(buf: &mut Vec<u8>, bytes: &[u8]) {
-    buf.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    buf.extend_from_slice(bytes);
-}
-
 /// What a rank proves to gpucast's own store before it speaks c10d there (nothing to
 /// torchrun's): the key of the job token, and the rank and world size it claims.
 pub(crate) type Admission<'a> = Option<(&'a auth::Key, usize, usize)>;
@@ -362,7 +356,10 @@ impl Store {
         if q == query::CHECK {
             req.extend_from_slice(&(args.len() as u64).to_le_bytes());
         }
-        args.iter().for_each(|a| push_bytes(&mut req, a.as_ref()));
+        // Each as c10d sends a string: a u64 length, then the bytes.
+        for a in args.iter().map(AsRef::as_ref) {
+            req.extend([&(a.len() as u64).to_le_bytes()[..], a].concat());
+        }
         req.extend_from_slice(tail);
         self.send(&req, deadline, &during)?;
         let mut b = [0u8; 8];
@@ -384,7 +381,7 @@ impl Store {
         if len > max {
             self.broken = Some(format!("a {len}-byte reply"));
             let what = format!("the store's value of {key}");
-            return Err(E::too_large(what, len, max));
+            return Err(E::TooLarge { what, len, max });
         }
         let mut value = vec![0u8; len];
         self.receive(&mut value, deadline, &format!("getting {key}"))?;
