@@ -191,11 +191,12 @@
 //! ## What the ordering costs, and how to go without it
 //!
 //! The promise above is cudarc's: every cudarc operation records and waits for per-buffer events,
-//! and gpucast's calls pay them like any other. Measured on one H100 (2026-12-06, commit 3573a24,
-//! two ranks sharing the GPU; `results/h100x1-shared/gpu-3573a24/budget-p2p.md` in the
-//! repository, opening with its commit and command), an eager P2P call of 1 KiB took 2.05 us
-//! more with tracking on than with it off; on a 1-GPU clique's NCCL path, 2.23 us (the median of
-//! four runs, `budget-nccl-1.md` to `budget-nccl-4.md` beside it). They are cudarc's own driver
+//! and gpucast's calls pay them like any other. Measured on one H100 (2026-12-06, commit 6a84fb1,
+//! two ranks sharing the GPU; `results/h100x1-shared/gpu-6a84fb1/budget-p2p.md` in the
+//! repository, opening with its commit and command), an eager P2P call of 1 to 64 KiB took
+//! 1.70 us more with tracking on than with it off; on a 1-GPU clique's NCCL path, 1.00 us (commit
+//! 085c965, the median of four runs, `results/h100x1-shared/gpu-085c965/budget-nccl-1.md` to
+//! `budget-nccl-4.md`). They are cudarc's own driver
 //! calls: per buffer, a wait for each of its events and a record (counted in
 //! `results/h100x1-shared/gpu-716baf6.md`). Two ways to go without it:
 //!
