@@ -712,18 +712,34 @@ fn is_torch_type(obj: &Bound<'_, PyAny>, ty: &Bound<'_, pyo3::types::PyType>) ->
     if TORCH_TYPES.find(ty.as_any()).is_some() {
         return Ok(true);
     }
-    let py = obj.py();
-    let modules = py
-        .import(intern!(py, "sys"))?
-        .getattr(intern!(py, "modules"))?;
-    let torch = match modules.get_item(intern!(py, "torch")) {
-        Ok(torch) => obj.is_instance(&torch.getattr(intern!(py, "Tensor"))?)?,
-        Err(_) => false,
+    let torch = match torch_tensor_type(obj.py())? {
+        Some(tensor) => obj.is_instance(tensor.bind(obj.py()))?,
+        None => false,
     };
     if torch {
         TORCH_TYPES.add(ty.as_any(), ());
     }
     Ok(torch)
+}
+
+/// `torch.Tensor`, once torch is imported: found in `sys.modules` (never imported from here),
+/// both looked up once, so that an object of another library costs one dictionary lookup
+/// while torch is not imported, and an `isinstance` check after.
+fn torch_tensor_type(py: Python<'_>) -> PyResult<Option<&'static Py<PyAny>>> {
+    static MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static TENSOR: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    if let Some(tensor) = TENSOR.get(py) {
+        return Ok(Some(tensor));
+    }
+    let modules = MODULES.get_or_try_init(py, || {
+        let sys = py.import(intern!(py, "sys"))?;
+        sys.getattr(intern!(py, "modules")).map(Bound::unbind)
+    })?;
+    let Ok(torch) = modules.bind(py).get_item(intern!(py, "torch")) else {
+        return Ok(None);
+    };
+    let tensor = torch.getattr(intern!(py, "Tensor"))?.unbind();
+    Ok(Some(TENSOR.get_or_init(py, || tensor)))
 }
 
 /// Reads a tensor for a call that wants it `at`.
