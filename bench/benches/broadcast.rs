@@ -823,8 +823,10 @@ fn options_for(path: &str) -> Result<BroadcastOptions> {
     Ok(match path {
         "p2p-packet" => BroadcastOptions::path(BroadcastPath::P2p)
             .packet_threshold(gpucast::testing::PACKET_MAX_BYTES),
-        "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
-        "nccl-nowatch" | "nccl-untracked" | "nccl-untracked-nowatch" => {
+        // Named here, not parsed: a path and its variants (`-untracked`, `-nowatch`) pay the
+        // same bench work per call, so their differences are the library's alone.
+        "p2p" | "p2p-1thread" | "p2p-untracked" => BroadcastOptions::path(BroadcastPath::P2p),
+        "nccl" | "nccl-nowatch" | "nccl-untracked" | "nccl-untracked-nowatch" => {
             BroadcastOptions::path(BroadcastPath::Nccl)
         }
         "p2p-pull" => BroadcastOptions::path(BroadcastPath::P2p)

@@ -24,9 +24,10 @@ use cudarc::driver::sys::CUstream;
 use cudarc::driver::CudaStream;
 
 use super::args::{BufferInfo, Place};
+use crate::config::MAX_GPUS;
 use crate::engine::EngineGuard;
 use crate::error::Result;
-use crate::tensor::DeviceTensor;
+use crate::tensor::{DeviceTensor, DeviceTensorMut};
 
 /// Where a stream lives, for validation.
 pub(crate) fn place_of(stream: &CudaStream) -> Place {
@@ -134,9 +135,9 @@ impl<'s> Foreign<'s> {
 
 /// Queues `work` in the ordering sequence of a call with buffers (see the module's doc).
 /// `buffers` names each buffer's local rank and stream (it is walked several times, so it
-/// makes the iterator anew: no list is built per call). In order: an error cudarc stored on a
-/// buffer's context is reported (nothing queued); `guard` takes every buffer's cudarc guard
-/// (its waits) and returns them with what `work` needs (the addresses); a failed wait is
+/// makes the iterator anew: no list is built per call). In order: `guard` takes every
+/// buffer's cudarc guard (its waits) and returns them with what `work` needs (the addresses);
+/// an error cudarc stored on a buffer's context, an earlier operation's or a failed wait, is
 /// reported (nothing queued); `work` queues the call between the foreign streams' orderings
 /// ([`Foreign::around`]); the guards are dropped (their records) and a failed record is
 /// reported (the call is queued).
@@ -154,7 +155,6 @@ where
         foreign.note(local, s, engine.stream(local))?;
     }
     let streams = || buffers().map(|(_, s)| s);
-    stored_error(streams(), Check::Before)?;
     let guards = guard();
     stored_error(streams(), Check::Waits)?;
     foreign.around(engine, |e| work(e, &guards))?;
@@ -165,34 +165,38 @@ where
 /// What a check of cudarc's stored errors guards.
 #[derive(Clone, Copy)]
 pub(crate) enum Check {
-    /// Before the buffers' guards are taken: an error left by earlier work.
-    Before,
-    /// After the guards' waits, before anything is queued.
+    /// After the guards' waits, before anything is queued: an error left by earlier work, or
+    /// of the waits.
     Waits,
     /// After the call was queued and the guards dropped (their records).
     Records,
 }
 
-/// An error cudarc stored on the context of any of `streams`, reported now. cudarc keeps a
-/// failed wait or record of a buffer guard as an error of the context, and while one is stored
-/// every later guard of that context skips its waits and records (its first step, binding the
-/// context, fails on it), which would leave buffers unordered without a word. So a call takes
-/// the stored error first, fails if the guards' own waits failed (nothing is queued then), and
-/// reports a failed record after it was queued.
+/// An error cudarc stored on the context of any of `streams`, reported now (each context
+/// looked at once). cudarc keeps a failed wait or record of a buffer guard as an error of the
+/// context, and while one is stored every later guard of that context skips its waits and
+/// records (its first step, binding the context, fails on it, and stores the error again),
+/// which would leave buffers unordered without a word. So a call fails if an error is stored
+/// once the guards' waits are queued (an earlier operation's, or a wait's: nothing is queued
+/// then), and reports a failed record after it was queued.
 pub(crate) fn stored_error<'s>(
     streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
     check: Check,
 ) -> Result<()> {
-    for s in streams {
+    let mut seen = [std::ptr::null_mut(); MAX_GPUS + 1];
+    for (i, s) in streams.into_iter().enumerate() {
+        let ctx = s.context().cu_ctx();
+        if seen.contains(&ctx) {
+            continue;
+        }
+        if let Some(slot) = seen.get_mut(i) {
+            *slot = ctx;
+        }
         if let Err(e) = s.context().check_err() {
             let during = match check {
-                Check::Before => {
-                    "an earlier cudarc operation on a buffer's context (reported by \
-                                  this call, which queued nothing)"
-                }
                 Check::Waits => {
-                    "ordering a buffer's earlier work before this call (nothing was \
-                                 queued)"
+                    "an earlier cudarc operation on a buffer's context, or ordering a \
+                     buffer's earlier work before this call (nothing was queued)"
                 }
                 Check::Records => {
                     "recording a buffer's events after this call (it is queued: \
@@ -208,10 +212,25 @@ pub(crate) fn stored_error<'s>(
     Ok(())
 }
 
-/// Clones of the buffers' streams, so that guards can borrow them while the buffers are
-/// borrowed mutably.
-pub(crate) fn streams_of<'t>(
-    tensors: impl Iterator<Item = &'t Arc<CudaStream>>,
-) -> Vec<Arc<CudaStream>> {
-    tensors.cloned().collect()
+/// Runs `f` with the buffers `outputs` as validation sees them, listed on the stack where a
+/// call can be valid (at most [`MAX_GPUS`] of them), in a list of their own otherwise (for the
+/// error that names their count).
+pub(crate) fn with_infos<R>(
+    outputs: &[&mut dyn DeviceTensorMut],
+    f: impl FnOnce(&[BufferInfo]) -> R,
+) -> R {
+    if outputs.len() > MAX_GPUS {
+        let infos: Vec<_> = outputs.iter().map(|o| info_of_dyn(&**o)).collect();
+        return f(&infos);
+    }
+    let unused = BufferInfo {
+        place: Place::default(),
+        len: 0,
+        dtype: crate::dtype::DType::U8,
+    };
+    let mut infos = [unused; MAX_GPUS];
+    for (slot, o) in infos.iter_mut().zip(outputs) {
+        *slot = info_of_dyn(&**o);
+    }
+    f(&infos[..outputs.len()])
 }

@@ -34,7 +34,7 @@ pub(crate) fn check_in_range(ordinals: &[usize], available: usize) -> Result<()>
 }
 
 /// Where a rank lives: its device ordinal and its context (as an opaque id).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Place {
     pub ordinal: usize,
     pub ctx: usize,
@@ -117,7 +117,7 @@ pub(crate) fn check_broadcast(
     }
     let reference = match (input, root.local) {
         (Some(inp), Some(Local(local))) => {
-            check_place(&label("input"), root.job.0, ranks.places[local], inp.place)?;
+            check_place(|| label("input"), root.job.0, ranks.places[local], inp.place)?;
             inp
         }
         (Some(_), None) => {
@@ -139,7 +139,7 @@ pub(crate) fn check_broadcast(
                 format!("buffer {rank}")
             })
         };
-        check_place(&what(), rank, ranks.places[local], out.place)?;
+        check_place(what, rank, ranks.places[local], out.place)?;
         if out.dtype != reference.dtype {
             return Err(Error::InvalidList(format!(
                 "{} holds {}, the source holds {}",
@@ -183,11 +183,17 @@ fn check_root(ranks: &Ranks<'_>, root: Root) -> Result<()> {
     Ok(())
 }
 
-/// Checks that a buffer or stream at `found` sits where rank `rank` (at `expected`) is.
-pub(crate) fn check_place(what: &str, rank: usize, expected: Place, found: Place) -> Result<()> {
+/// Checks that a buffer or stream at `found` sits where rank `rank` (at `expected`) is; `what`
+/// names it in the error (built only then).
+pub(crate) fn check_place(
+    what: impl FnOnce() -> String,
+    rank: usize,
+    expected: Place,
+    found: Place,
+) -> Result<()> {
     if found.ordinal != expected.ordinal {
         return Err(Error::WrongDevice {
-            what: what.to_string(),
+            what: what(),
             rank,
             expected: expected.ordinal,
             found: found.ordinal,
@@ -195,7 +201,7 @@ pub(crate) fn check_place(what: &str, rank: usize, expected: Place, found: Place
     }
     if found.ctx != expected.ctx {
         return Err(Error::ForeignContext {
-            what: what.to_string(),
+            what: what(),
             rank,
             ordinal: expected.ordinal,
         });

@@ -1,7 +1,10 @@
 //! What a clique and a one-rank-per-process communicator share: an engine over the ranks this
 //! process drives, where those ranks sit in the job, and the broadcasts themselves.
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, SyncOnDrop};
 
 use super::access::{self, Foreign};
 use super::args::{self, Place, Ranks};
@@ -152,6 +155,20 @@ impl Core {
         }
     }
 
+    /// The stream a buffer of local rank `local` on `stream` is guarded on: the rank's own
+    /// stream, borrowed, where it is that one (the common case: no reference count to touch);
+    /// otherwise a clone, which the guards borrow while the buffers are borrowed mutably.
+    fn stream_for<'a>(
+        &'a self,
+        local: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Cow<'a, Arc<CudaStream>> {
+        match self.stream(local) {
+            own if Arc::ptr_eq(own, stream) => Cow::Borrowed(own),
+            _ => Cow::Owned(stream.clone()),
+        }
+    }
+
     /// The launch step of a single broadcast, `None` for nothing to do.
     fn single_step(&self, bytes: usize, call: &CallSettings) -> Result<Option<Step>> {
         Ok(plan::single(0, self.route_of(bytes, call)?))
@@ -184,10 +201,11 @@ impl Core {
     ) -> Result<()> {
         let call = self.call_settings(options.unwrap_or(&BroadcastOptions::default()), false);
         let root = self.ranks().root(root);
-        let infos: Vec<_> = outputs.iter().map(|o| access::info_of_dyn(&**o)).collect();
         let input_info = input.map(access::info_of_dyn);
-        let checked = args::check_broadcast(&self.ranks(), root, input_info, &infos, None)
-            .and_then(|shape| Ok((self.route_of(shape.bytes, &call)?, shape)));
+        let checked = access::with_infos(outputs, |infos| {
+            args::check_broadcast(&self.ranks(), root, input_info, infos, None)
+        })
+        .and_then(|shape| Ok((self.route_of(shape.bytes, &call)?, shape)));
         let (route, shape) = self.failed_call_posted(checked)?;
         self.post_call(root.job, [(shape.bytes, shape.dtype, route)])?;
         let Some(step) = plan::single(0, route) else {
@@ -195,11 +213,16 @@ impl Core {
         };
         let mut engine = self.engine.lock()?;
         let step = self.replan_single(step, shape.bytes, &call)?;
-        let in_stream = input.map(|i| i.stream().clone());
-        let out_streams = access::streams_of(outputs.iter().map(|o| o.stream()));
+        // Validated: an input only where the root is local, one output per local rank.
+        let in_stream = (input.zip(root.local)).map(|(i, Local(l))| self.stream_for(l, i.stream()));
+        let mut out_streams: [Option<Cow<'_, Arc<CudaStream>>>; MAX_GPUS] = Default::default();
+        for ((local, o), slot) in outputs.iter().enumerate().zip(&mut out_streams) {
+            *slot = Some(self.stream_for(local, o.stream()));
+        }
         let buffers = || {
-            let input = (root.local).and_then(|Local(l)| in_stream.as_ref().map(|s| (l, s)));
-            input.into_iter().chain(out_streams.iter().enumerate())
+            let input = (root.local).and_then(|Local(l)| in_stream.as_deref().map(|s| (l, s)));
+            let outputs = out_streams.iter().map_while(Option::as_deref).enumerate();
+            input.into_iter().chain(outputs)
         };
         let n = self.len();
         let (count, dtype) = (shape.count, shape.dtype);
@@ -212,11 +235,12 @@ impl Core {
                 _ => None,
             };
             let mut dsts = [0u64; MAX_GPUS];
-            let mut writes = Vec::with_capacity(outputs.len());
-            for (local, (out, s)) in outputs.iter_mut().zip(out_streams).enumerate() {
+            let mut writes: [Option<SyncOnDrop<'_>>; MAX_GPUS] = Default::default();
+            let streams = out_streams.iter().map_while(Option::as_deref);
+            for (local, (out, s)) in outputs.iter_mut().zip(streams).enumerate() {
                 let (ptr, w) = out.write_ptr(s);
                 dsts[local] = ptr;
-                writes.push(w);
+                writes[local] = Some(w);
             }
             let src = match (&read, root.local) {
                 (Some((ptr, _)), _) => *ptr,
@@ -517,7 +541,7 @@ impl Core {
         }
         for (local, s) in streams.iter().enumerate() {
             args::check_place(
-                &format!("stream {local}"),
+                || format!("stream {local}"),
                 self.globals[local].0,
                 self.places[local],
                 access::place_of(s),

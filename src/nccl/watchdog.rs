@@ -129,11 +129,16 @@ impl Shared {
     }
 
     /// Publishes `q`'s front and fault to the lock-free readers (called with the queue locked,
-    /// after any change to either).
+    /// after any change to either). Written only where they changed: every call reads both,
+    /// and the thread's looks at an idle queue then leave the callers' cached copies alone.
     fn publish(&self, q: &Queue) {
         let front = q.pending.front().map_or(u64::MAX, |p| p.call);
-        self.front.store(front, Ordering::Release);
-        self.faulted.store(q.fault.is_some(), Ordering::Release);
+        if self.front.load(Ordering::Relaxed) != front {
+            self.front.store(front, Ordering::Release);
+        }
+        if self.faulted.load(Ordering::Relaxed) != q.fault.is_some() {
+            self.faulted.store(q.fault.is_some(), Ordering::Release);
+        }
     }
 }
 
