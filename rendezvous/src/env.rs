@@ -345,7 +345,7 @@ impl JobEnv {
         } else {
             return Ok(());
         };
-        Err(RendezvousError::InvalidArgument { reason })
+        Err(RendezvousError::InvalidArgument(reason))
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.

@@ -79,7 +79,7 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
         E::RankOutOfRange { rank, world_size } => (2, vec![*rank, *world_size], String::new()),
         E::DuplicateRank { rank, detail } => (3, vec![*rank], detail.clone()),
         E::JobFailed { reason, missing } => (4, missing.clone(), reason.clone()),
-        E::Rejected { reason } => (5, vec![], reason.clone()),
+        E::Rejected(reason) => (5, vec![], reason.clone()),
         other => (5, vec![], other.to_string()),
     };
     let mut out = vec![code];
@@ -115,7 +115,7 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
             reason: text,
             missing: missing.to_vec(),
         },
-        (5, _) => E::Rejected { reason: text },
+        (5, _) => E::Rejected(text),
         _ => return None,
     })
 }
@@ -273,12 +273,12 @@ impl Store {
     fn unproven(&self, k: u8, body: &[u8]) -> RendezvousError {
         let store = self.peer.clone();
         match k {
-            kind::TOKEN_REFUSED => E::JobTokenMismatch { store },
+            kind::TOKEN_REFUSED => E::JobTokenMismatch(store),
             kind::CROWDED => {
                 let reason = String::from_utf8_lossy(body).into_owned();
                 E::Crowded { store, reason }
             }
-            _ => E::StoreNotAuthentic { store },
+            _ => E::StoreNotAuthentic(store),
         }
     }
 
@@ -474,9 +474,7 @@ mod tests {
                 reason: "rank 2 aborted: out of memory".into(),
                 missing: vec![2, 5],
             },
-            E::Rejected {
-                reason: "late".into(),
-            },
+            E::Rejected("late".into()),
         ];
         for e in &errors {
             let bytes = encode_error(e);
@@ -488,9 +486,9 @@ mod tests {
             }
         }
         // Anything else travels as a rejection with its message.
-        let other = E::InvalidArgument { reason: "x".into() };
+        let other = E::InvalidArgument("x".into());
         let back = decode_error(&encode_error(&other)).unwrap();
-        assert!(matches!(&back, E::Rejected { reason } if reason.contains("invalid argument")));
+        assert!(matches!(&back, E::Rejected(reason) if reason.contains("invalid argument")));
         let mut huge = vec![4u8];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_error(&huge).is_none());
