@@ -188,11 +188,10 @@ impl Store {
         let slack = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let attempt = |stream: TcpStream| -> Result<Store> {
             let _ = stream.set_nodelay(true);
-            let (peer, broken) = (addr.to_owned(), None);
             let mut store = Store {
                 stream,
-                peer,
-                broken,
+                peer: addr.to_owned(),
+                broken: None,
             };
             if let Some(claim) = admission {
                 store.admit(claim, slack)?;
@@ -230,10 +229,9 @@ impl Store {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let (addr, waited) = (addr.to_owned(), start.elapsed());
                 return Err(last.unwrap_or(E::ConnectTimeout {
-                    addr,
-                    waited,
+                    addr: addr.to_owned(),
+                    waited: start.elapsed(),
                     last_error,
                 }));
             }
@@ -272,12 +270,10 @@ impl Store {
     /// What an unproven answer of kind `k` means: a reason to try again, never a verdict.
     fn unproven(&self, k: u8, body: &[u8]) -> RendezvousError {
         let store = self.peer.clone();
+        let reason = String::from_utf8_lossy(body).into_owned();
         match k {
             kind::TOKEN_REFUSED => E::JobTokenMismatch(store),
-            kind::CROWDED => {
-                let reason = String::from_utf8_lossy(body).into_owned();
-                E::Crowded { store, reason }
-            }
+            kind::CROWDED => E::Crowded { store, reason },
             _ => E::StoreNotAuthentic(store),
         }
     }
@@ -314,10 +310,9 @@ impl Store {
     fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
         self.broken
             .get_or_insert_with(|| format!("{during}: {source}"));
-        let (peer, during) = (self.peer.clone(), during.to_owned());
         E::Io {
-            peer,
-            during,
+            peer: self.peer.clone(),
+            during: during.to_owned(),
             source,
         }
     }
