@@ -462,11 +462,14 @@ pub(crate) const PARALLEL_LAUNCH_ENV: &str = "GPUCAST_PARALLEL_LAUNCH";
 pub(crate) const PATH_ENV: &str = "GPUCAST_PATH";
 /// The NCCL library file to load instead of searching `libnccl.so.2` and `libnccl.so`.
 pub(crate) const NCCL_LIBRARY_ENV: &str = "GPUCAST_NCCL_LIBRARY";
+/// Overrides the host id ([`host_id`]), e.g. so that tests can pretend two processes are on
+/// different nodes.
+pub(crate) const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
 /// Read by the NVRTC test only: `1` makes a missing libnvrtc a failure instead of a skip.
 #[cfg(test)]
 pub(crate) const REQUIRE_NVRTC_ENV: &str = "GPUCAST_REQUIRE_NVRTC";
 #[cfg(test)]
-use gpucast_rendezvous::{HOST_ID_ENV, JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
+use gpucast_rendezvous::{JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV};
 
 /// Every variable above with a one-line description: the README's table "Environment variables"
 /// documents each (checked by a test).
@@ -664,6 +667,37 @@ fn invalid(name: &'static str, reason: String) -> Error {
     Error::InvalidSetting { name, reason }
 }
 
+/// `v` trimmed, unless that leaves nothing.
+fn nonempty(v: Option<String>) -> Option<String> {
+    v.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
+}
+
+/// The trimmed contents of `path`, unless empty or systemd's placeholder `uninitialized`.
+fn read_trimmed(path: &str) -> Option<String> {
+    nonempty(std::fs::read_to_string(path).ok()).filter(|s| s != "uninitialized")
+}
+
+/// An identifier of the physical host this process runs on: processes with the same id share
+/// a node (and may use peer-to-peer links between their GPUs).
+///
+/// The value of `GPUCAST_HOST_ID` ([`HOST_ID_ENV`]) through `lookup` if set (so tests can
+/// pretend to be on different nodes); otherwise the host name (from
+/// `/proc/sys/kernel/hostname`, else `HOSTNAME` through `lookup`), then `/` and the contents
+/// of `/etc/machine-id` (else `/proc/sys/kernel/random/boot_id`) when readable. Processes in
+/// different containers on one machine usually get different ids (their host names differ),
+/// which errs on the safe side.
+pub(crate) fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
+    if let Some(id) = nonempty(lookup(HOST_ID_ENV)) {
+        return id;
+    }
+    let hostname =
+        read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
+    let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
+    let machine = read_trimmed("/etc/machine-id");
+    let machine = machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"));
+    machine.map_or(hostname.clone(), |machine| format!("{hostname}/{machine}"))
+}
+
 /// `1`, `on`, `true`, `yes` / `0`, `off`, `false`, `no` (case-insensitive).
 pub(crate) fn parse_switch(s: &str) -> Option<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -754,6 +788,17 @@ pub(crate) struct CallSettings {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn host_id_prefers_the_override() {
+        assert_eq!(
+            host_id(|k| (k == HOST_ID_ENV).then(|| "fake-node-1".to_owned())),
+            "fake-node-1"
+        );
+        let real = host_id(|_| None);
+        assert!(!real.is_empty());
+        assert_eq!(real, host_id(|_| None), "stable within a boot");
+    }
 
     fn env_of(pairs: &[(&str, &str)]) -> Result<BroadcastOptions> {
         let map: HashMap<String, OsString> = pairs

@@ -452,9 +452,9 @@ fn port_in_use_is_a_typed_error() {
     let env = JobEnv::single_node(0, 2, addr.port()).unwrap();
     let started = Instant::now();
     match Rendezvous::connect(&env, Duration::from_secs(2)) {
-        Err(RendezvousError::PortInUse { addr: got }) => {
+        Err(RendezvousError::PortInUse(got)) => {
             assert_eq!(got, addr);
-            let msg = RendezvousError::PortInUse { addr: got }.to_string();
+            let msg = RendezvousError::PortInUse(got).to_string();
             assert!(msg.contains(&addr.to_string()), "{msg}");
         }
         other => panic!("expected PortInUse, got {other:?}"),

@@ -529,9 +529,7 @@ impl PyCommunicator {
 /// argument (`ArgumentError`).
 fn rendezvous_error(e: gpucast::rendezvous::RendezvousError) -> PyErr {
     match e {
-        gpucast::rendezvous::RendezvousError::InvalidArgument { reason } => {
-            errors::argument(reason)
-        }
+        gpucast::rendezvous::RendezvousError::InvalidArgument(reason) => errors::argument(reason),
         e => to_py(e.into()),
     }
 }

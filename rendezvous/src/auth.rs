@@ -44,8 +44,7 @@ pub(crate) type Proof = [u8; PROOF_LEN];
 /// `N` bytes from the operating system's random source.
 pub(crate) fn random<const N: usize>() -> Result<[u8; N]> {
     let mut bytes = [0u8; N];
-    let filled = getrandom::fill(&mut bytes).map_err(|e| e.to_string());
-    filled.map_err(|reason| E::NoRandomness { reason })?;
+    getrandom::fill(&mut bytes).map_err(|e| E::NoRandomness(e.to_string()))?;
     Ok(bytes)
 }
 

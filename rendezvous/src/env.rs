@@ -1,4 +1,4 @@
-//! What a launcher (torchrun, Slurm) tells each process about the job, and which host it is on.
+//! What a launcher (torchrun, Slurm) tells each process about the job.
 
 use std::fmt;
 
@@ -13,8 +13,6 @@ pub const MASTER_ADDR_ENV: &str = "GPUCAST_MASTER_ADDR";
 pub const MASTER_PORT_ENV: &str = "GPUCAST_MASTER_PORT";
 /// The job token: a secret every rank of one job shares (see [`JobEnv::job_token`]).
 pub const JOB_TOKEN_ENV: &str = "GPUCAST_JOB_TOKEN";
-/// Overrides the host id, e.g. so that tests can pretend two processes are on different nodes.
-pub const HOST_ID_ENV: &str = "GPUCAST_HOST_ID";
 
 /// The process environment as the rendezvous reads it: `name`'s value, `None` when unset or
 /// not UTF-8. Every environment read of this module goes through here.
@@ -345,7 +343,7 @@ impl JobEnv {
         } else {
             return Ok(());
         };
-        Err(RendezvousError::InvalidArgument { reason })
+        Err(RendezvousError::InvalidArgument(reason))
     }
 
     /// `master_addr:master_port`, with brackets around an IPv6 address.
@@ -415,32 +413,6 @@ pub(crate) fn first_host(list: &str) -> Result<String, String> {
 /// `v` trimmed, unless that leaves nothing.
 fn nonempty(v: Option<String>) -> Option<String> {
     v.map(|v| v.trim().to_owned()).filter(|v| !v.is_empty())
-}
-
-/// The trimmed contents of `path`, unless empty or systemd's placeholder `uninitialized`.
-fn read_trimmed(path: &str) -> Option<String> {
-    nonempty(std::fs::read_to_string(path).ok()).filter(|s| s != "uninitialized")
-}
-
-/// An identifier of the physical host this process runs on: processes with the same id share
-/// a node (and may use peer-to-peer links between their GPUs).
-///
-/// The value of `GPUCAST_HOST_ID` ([`HOST_ID_ENV`]) through `lookup` if set (so tests can
-/// pretend to be on different nodes); otherwise the host name (from
-/// `/proc/sys/kernel/hostname`, else `HOSTNAME` through `lookup`), then `/` and the contents
-/// of `/etc/machine-id` (else `/proc/sys/kernel/random/boot_id`) when readable. Processes in
-/// different containers on one machine usually get different ids (their host names differ),
-/// which errs on the safe side.
-pub fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
-    if let Some(id) = nonempty(lookup(HOST_ID_ENV)) {
-        return id;
-    }
-    let hostname =
-        read_trimmed("/proc/sys/kernel/hostname").or_else(|| nonempty(lookup("HOSTNAME")));
-    let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
-    let machine = read_trimmed("/etc/machine-id");
-    let machine = machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"));
-    machine.map_or(hostname.clone(), |machine| format!("{hostname}/{machine}"))
 }
 
 #[cfg(test)]
@@ -750,16 +722,5 @@ mod tests {
         for bad in ["4(2)", "4(x)", "x", "4(x2", ""] {
             assert!(tasks_on_node(bad, 0).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn host_id_prefers_the_override() {
-        assert_eq!(
-            host_id(|k| (k == HOST_ID_ENV).then(|| "fake-node-1".to_owned())),
-            "fake-node-1"
-        );
-        let real = host_id(|_| None);
-        assert!(!real.is_empty());
-        assert_eq!(real, host_id(|_| None), "stable within a boot");
     }
 }

@@ -35,22 +35,16 @@ pub enum RendezvousError {
         /// Why it was rejected.
         reason: String,
     },
-    /// An argument given in code is out of range or inconsistent.
-    #[error("invalid argument: {reason}")]
-    InvalidArgument {
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// Rank 0 could not listen because another socket already holds the port.
+    /// An argument given in code is out of range or inconsistent: what is wrong with it.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Rank 0 could not listen on this address because another socket already holds the port.
     #[error(
-        "cannot host the rendezvous store on {addr}: the port is already in use (another job \
+        "cannot host the rendezvous store on {0}: the port is already in use (another job \
          or process on this node holds it; under torchrun the agent's own store holds \
          MASTER_PORT). Pick another port, e.g. with GPUCAST_MASTER_PORT"
     )]
-    PortInUse {
-        /// The address rank 0 tried to listen on.
-        addr: SocketAddr,
-    },
+    PortInUse(SocketAddr),
     /// Rank 0 could not listen on the store address for another reason.
     #[error("cannot host the rendezvous store on {addr}: {source}")]
     Bind {
@@ -131,19 +125,16 @@ pub enum RendezvousError {
         /// Which connections claimed it.
         detail: String,
     },
-    /// The store refused this process's proof of the job token: the process belongs to another
-    /// job or launch than rank 0, or was given another token.
+    /// The store at this address refused this process's proof of the job token: the process
+    /// belongs to another job or launch than rank 0, or was given another token.
     /// Such a refusal cannot be proven (the store cannot prove the token to a process whose
     /// token differs): the rank tries again until its deadline, then says this.
     #[error(
-        "the rendezvous store at {store} refused this process's job token until the deadline: \
+        "the rendezvous store at {0} refused this process's job token until the deadline: \
          it belongs to another job or launch than rank 0 (every rank needs the same \
          GPUCAST_JOB_TOKEN, torchrun run id or Slurm job id; check MASTER_ADDR and MASTER_PORT)"
     )]
-    JobTokenMismatch {
-        /// The store's address.
-        store: String,
-    },
+    JobTokenMismatch(String),
     /// The store (or whatever answered at its address: the answer cannot be proven) kept
     /// turning this process's connections away until its deadline, for want of room among the
     /// connections that have not proven the job token: something floods its port.
@@ -158,16 +149,13 @@ pub enum RendezvousError {
         /// What the store said.
         reason: String,
     },
-    /// The process at the store's address could not prove it knows the job token: it is not
-    /// this job's store (another job's, or a process that took the port first).
+    /// The process at the store's address (the one given) could not prove it knows the job
+    /// token: it is not this job's store (another job's, or a process that took the port first).
     #[error(
-        "the process listening at {store} is not this job's rendezvous store: it could not \
+        "the process listening at {0} is not this job's rendezvous store: it could not \
          prove it knows the job token (another job or process may hold the port)"
     )]
-    StoreNotAuthentic {
-        /// The address that was reached.
-        store: String,
-    },
+    StoreNotAuthentic(String),
     /// A value in a shared store (torchrun's) failed authentication: a process outside the
     /// job wrote it, or it belongs to another launch.
     #[error("{what} in the store at {store} failed authentication: a process outside the job wrote it, or it is from another launch")]
@@ -177,19 +165,13 @@ pub enum RendezvousError {
         /// The store's address.
         store: String,
     },
-    /// The operating system gave no random bytes (for nonces and tokens).
-    #[error("no random bytes from the operating system: {reason}")]
-    NoRandomness {
-        /// The OS error.
-        reason: String,
-    },
-    /// The store refused a request for a reason of its own (a claim of a rank, or of another
+    /// The operating system gave no random bytes (for nonces and tokens): its error.
+    #[error("no random bytes from the operating system: {0}")]
+    NoRandomness(String),
+    /// The store refused a request for the reason given (a claim of a rank, or of another
     /// world size, after every rank of the job has joined).
-    #[error("the rendezvous store refused the request: {reason}")]
-    Rejected {
-        /// Why.
-        reason: String,
-    },
+    #[error("the rendezvous store refused the request: {0}")]
+    Rejected(String),
     /// A wait ran past its deadline.
     #[error("timed out after {timeout:?} waiting for {what}{}", missing_text(.missing))]
     Timeout {
@@ -209,18 +191,12 @@ pub enum RendezvousError {
         /// Ranks named as missing by the failure, when it was a timeout somewhere.
         missing: Vec<usize>,
     },
-    /// The caller-supplied exchange (see [`super::FnExchange`]) returned an error.
-    #[error("the caller's exchange failed: {message}")]
-    External {
-        /// The caller's error message.
-        message: String,
-    },
-    /// An exchange returned a result of the wrong shape.
-    #[error("the exchange returned a malformed all-gather: {reason}")]
-    BadGather {
-        /// What was wrong.
-        reason: String,
-    },
+    /// The caller-supplied exchange (see [`super::FnExchange`]) returned an error: its message.
+    #[error("the caller's exchange failed: {0}")]
+    External(String),
+    /// An exchange returned a result of the wrong shape: what was wrong.
+    #[error("the exchange returned a malformed all-gather: {0}")]
+    BadGather(String),
 }
 
 impl RendezvousError {

@@ -43,13 +43,13 @@ pub trait Exchange {
         let n = self.world_size();
         if root >= n {
             let reason = format!("broadcast root {root} is out of range for {n} ranks");
-            return Err(RendezvousError::InvalidArgument { reason });
+            return Err(RendezvousError::InvalidArgument(reason));
         }
         let mine = if self.rank() == root { bytes } else { &[] };
         let mut all = self.all_gather(mine)?;
         if all.len() <= root {
             let reason = format!("{} entries, none for root {root}", all.len());
-            return Err(RendezvousError::BadGather { reason });
+            return Err(RendezvousError::BadGather(reason));
         }
         Ok(all.swap_remove(root))
     }
@@ -81,7 +81,7 @@ impl<F> FnExchange<F> {
     pub fn new(rank: usize, world_size: usize, gather: F) -> Result<Self> {
         if rank >= world_size {
             let reason = format!("rank {rank} is not below the world size {world_size}");
-            return Err(RendezvousError::InvalidArgument { reason });
+            return Err(RendezvousError::InvalidArgument(reason));
         }
         Ok(Self {
             rank,
@@ -101,8 +101,7 @@ impl<F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>, E: fmt::Display> Exchange for FnEx
     }
 
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let all = (self.gather)(mine).map_err(|e| e.to_string());
-        let all = all.map_err(|message| RendezvousError::External { message })?;
+        let all = (self.gather)(mine).map_err(|e| RendezvousError::External(e.to_string()))?;
         let (n, r, len) = (self.world_size, self.rank, mine.len());
         let reason = if all.len() != n {
             format!("{} entries for a world of {n} ranks", all.len())
@@ -112,7 +111,7 @@ impl<F: Fn(&[u8]) -> Result<Vec<Vec<u8>>, E>, E: fmt::Display> Exchange for FnEx
         } else {
             return Ok(all);
         };
-        Err(RendezvousError::BadGather { reason })
+        Err(RendezvousError::BadGather(reason))
     }
 }
 
@@ -174,7 +173,7 @@ fn listen_addrs(env: &JobEnv) -> Vec<SocketAddr> {
 /// Starts rank 0's store on the first of `listen_addrs(env)` that this host can bind.
 fn host_store(env: &JobEnv) -> Result<StoreServer> {
     let reason = "no address to listen on".into();
-    let mut bound = Err(RendezvousError::InvalidArgument { reason });
+    let mut bound = Err(RendezvousError::InvalidArgument(reason));
     for addr in listen_addrs(env) {
         bound = StoreServer::bind(addr, ServerOptions::new(env.world_size, &env.job_token));
         match &bound {
@@ -402,7 +401,7 @@ mod tests {
         })
         .unwrap();
         match failing.all_gather(b"x") {
-            Err(RendezvousError::External { message }) => {
+            Err(RendezvousError::External(message)) => {
                 assert_eq!(message, "MPI_Allgather returned 5");
             }
             other => panic!("{other:?}"),

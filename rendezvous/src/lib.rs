@@ -10,7 +10,7 @@
 //!   gpucast's is opened; see [`StoreKind`]), by one protocol and one code path.
 //! - [`Exchange`] is what the rest of gpucast needs; [`FnExchange`] lets MPI or a framework's
 //!   process group provide it instead.
-//! - [`host_id`] tells which ranks share a node; [`random_token`] makes a job token.
+//! - [`random_token`] makes a job token.
 //!
 //! Pure Rust and `std` (plus RustCrypto's HMAC and SHA-2, nix's sockets, and the OS's
 //! random source): blocking sockets with timeouts and a few threads on rank 0. This crate
@@ -18,12 +18,12 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use gpucast_rendezvous::{Exchange, JobEnv, Rendezvous, host_id};
+//! use gpucast_rendezvous::{Exchange, JobEnv, Rendezvous};
 //!
 //! let env = JobEnv::from_env()?;
 //! let rdv = Rendezvous::connect(&env, Duration::from_secs(120))?;
-//! let hosts = rdv.all_gather(host_id(gpucast_rendezvous::env_var).as_bytes())?;
-//! let same_node: Vec<usize> = (0..rdv.world_size()).filter(|&r| hosts[r] == hosts[rdv.rank()]).collect();
+//! let nodes = rdv.all_gather(&env.node.to_le_bytes())?;
+//! let same_node: Vec<usize> = (0..rdv.world_size()).filter(|&r| nodes[r] == nodes[rdv.rank()]).collect();
 //! # let _ = same_node;
 //! rdv.barrier()?;
 //! # Ok::<(), gpucast_rendezvous::RendezvousError>(())
@@ -158,8 +158,8 @@ use std::time::Duration;
 
 pub use auth::random_token;
 pub use env::{
-    env_var, host_id, JobEnv, StoreKind, TokenSource, DEFAULT_MASTER_PORT, HOST_ID_ENV,
-    JOB_TOKEN_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
+    env_var, JobEnv, StoreKind, TokenSource, DEFAULT_MASTER_PORT, JOB_TOKEN_ENV, MASTER_ADDR_ENV,
+    MASTER_PORT_ENV, SLURM_PORT_BASE, SLURM_PORT_SPAN,
 };
 pub use error::{RendezvousError, Result};
 pub use exchange::{Exchange, FnExchange, Rendezvous};

@@ -272,10 +272,10 @@ impl StoreServer {
         if n == 0 || n > MAX_WORLD_SIZE || opts.max_pending_per_addr == 0 {
             let reason =
                 format!("world size {n} is not in 1..={MAX_WORLD_SIZE}, or no connection may wait");
-            return Err(RendezvousError::InvalidArgument { reason });
+            return Err(RendezvousError::InvalidArgument(reason));
         }
         let bind_err = |source: io::Error| match source.kind() {
-            io::ErrorKind::AddrInUse => RendezvousError::PortInUse { addr },
+            io::ErrorKind::AddrInUse => RendezvousError::PortInUse(addr),
             _ => RendezvousError::Bind { addr, source },
         };
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
@@ -610,7 +610,7 @@ impl Conn {
                 warn!(peer = %self.peer, reason = %refusal, before, "rendezvous store: refused a claim after the job formed");
             }
             let reason = format!("every rank of the job has joined already: {refusal}");
-            return Err(Some(RendezvousError::Rejected { reason }));
+            return Err(Some(RendezvousError::Rejected(reason)));
         }
         if claims_free_rank {
             st.told[rank] = true;

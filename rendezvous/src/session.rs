@@ -230,9 +230,8 @@ impl Session {
                         missing.push(r);
                     }
                 }
-                let what = format!("every rank's {}", round_name(round).1);
                 return Err(RendezvousError::Timeout {
-                    what,
+                    what: format!("every rank's {}", round_name(round).1),
                     timeout,
                     missing,
                 });

@@ -79,7 +79,7 @@ pub(crate) fn encode_error(e: &RendezvousError) -> Vec<u8> {
         E::RankOutOfRange { rank, world_size } => (2, vec![*rank, *world_size], String::new()),
         E::DuplicateRank { rank, detail } => (3, vec![*rank], detail.clone()),
         E::JobFailed { reason, missing } => (4, missing.clone(), reason.clone()),
-        E::Rejected { reason } => (5, vec![], reason.clone()),
+        E::Rejected(reason) => (5, vec![], reason.clone()),
         other => (5, vec![], other.to_string()),
     };
     let mut out = vec![code];
@@ -115,7 +115,7 @@ pub(crate) fn decode_error(bytes: &[u8]) -> Option<RendezvousError> {
             reason: text,
             missing: missing.to_vec(),
         },
-        (5, _) => E::Rejected { reason: text },
+        (5, _) => E::Rejected(text),
         _ => return None,
     })
 }
@@ -188,11 +188,10 @@ impl Store {
         let slack = deadline.checked_add(REQUEST_SLACK).unwrap_or(deadline);
         let attempt = |stream: TcpStream| -> Result<Store> {
             let _ = stream.set_nodelay(true);
-            let (peer, broken) = (addr.to_owned(), None);
             let mut store = Store {
                 stream,
-                peer,
-                broken,
+                peer: addr.to_owned(),
+                broken: None,
             };
             if let Some(claim) = admission {
                 store.admit(claim, slack)?;
@@ -230,10 +229,9 @@ impl Store {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                let (addr, waited) = (addr.to_owned(), start.elapsed());
                 return Err(last.unwrap_or(E::ConnectTimeout {
-                    addr,
-                    waited,
+                    addr: addr.to_owned(),
+                    waited: start.elapsed(),
                     last_error,
                 }));
             }
@@ -272,13 +270,11 @@ impl Store {
     /// What an unproven answer of kind `k` means: a reason to try again, never a verdict.
     fn unproven(&self, k: u8, body: &[u8]) -> RendezvousError {
         let store = self.peer.clone();
+        let reason = String::from_utf8_lossy(body).into_owned();
         match k {
-            kind::TOKEN_REFUSED => E::JobTokenMismatch { store },
-            kind::CROWDED => {
-                let reason = String::from_utf8_lossy(body).into_owned();
-                E::Crowded { store, reason }
-            }
-            _ => E::StoreNotAuthentic { store },
+            kind::TOKEN_REFUSED => E::JobTokenMismatch(store),
+            kind::CROWDED => E::Crowded { store, reason },
+            _ => E::StoreNotAuthentic(store),
         }
     }
 
@@ -314,10 +310,9 @@ impl Store {
     fn io_error(&mut self, during: &str, source: io::Error) -> RendezvousError {
         self.broken
             .get_or_insert_with(|| format!("{during}: {source}"));
-        let (peer, during) = (self.peer.clone(), during.to_owned());
         E::Io {
-            peer,
-            during,
+            peer: self.peer.clone(),
+            during: during.to_owned(),
             source,
         }
     }
@@ -474,9 +469,7 @@ mod tests {
                 reason: "rank 2 aborted: out of memory".into(),
                 missing: vec![2, 5],
             },
-            E::Rejected {
-                reason: "late".into(),
-            },
+            E::Rejected("late".into()),
         ];
         for e in &errors {
             let bytes = encode_error(e);
@@ -488,9 +481,9 @@ mod tests {
             }
         }
         // Anything else travels as a rejection with its message.
-        let other = E::InvalidArgument { reason: "x".into() };
+        let other = E::InvalidArgument("x".into());
         let back = decode_error(&encode_error(&other)).unwrap();
-        assert!(matches!(&back, E::Rejected { reason } if reason.contains("invalid argument")));
+        assert!(matches!(&back, E::Rejected(reason) if reason.contains("invalid argument")));
         let mut huge = vec![4u8];
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(decode_error(&huge).is_none());

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
 use super::{setup, Capture, CliqueGraph, Core, GraphBuffers, RankBroadcast};
 use crate::config::{
-    BroadcastOptions, BroadcastPath, Route, Settings, Thresholds, DEFAULT_P2P_MAX_ACROSS_PROCESSES,
-    DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
+    host_id, BroadcastOptions, BroadcastPath, Route, Settings, Thresholds,
+    DEFAULT_P2P_MAX_ACROSS_PROCESSES, DEFAULT_P2P_MAX_ACROSS_PROCESSES_IN_GRAPHS, MAX_GPUS,
 };
 use crate::dtype::Element;
 use crate::engine::{Engine, Rank};
@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::nccl::{Comms, Nccl, UniqueId};
 use crate::p2p::P2p;
 use crate::ranks::JobRank;
-use gpucast_rendezvous::{host_id, Exchange, JobEnv, Rendezvous};
+use gpucast_rendezvous::{Exchange, JobEnv, Rendezvous};
 
 /// Longest a rank that cannot take part keeps trying to tell the others (in the background).
 const ANNOUNCE_WITHIN: Duration = Duration::from_secs(30);
@@ -107,9 +107,10 @@ impl CommunicatorBuilder {
 /// Every rank builds one ([`Communicator::from_env`] under torchrun or Slurm, or
 /// [`Communicator::builder`] with the caller's exchange), then every rank calls the same
 /// broadcasts in the same order, each with its own buffer: the root's buffer is the source,
-/// the others receive it (as `torch.distributed.broadcast`). Ranks on one host (the same
-/// [`gpucast_rendezvous::host_id`]) use gpucast's P2P kernel over shared memory that they map
-/// once at initialisation, with no exchange per call; a job across hosts uses NCCL.
+/// the others receive it (as `torch.distributed.broadcast`). Ranks on one host (the same host
+/// id: host name and machine id, or `GPUCAST_HOST_ID`) use gpucast's P2P kernel over shared
+/// memory that they map once at initialisation, with no exchange per call; a job across hosts
+/// uses NCCL.
 ///
 /// Ordering, threads and failures are as for [`super::Clique`]: every buffer may be dropped or
 /// reused as soon as a call returns, calls go through one lock, every P2P wait is bounded.
