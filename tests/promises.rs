@@ -764,3 +764,47 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
         drop(c)
     });
 }
+
+/// An error cudarc stored on a buffer's context (an earlier operation of the caller's that
+/// failed, say) fails a call before any buffer's guard is taken, and leaves every buffer's
+/// events as they were. Were the guards taken, each would skip its wait (binding the context
+/// fails on the error) and, once the call had reported the error, record its event on a stream
+/// that never waited: a write still pending on another stream would be forgotten, and a later
+/// reader ordered by that event would read before it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_error_stored_before_a_call_leaves_every_buffer_s_events_as_they_were() {
+    use gpucast::cudarc::driver::{sys::cudaError_enum, DriverError};
+    let mut rng = rng();
+    let clique = shared_pair(Duration::from_secs(10));
+    let ctx = clique.context(1).clone();
+    let n = 1 << 20;
+    let input = clique
+        .stream(0)
+        .clone_htod(&random_vec::<u8>(n, &mut rng))
+        .unwrap();
+    let mut outputs: Vec<CudaSlice<u8>> = poisoned_outputs(&clique, n, &mut rng);
+    clique.synchronize().unwrap();
+    // Rank 1's output gets a write on a stream of the caller's, 1.5 s late: its write event
+    // is that stream's, pending.
+    let writer = ctx.new_stream().unwrap();
+    let written: Vec<u8> = random_vec(n, &mut rng);
+    stall_stream(&writer, 1500);
+    writer.memcpy_htod(&written, &mut outputs[1]).unwrap();
+    ctx.record_err::<()>(Err(DriverError(cudaError_enum::CUDA_ERROR_UNKNOWN)));
+    let failed = clique.broadcast(0, &input, &mut outputs);
+    assert!(
+        matches!(&failed, Err(Error::Cuda { .. })),
+        "the stored error is the call's: {failed:?}"
+    );
+    // A reader on a third stream waits for the output's write event: still the writer's.
+    let reader = ctx.new_stream().unwrap();
+    let got = reader.clone_dtoh(&outputs[1]).unwrap();
+    let wrong = got.iter().zip(&written).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        wrong, 0,
+        "{wrong} of {n} bytes read before the pending write"
+    );
+    assert!(ctx.check_err().is_ok(), "the error was reported once");
+    clique.synchronize().unwrap();
+}

@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream, DriverError};
 
 use super::args::{BufferInfo, Place};
 use crate::config::MAX_GPUS;
@@ -135,12 +135,14 @@ impl<'s> Foreign<'s> {
 
 /// Queues `work` in the ordering sequence of a call with buffers (see the module's doc).
 /// `buffers` names each buffer's local rank and stream (it is walked several times, so it
-/// makes the iterator anew: no list is built per call). In order: `guard` takes every
-/// buffer's cudarc guard (its waits) and returns them with what `work` needs (the addresses);
-/// an error cudarc stored on a buffer's context, an earlier operation's or a failed wait, is
-/// reported (nothing queued); `work` queues the call between the foreign streams' orderings
-/// ([`Foreign::around`]); the guards are dropped (their records) and a failed record is
-/// reported (the call is queued).
+/// makes the iterator anew: no list is built per call). In order: an error cudarc stored on a
+/// buffer's context is reported (nothing queued); `guard` takes every buffer's cudarc guard
+/// (its waits) and returns them with what `work` needs (the addresses); a failed wait is
+/// reported (nothing queued), the guards dropped while it is still stored, so that their
+/// records fail too and every buffer's events stay as they were (a record on a stream that did
+/// not wait would forget the buffer's earlier work); `work` queues the call between the
+/// foreign streams' orderings ([`Foreign::around`]); the guards are dropped (their records)
+/// and a failed record is reported (the call is queued).
 pub(crate) fn ordered<'s, I, G>(
     engine: &mut EngineGuard<'_>,
     buffers: impl Fn() -> I,
@@ -155,8 +157,14 @@ where
         foreign.note(local, s, engine.stream(local))?;
     }
     let streams = || buffers().map(|(_, s)| s);
+    stored_error(streams(), Check::Before)?;
     let guards = guard();
-    stored_error(streams(), Check::Waits)?;
+    if let Some((ctx, e)) = take_stored(streams()) {
+        ctx.record_err::<()>(Err(e));
+        drop(guards);
+        let _ = ctx.check_err();
+        return Err(Check::Waits.error(e));
+    }
     foreign.around(engine, |e| work(e, &guards))?;
     drop(guards);
     stored_error(streams(), Check::Records)
@@ -165,51 +173,72 @@ where
 /// What a check of cudarc's stored errors guards.
 #[derive(Clone, Copy)]
 pub(crate) enum Check {
-    /// After the guards' waits, before anything is queued: an error left by earlier work, or
-    /// of the waits.
+    /// Before the buffers' guards are taken: an error left by earlier work.
+    Before,
+    /// After the guards' waits, before anything is queued.
     Waits,
     /// After the call was queued and the guards dropped (their records).
     Records,
 }
 
-/// An error cudarc stored on the context of any of `streams`, reported now (each context
-/// looked at once). cudarc keeps a failed wait or record of a buffer guard as an error of the
-/// context, and while one is stored every later guard of that context skips its waits and
-/// records (its first step, binding the context, fails on it, and stores the error again),
-/// which would leave buffers unordered without a word. So a call fails if an error is stored
-/// once the guards' waits are queued (an earlier operation's, or a wait's: nothing is queued
-/// then), and reports a failed record after it was queued.
+impl Check {
+    /// The error for `source`, found by this check.
+    fn error(self, source: DriverError) -> crate::error::Error {
+        let during = match self {
+            Check::Before => {
+                "an earlier cudarc operation on a buffer's context (reported by this call, \
+                 which queued nothing)"
+            }
+            Check::Waits => {
+                "ordering a buffer's earlier work before this call (nothing was queued)"
+            }
+            Check::Records => {
+                "recording a buffer's events after this call (it is queued: synchronize before \
+                 touching its buffers on other streams)"
+            }
+        };
+        crate::error::Error::Cuda {
+            during: during.into(),
+            source,
+        }
+    }
+}
+
+/// An error cudarc stored on the context of any of `streams`, reported now. cudarc keeps a
+/// failed wait or record of a buffer guard as an error of the context, and while one is stored
+/// every later guard of that context skips its waits and records (its first step, binding the
+/// context, fails on it), which would leave buffers unordered without a word. So a call takes
+/// the stored error first, fails if the guards' own waits failed (nothing is queued then), and
+/// reports a failed record after it was queued.
 pub(crate) fn stored_error<'s>(
     streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
     check: Check,
 ) -> Result<()> {
+    match take_stored(streams) {
+        Some((_, e)) => Err(check.error(e)),
+        None => Ok(()),
+    }
+}
+
+/// The first error cudarc stored on the context of any of `streams` (taken: no longer stored),
+/// with its context; each context looked at once.
+fn take_stored<'s>(
+    streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
+) -> Option<(&'s Arc<CudaContext>, DriverError)> {
     let mut seen = [std::ptr::null_mut(); MAX_GPUS + 1];
     for (i, s) in streams.into_iter().enumerate() {
-        let ctx = s.context().cu_ctx();
-        if seen.contains(&ctx) {
+        let ctx = s.context();
+        if seen.contains(&ctx.cu_ctx()) {
             continue;
         }
         if let Some(slot) = seen.get_mut(i) {
-            *slot = ctx;
+            *slot = ctx.cu_ctx();
         }
-        if let Err(e) = s.context().check_err() {
-            let during = match check {
-                Check::Waits => {
-                    "an earlier cudarc operation on a buffer's context, or ordering a \
-                     buffer's earlier work before this call (nothing was queued)"
-                }
-                Check::Records => {
-                    "recording a buffer's events after this call (it is queued: \
-                                   synchronize before touching its buffers on other streams)"
-                }
-            };
-            return Err(crate::error::Error::Cuda {
-                during: during.into(),
-                source: e,
-            });
+        if let Err(e) = ctx.check_err() {
+            return Some((ctx, e));
         }
     }
-    Ok(())
+    None
 }
 
 /// Runs `f` with the buffers `outputs` as validation sees them, listed on the stack where a
