@@ -767,7 +767,9 @@ fn an_nccl_abort_beside_a_live_graph_returns_and_the_graph_is_refused_after() {
 
 /// An error cudarc stored on a buffer's context (an earlier operation of the caller's that
 /// failed, say) fails a call before any buffer's guard is taken, and leaves every buffer's
-/// events as they were. Were the guards taken, each would skip its wait (binding the context
+/// events as they were; so too where it is stored on the context object of one of two ranks
+/// sharing the GPU (each rank has its own object of the one CUDA context, each with its own
+/// stored error). Were the guards taken, each would skip its wait (binding the context
 /// fails on the error) and, once the call had reported the error, record its event on a stream
 /// that never waited: a write still pending on another stream would be forgotten, and a later
 /// reader ordered by that event would read before it.
@@ -785,12 +787,15 @@ fn an_error_stored_before_a_call_leaves_every_buffer_s_events_as_they_were() {
         .unwrap();
     let mut outputs: Vec<CudaSlice<u8>> = poisoned_outputs(&clique, n, &mut rng);
     clique.synchronize().unwrap();
-    // Rank 1's output gets a write on a stream of the caller's, 1.5 s late: its write event
-    // is that stream's, pending.
+    // Rank 1's output gets a write on a stream of the caller's, 1.5 s late (a copy between
+    // device buffers: nothing of it waits on the host): its write event is that stream's,
+    // pending.
     let writer = ctx.new_stream().unwrap();
     let written: Vec<u8> = random_vec(n, &mut rng);
+    let source = writer.clone_htod(&written).unwrap();
+    writer.synchronize().unwrap();
     stall_stream(&writer, 1500);
-    writer.memcpy_htod(&written, &mut outputs[1]).unwrap();
+    writer.memcpy_dtod(&source, &mut outputs[1]).unwrap();
     ctx.record_err::<()>(Err(DriverError(cudaError_enum::CUDA_ERROR_UNKNOWN)));
     let failed = clique.broadcast(0, &input, &mut outputs);
     assert!(

@@ -221,18 +221,19 @@ pub(crate) fn stored_error<'s>(
 }
 
 /// The first error cudarc stored on the context of any of `streams` (taken: no longer stored),
-/// with its context; each context looked at once.
+/// with its context; each context object looked at once (cudarc keeps the error in the
+/// object: two objects of one CUDA context, as ranks sharing a GPU have, each keep their own).
 fn take_stored<'s>(
     streams: impl IntoIterator<Item = &'s Arc<CudaStream>>,
 ) -> Option<(&'s Arc<CudaContext>, DriverError)> {
-    let mut seen = [std::ptr::null_mut(); MAX_GPUS + 1];
+    let mut seen = [std::ptr::null(); MAX_GPUS + 1];
     for (i, s) in streams.into_iter().enumerate() {
         let ctx = s.context();
-        if seen.contains(&ctx.cu_ctx()) {
+        if seen.contains(&Arc::as_ptr(ctx)) {
             continue;
         }
         if let Some(slot) = seen.get_mut(i) {
-            *slot = ctx.cu_ctx();
+            *slot = Arc::as_ptr(ctx);
         }
         if let Err(e) = ctx.check_err() {
             return Some((ctx, e));
