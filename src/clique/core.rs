@@ -214,7 +214,9 @@ impl Core {
         let mut engine = self.engine.lock()?;
         let step = self.replan_single(step, shape.bytes, &call)?;
         // Validated: an input only where the root is local, one output per local rank.
-        let in_stream = (input.zip(root.local)).map(|(i, Local(l))| self.stream_for(l, i.stream()));
+        let in_stream = input
+            .zip(root.local)
+            .map(|(i, Local(l))| self.stream_for(l, i.stream()));
         let mut out_streams: [Option<Cow<'_, Arc<CudaStream>>>; MAX_GPUS] = Default::default();
         for ((local, o), slot) in outputs.iter().enumerate().zip(&mut out_streams) {
             *slot = Some(self.stream_for(local, o.stream()));
