@@ -102,8 +102,9 @@ struct Args {
     /// copies); default all but auto.
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
-    /// Modes: eager (calls back to back), graph (captured, replayed), idle (one call after 10
-    /// ms with the GPUs idle, the median of nine per repeat).
+    /// Modes: eager (calls back to back), graph (captured, replayed), idle (single calls, each
+    /// after 10 ms with the GPUs idle, nine per repeat taken in turn with the other paths'; the
+    /// median of all of them).
     #[arg(long, value_delimiter = ',', default_value = "eager,graph")]
     modes: Vec<String>,
     /// Timed repeats per point (the median is reported).
@@ -151,8 +152,9 @@ const DEFAULT_PATHS: &str =
 const DEFAULT_PATHS_1GPU: &str =
     "nccl,nccl-raw,nccl-nowatch,nccl-untracked,nccl-untracked-nowatch,launch-floor";
 
-/// Single calls per repeat in idle mode, each after [`IDLE_GAP`] (the repeat gives their
-/// median: one call that meets a hiccup of the host does not move it).
+/// Single calls per repeat in idle mode, each after [`IDLE_GAP`]. The paths take turns call by
+/// call (a host that drifts between two calls touches every path alike), and a point reports
+/// the median of all its calls: one call that meets a hiccup of the host does not move it.
 const IDLE_CALLS: usize = 9;
 const IDLE_GAP: std::time::Duration = std::time::Duration::from_millis(10);
 
@@ -338,10 +340,15 @@ fn main() -> Result<()> {
                 )
                 .with_context(|| format!("preparing {point}"))?
                 {
-                    prepared.push((path.as_str(), timer, Vec::with_capacity(args.repeats)));
+                    prepared.push((path.as_str(), timer, Vec::new()));
                 }
             }
-            for _ in 0..args.repeats {
+            // In idle mode every single call is a sample, so the paths take turns call by call.
+            let rounds = match mode {
+                Mode::Idle => args.repeats * IDLE_CALLS,
+                _ => args.repeats,
+            };
+            for _ in 0..rounds {
                 for (path, timer, samples) in &mut prepared {
                     watchdog.at(&format!("{path} {} {}", mode.name(), bytes));
                     samples.push(
@@ -1108,7 +1115,7 @@ fn prepare<'c>(
             Ok(Some(Timer {
                 mode,
                 route,
-                iters: IDLE_CALLS,
+                iters: 1,
                 sets,
                 graph: None,
                 launches: 1,
@@ -1221,9 +1228,9 @@ fn sample(
     Ok(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3 / ops as f64)
 }
 
-/// One repeat in idle mode: [`IDLE_CALLS`] single calls, each after [`IDLE_GAP`] with every
-/// stream drained, each timed by events from a mark queued on the idle streams just before the
-/// call to one just after it (the slowest rank counts): microseconds per call, their median.
+/// One sample in idle mode: a single call after [`IDLE_GAP`] with every stream drained, timed
+/// by events from a mark queued on the idle streams just before the call to one just after it
+/// (the slowest rank counts), in microseconds.
 fn idle_sample(
     clique: &Clique,
     pools: &mut Pools,
@@ -1232,18 +1239,13 @@ fn idle_sample(
     bytes: usize,
     floor: &EmptyKernel,
 ) -> Result<f64> {
-    let mut us = Vec::with_capacity(IDLE_CALLS);
-    for _ in 0..IDLE_CALLS {
-        clique.synchronize()?;
-        std::thread::sleep(IDLE_GAP);
-        let starts = mark(clique)?;
-        run_op(clique, pools, path, root, bytes, 0, floor)?;
-        let ends = mark(clique)?;
-        clique.synchronize()?;
-        us.push(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3);
-    }
-    us.sort_by(f64::total_cmp);
-    Ok(us[us.len() / 2])
+    clique.synchronize()?;
+    std::thread::sleep(IDLE_GAP);
+    let starts = mark(clique)?;
+    run_op(clique, pools, path, root, bytes, 0, floor)?;
+    let ends = mark(clique)?;
+    clique.synchronize()?;
+    Ok(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3)
 }
 
 /// A timing event on every rank's stream, after the work queued there so far.
