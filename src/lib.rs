@@ -198,7 +198,10 @@
 //! 085c965, the median of four runs, `results/h100x1-shared/gpu-085c965/budget-nccl-1.md` to
 //! `budget-nccl-4.md`). They are cudarc's own driver
 //! calls: per buffer, a wait for each of its events and a record (counted in
-//! `results/h100x1-shared/gpu-716baf6.md`). Two ways to go without it:
+//! `results/h100x1-shared/gpu-716baf6.md`). A call after 10 ms with the GPU idle pays more for
+//! them: 1.53 us at 085c965, 10.6 to 13.9 us on three slower machines at commit 84afbf0
+//! (`results/h100x1-shared/gpu-84afbf0.md`, `results/h200x1-shared/gpu-84afbf0.md`). Two ways
+//! to go without it:
 //!
 //! - CUDA graphs: [`Clique::capture`] records the calls once; a
 //!   replay queues no per-buffer event at all.
