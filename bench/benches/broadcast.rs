@@ -1194,7 +1194,8 @@ fn prepare<'c>(
 
 /// One repeat of a prepared point: microseconds per broadcast, timed by CUDA events on every
 /// rank's stream (from a mark queued on the idle stream before the first broadcast to one
-/// queued after the last; the slowest rank counts), so the wait for the end adds nothing.
+/// queued after the last; the slowest rank counts), so the wait for the end adds nothing. In
+/// idle mode a repeat is a single call, queued [`IDLE_GAP`] after every stream drained.
 fn sample(
     clique: &Clique,
     pools: &mut Pools,
@@ -1206,7 +1207,7 @@ fn sample(
 ) -> Result<f64> {
     clique.synchronize()?;
     if timer.mode == Mode::Idle {
-        return idle_sample(clique, pools, path, root, bytes, floor);
+        std::thread::sleep(IDLE_GAP);
     }
     let starts = mark(clique)?;
     let mut ops = timer.iters;
@@ -1226,26 +1227,6 @@ fn sample(
     let ends = mark(clique)?;
     clique.synchronize()?;
     Ok(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3 / ops as f64)
-}
-
-/// One sample in idle mode: a single call after [`IDLE_GAP`] with every stream drained, timed
-/// by events from a mark queued on the idle streams just before the call to one just after it
-/// (the slowest rank counts), in microseconds.
-fn idle_sample(
-    clique: &Clique,
-    pools: &mut Pools,
-    path: &str,
-    root: usize,
-    bytes: usize,
-    floor: &EmptyKernel,
-) -> Result<f64> {
-    clique.synchronize()?;
-    std::thread::sleep(IDLE_GAP);
-    let starts = mark(clique)?;
-    run_op(clique, pools, path, root, bytes, 0, floor)?;
-    let ends = mark(clique)?;
-    clique.synchronize()?;
-    Ok(f64::from(timer::slowest_ms(&starts, &ends)?) * 1e3)
 }
 
 /// A timing event on every rank's stream, after the work queued there so far.
