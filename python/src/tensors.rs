@@ -200,9 +200,8 @@ fn wrong_device(found: usize, expected: usize) -> PyErr {
 /// theirs while the memo lives), which spare the process's caches and their locks.
 #[derive(Default)]
 pub(crate) struct Memo {
-    /// The first device's stream, then the others' (most calls see one device: no Vec).
-    stream: Option<(usize, u64)>,
-    streams: Vec<(usize, u64)>,
+    /// Each device's torch stream (most calls see one device: no Vec).
+    streams: Known<(usize, u64)>,
     /// A type read as a torch tensor's.
     torch_type: Option<Py<PyAny>>,
     /// A torch dtype object and its carried type.
@@ -215,18 +214,15 @@ pub(crate) struct Memo {
 
 impl Memo {
     fn torch(&mut self, py: Python<'_>, device: usize) -> PyResult<u64> {
-        let mut known = self.stream.iter().chain(&self.streams);
-        if let Some(&(_, s)) = known.find(|(d, _)| *d == device) {
+        let known = self.streams.as_slice();
+        if let Some(&(_, s)) = known.iter().find(|(d, _)| *d == device) {
             return Ok(s);
         }
         let s = match Exchange::get(py).and_then(|x| x.current_stream(py, device)) {
             Some(s) => s,
             None => torch_current_stream(py, device)?,
         };
-        match self.stream {
-            None => self.stream = Some((device, s)),
-            Some(_) => self.streams.push((device, s)),
-        }
+        self.streams.add((device, s));
         Ok(s)
     }
 }
@@ -812,8 +808,9 @@ pub(crate) fn describe_tensor<'py>(
 #[derive(Default)]
 pub(crate) struct Seen(Known<CheckedAllocation>);
 
-/// The allocations of a [`Seen`]: a call's tensors often share one (a segment of torch's
-/// caching allocator), which needs no Vec.
+/// A short list without repeats that needs no Vec for its first entry: the allocations of a
+/// [`Seen`] (a call's tensors often share one, a segment of torch's caching allocator), the
+/// streams of a [`Memo`] (a call's tensors are often on one device).
 #[derive(Default)]
 enum Known<A> {
     #[default]
