@@ -695,7 +695,10 @@ pub(crate) fn host_id(lookup: impl Fn(&str) -> Option<String>) -> String {
     let hostname = hostname.unwrap_or_else(|| "unknown-host".to_owned());
     let machine = read_trimmed("/etc/machine-id");
     let machine = machine.or_else(|| read_trimmed("/proc/sys/kernel/random/boot_id"));
-    machine.map_or(hostname.clone(), |machine| format!("{hostname}/{machine}"))
+    match machine {
+        Some(machine) => format!("{hostname}/{machine}"),
+        None => hostname,
+    }
 }
 
 /// `1`, `on`, `true`, `yes` / `0`, `off`, `false`, `no` (case-insensitive).

@@ -52,8 +52,9 @@ pub(crate) fn until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 }
 
 /// Runs `work` on a thread of its own named `name` and waits for it at most `limit`; whether it
-/// ended (finished or panicked) within it. Past the limit it goes on in the background (its results are dropped
-/// with it). Where no thread can be started, `work` runs on the calling thread.
+/// ended (finished or panicked) within it. Past the limit it goes on in the background (its
+/// results are dropped with it). Where no thread can be started, `work` runs on the calling
+/// thread.
 ///
 /// For releases that can wait on work that is not ours: freeing device memory (`cuMemFree`)
 /// waits for every stream of the device, the caller's unrelated ones included.
